@@ -1,0 +1,34 @@
+# kfp-pytorch: everything installs from nothing; `make demo` and `make test` are the entry points.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+export KFP_PYTORCH_HOME ?= $(CURDIR)/.kfp-pytorch
+
+.PHONY: setup demo test bench simulate clean
+
+# torch==2.13.0 first (the CPU wheel on disk): an unpinned torch would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+## The main job: train_and_serve end-to-end on this machine (kfp.local, 2 DDP workers, local server).
+demo: setup
+	$(VENV)/bin/kfp-pytorch run train_and_serve --local
+
+## The test suite (starts SeaweedFS and MLflow itself, on 127.0.0.1).
+test: setup
+	$(PY) -m pytest
+
+## Benchmarks: ratios against the named baselines, measured side by side in one run.
+bench: setup
+	$(PY) tests/bench.py
+
+clean:
+	rm -rf $(VENV) .kfp-pytorch .pytest_cache bench_results

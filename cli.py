@@ -1,0 +1,205 @@
+"""``kfp-pytorch``: run, compile and list pipelines; manage local model servers.
+
+Every user mistake ends in a one-paragraph error with the next step and a non-zero exit code
+(2 for bad input), never a traceback; ``--debug`` shows the traceback for bug reports.
+"""
+import json
+
+import sys
+
+import click
+
+from kfp_pytorch.components.errors import KfpPytorchError
+
+
+def _parse_params(pairs: tuple[str, ...]) -> dict[str, str]:
+    from kfp_pytorch.components.errors import ConfigError
+
+    out, bad = {}, []
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            bad.append(f"--param {pair!r}: expected key=value")
+        else:
+            out[key.strip()] = value
+    if bad:
+        raise ConfigError(bad, "write each parameter as --param key=value", title="invalid --param")
+    return out
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show tracebacks.")
+@click.version_option(package_name="kfp-pytorch")
+@click.pass_context
+def cli(ctx, debug):
+    """PyTorch on Kubeflow Pipelines: components, pipelines, serving, fair-share scheduling."""
+    ctx.obj = {"debug": debug}
+
+
+@cli.command("pipelines")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def pipelines_cmd(as_json):
+    """List pipelines and their parameters."""
+    from kfp_pytorch.pipelines import PIPELINES
+
+    if as_json:
+        click.echo(json.dumps({n: {p.name: {"type": p.type.__name__, "default": p.default, "help": p.description}
+                                   for p in e.params} for n, e in PIPELINES.items()}, indent=1))
+        return
+    for name, entry in PIPELINES.items():
+        click.secho(f"{name}", bold=True, nl=False)
+        click.echo(f"  {entry.summary}")
+        for p in entry.params:
+            click.echo(f"  {p.name:<14} {p.type.__name__:<6} default={p.default!r:<18} {p.description}")
+
+
+@cli.command("compile")
+@click.argument("pipeline")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="KFP IR YAML file to write.")
+def compile_cmd(pipeline, output):
+    """Compile PIPELINE to KFP IR YAML (upload it in the KFP UI or with `kfp-pytorch submit`)."""
+    from kfp import compiler
+
+    from kfp_pytorch.pipelines import get_pipeline
+
+    entry = get_pipeline(pipeline)
+    compiler.Compiler().compile(entry.func, package_path=output)
+    click.echo(f"wrote {output}")
+
+
+@cli.command("run")
+@click.argument("pipeline")
+@click.option("--local", "local", is_flag=True, required=True, help="Run on this machine with kfp.local.")
+@click.option("--param", "params", multiple=True, metavar="KEY=VALUE", help="Pipeline parameter (repeatable).")
+@click.option("--predict/--no-predict", default=True, help="Send one test row to the endpoint at the end.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def run_cmd(pipeline, local, params, predict, as_json):
+    """Run PIPELINE end-to-end (--local: kfp.local, local DDP workers, local model server)."""
+    from kfp_pytorch.pipelines import get_pipeline
+    from kfp_pytorch.pipelines.local import preflight, run_local, summarize
+
+    entry = get_pipeline(pipeline)
+    values = entry.resolve(_parse_params(params))
+    preflight(values)
+    run = run_local(entry, values)
+    summary = summarize(run)
+    if run.succeeded and predict and summary.get("server_url"):
+        summary["prediction"] = _predict_sample(summary, values)
+    if as_json:
+        click.echo(json.dumps(summary, indent=1, default=str))
+    else:
+        _print_summary(summary)
+    if not run.succeeded:
+        sys.exit(1)
+
+
+def _predict_sample(summary: dict, values: dict) -> dict:
+    """One real test row, raw features, over HTTP; the true label for comparison."""
+    from kfp_pytorch.components.prepare_data import load_split
+    from kfp_pytorch.components.serve import infer
+
+    data_uri = summary["artifacts"].get("prepare-data-op.dataset")
+    x, y = load_split(data_uri, "test")
+    from kfp_pytorch.components.prepare_data import read_metadata
+
+    meta = read_metadata(data_uri)
+    import numpy as np
+
+    raw = x[:1] * np.asarray(meta["normalization"]["std"]) + np.asarray(meta["normalization"]["mean"])
+    resp = infer(summary["server_url"], values["model_name"], raw.tolist())
+    label = [o for o in resp["outputs"] if o["name"] == "label"][0]["data"][0]
+    probs = [o for o in resp["outputs"] if o["name"] == "probabilities"][0]["data"]
+    return {"label": int(label), "true_label": int(y[0]), "confidence": round(max(probs), 4)}
+
+
+def _print_summary(s: dict) -> None:
+    ok = s["status"] == "SUCCEEDED"
+    click.echo("")
+    click.secho(f"== {s['pipeline']}: {s['status']} ==", bold=True, fg="green" if ok else "red")
+    if s.get("failed_task"):
+        click.echo(f"failed task: {s['failed_task']} (its error is printed above; partial outputs removed)")
+    if "metrics" in s:
+        m = s["metrics"]
+        click.echo("metrics:   " + ", ".join(f"{k}={v:.4f}" for k, v in m.items() if k not in ("test_rows", "gate_passed")))
+    if "gate_passed" in s:
+        click.echo(f"gate:      {'passed' if s['gate_passed'] else 'FAILED (model not registered nor served)'}")
+    if "model" in s:
+        m = s["model"]
+        click.echo(f"model:     {m['registry_uri']} (version {m['version']}, champion={m['champion']})")
+    if "endpoint" in s:
+        click.echo(f"endpoint:  {s['endpoint']}")
+    click.echo("artifacts:")
+    for k, v in s.get("artifacts", {}).items():
+        click.echo(f"  {k:<28} {v}")
+    if "prediction" in s:
+        p = s["prediction"]
+        click.secho(f"prediction served over HTTP: label {p['label']} (true label {p['true_label']}, "
+                    f"confidence {p['confidence']:.3f})", bold=True)
+        click.echo("stop the server with: kfp-pytorch serve stop " + s["endpoint"].split("/v2/models/")[1].split("/")[0])
+
+
+@cli.group("serve")
+def serve_grp():
+    """Local model servers started by the serve step."""
+
+
+@serve_grp.command("list")
+def serve_list():
+    from kfp_pytorch.components.serve import list_servers
+
+    servers = list_servers()
+    if not servers:
+        click.echo("no local model servers")
+    for s in servers:
+        click.echo(f"{s['name']:<16} pid={s['pid']:<8} {'up' if s['alive'] else 'down':<5} {s['infer_url']}")
+
+
+@serve_grp.command("stop")
+@click.argument("name")
+def serve_stop(name):
+    from kfp_pytorch.components.errors import ServingError
+    from kfp_pytorch.components.serve import stop_server
+
+    if not stop_server(name):
+        raise ServingError(f"no local model server named {name!r}", "kfp-pytorch serve list shows the running ones")
+    click.echo(f"stopped {name}")
+
+
+@cli.group("storage")
+def storage_grp():
+    """Object storage (MinIO / S3) as configured by AWS_ENDPOINT_URL and credentials."""
+
+
+@storage_grp.command("ls")
+@click.argument("uri")
+def storage_ls(uri):
+    from kfp_pytorch.components.storage import Storage
+
+    for u in Storage().list(uri):
+        click.echo(u)
+
+
+def main(argv: list[str] | None = None) -> int:  # noqa: D103
+    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    try:
+        cli.main(args=argv, prog_name="kfp-pytorch", standalone_mode=False)
+        return 0
+    except KfpPytorchError as e:
+        if debug:
+            raise
+        click.secho(f"Error: {e}", fg="red", err=True)
+        return e.exit_code
+    except click.exceptions.Abort:
+        click.echo("Aborted.", err=True)
+        return 130
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

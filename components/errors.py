@@ -1,0 +1,83 @@
+"""Typed, actionable errors shared by every kfp-pytorch module.
+
+Each error says what is wrong and what to do next (``hint``). The CLI prints ``str(err)`` and exits
+with ``exit_code``; nothing a user can cause by bad input should surface as a bare traceback.
+Retryable failures (a server that is down for a moment) are kept apart from permanent ones
+(``TemporaryError`` vs the rest), as kopf does.
+"""
+from __future__ import annotations
+
+
+class KfpPytorchError(Exception):
+    """Base of all kfp-pytorch errors: a message plus the next step for the user."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message}\n  hint: {self.hint}" if self.hint else self.message
+
+
+class TemporaryError(KfpPytorchError):
+    """A failure that may pass if retried (server unreachable, timeout)."""
+
+
+class ConfigError(KfpPytorchError):
+    """Bad configuration or parameters; lists every problem with its path."""
+
+    exit_code = 2
+
+    def __init__(self, problems: list[str] | str, hint: str | None = None, title: str = "invalid configuration"):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        body = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{title}:\n{body}", hint)
+
+
+class DatasetError(KfpPytorchError):
+    """The dataset is missing or does not pass validation."""
+
+    exit_code = 2
+
+
+class StorageError(KfpPytorchError):
+    """S3/MinIO or local storage failed."""
+
+
+class StorageNotFound(StorageError):
+    """The object or bucket does not exist."""
+
+
+class StorageAuthError(StorageError):
+    """The credentials were refused."""
+
+
+class StorageUnreachable(StorageError, TemporaryError):
+    """The S3 endpoint did not answer."""
+
+
+class ModelFactoryError(KfpPytorchError):
+    """A model factory ``module:function`` could not be imported or called."""
+
+    exit_code = 2
+
+
+class TrainingError(KfpPytorchError):
+    """Distributed training failed."""
+
+
+class ServingError(KfpPytorchError):
+    """The model server could not start or answer."""
+
+
+class PortInUseError(ServingError):
+    """The requested port is taken by another process."""
+
+    exit_code = 2
+
+
+class RegistryError(KfpPytorchError):
+    """The MLflow tracking server or registry failed."""

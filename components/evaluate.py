@@ -1,0 +1,133 @@
+"""``evaluate``: test-set metrics, confusion matrix, an HTML report, and a pass/fail gate.
+
+The model evaluated is the exported program (``model.pt2``) that the predictor serves, not the
+training-time module, so the gate judges exactly what will be deployed.
+"""
+
+import base64
+import html
+import io
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ConfigError
+from .prepare_data import load_split, read_metadata
+from .storage import Storage, join
+
+
+@dataclass(frozen=True)
+class EvaluateSpec:
+    dataset_uri: str
+    model_uri: str
+    """The ``model/`` directory written by train (holds model.pt2 and metadata.json)."""
+    threshold: float = 0.9
+    """Minimum test accuracy for the gate to pass."""
+    metric: str = "accuracy"
+    """Gate metric: accuracy or macro_f1."""
+
+    def validate(self) -> None:
+        problems = []
+        if not 0 <= self.threshold <= 1:
+            problems.append(f"threshold: must be in [0, 1], got {self.threshold}")
+        if self.metric not in ("accuracy", "macro_f1"):
+            problems.append(f"metric: must be accuracy or macro_f1, got {self.metric!r}")
+        if problems:
+            raise ConfigError(problems, title="invalid evaluate settings")
+
+
+def load_program(model_uri: str, storage: Storage | None = None):
+    """Load the exported program as a callable module, plus its metadata."""
+    import torch
+
+    storage = storage or Storage()
+    meta = json.loads(storage.read_bytes(join(model_uri, "metadata.json")))
+    program = torch.export.load(io.BytesIO(storage.read_bytes(join(model_uri, meta.get("program", "model.pt2")))))
+    return program.module(), meta
+
+
+def compute_metrics(y_true: np.ndarray, y_pred: np.ndarray, classes: list[int]) -> dict:
+    from sklearn.metrics import accuracy_score, confusion_matrix, f1_score, precision_score, recall_score
+
+    return {
+        "accuracy": float(accuracy_score(y_true, y_pred)),
+        "macro_f1": float(f1_score(y_true, y_pred, average="macro", labels=classes, zero_division=0)),
+        "macro_precision": float(precision_score(y_true, y_pred, average="macro", labels=classes, zero_division=0)),
+        "macro_recall": float(recall_score(y_true, y_pred, average="macro", labels=classes, zero_division=0)),
+        "confusion_matrix": confusion_matrix(y_true, y_pred, labels=classes).tolist(),
+        "test_rows": int(len(y_true)),
+    }
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def render_report(metrics: dict, history: list[dict], classes: list[int], gate: dict) -> str:
+    """A self-contained HTML page (plots inlined as PNG) that the KFP UI renders."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    imgs = []
+    if history:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
+        ep = [h["epoch"] for h in history]
+        a1.plot(ep, [h["loss"] for h in history], "o-", label="train")
+        a1.plot(ep, [h["val_loss"] for h in history], "s-", label="validation")
+        a1.set(title="Loss", xlabel="epoch")
+        a1.legend()
+        a2.plot(ep, [h["accuracy"] for h in history], "o-", label="train")
+        a2.plot(ep, [h["val_accuracy"] for h in history], "s-", label="validation")
+        a2.set(title="Accuracy", xlabel="epoch", ylim=(0, 1.02))
+        a2.legend()
+        imgs.append(("Training curves", _png(fig)))
+        plt.close(fig)
+    cm = np.array(metrics["confusion_matrix"])
+    fig, ax = plt.subplots(figsize=(5, 4.4))
+    im = ax.imshow(cm, cmap="Blues")
+    ax.set(xticks=range(len(classes)), yticks=range(len(classes)), xticklabels=classes, yticklabels=classes,
+           xlabel="predicted", ylabel="true", title="Confusion matrix (test)")
+    for i in range(len(classes)):
+        for j in range(len(classes)):
+            ax.text(j, i, int(cm[i, j]), ha="center", va="center", fontsize=7,
+                    color="white" if cm[i, j] > cm.max() / 2 else "black")
+    fig.colorbar(im, ax=ax)
+    imgs.append(("Confusion matrix", _png(fig)))
+    plt.close(fig)
+    verdict = "PASSED" if gate["passed"] else "FAILED"
+    color = "#1a7f37" if gate["passed"] else "#cf222e"
+    rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.4f}</td></tr>"
+                   for k, v in metrics.items() if isinstance(v, float))
+    figs = "".join(f"<h3>{html.escape(t)}</h3><img alt='{html.escape(t)}' src='data:image/png;base64,{b}'/>"
+                   for t, b in imgs)
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>kfp-pytorch evaluation</title>"
+            f"<style>body{{font-family:sans-serif;margin:1.5em}}td{{padding:2px 12px}}</style></head><body>"
+            f"<h2>Evaluation report</h2><p style='color:{color};font-weight:bold'>Gate {verdict}: "
+            f"{html.escape(gate['metric'])} = {gate['value']:.4f} (threshold {gate['threshold']:.4f})</p>"
+            f"<table>{rows}</table>{figs}</body></html>")
+
+
+def evaluate(spec: EvaluateSpec, storage: Storage | None = None) -> dict:
+    """Returns ``{"metrics", "gate", "report_html", "classes"}``."""
+    import torch
+
+    spec.validate()
+    storage = storage or Storage()
+    module, model_meta = load_program(spec.model_uri, storage)
+    data_meta = read_metadata(spec.dataset_uri, storage)
+    x, y = load_split(spec.dataset_uri, "test", storage, data_meta)
+    with torch.no_grad():
+        pred = module(torch.from_numpy(x)).argmax(1).numpy()
+    classes = data_meta["classes"]
+    metrics = compute_metrics(y, pred, classes)
+    value = metrics[spec.metric]
+    gate = {"metric": spec.metric, "value": value, "threshold": spec.threshold, "passed": bool(value >= spec.threshold)}
+    history_uri = join(spec.model_uri.rstrip("/").rsplit("/", 1)[0], "history.json")
+    history = json.loads(storage.read_bytes(history_uri)) if storage.exists(history_uri) else []
+    return {"metrics": metrics, "gate": gate, "classes": classes,
+            "report_html": render_report(metrics, history, classes, gate)}

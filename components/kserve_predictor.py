@@ -1,0 +1,75 @@
+"""The KServe predictor: one ``kserve.Model`` class for local serving and InferenceServices.
+
+Run as the container's entrypoint (a KServe custom predictor), with KServe's own arguments::
+
+    python -m kfp_pytorch.components.kserve_predictor --model_name digits --model_uri s3://models/run/model
+
+It speaks the Open Inference Protocol v2 through KServe's ``ModelServer``:
+``/v2/health/ready``, ``/v2/models/{name}/ready`` and ``POST /v2/models/{name}/infer``.
+Request: one FP32 input ``[n, features]`` of raw features. Response: ``probabilities`` FP32
+``[n, classes]`` and ``label`` INT64 ``[n]``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import uuid
+
+import kserve
+import numpy as np
+from kserve import InferOutput, InferRequest, InferResponse
+from kserve.errors import InvalidInput
+
+from .predictor import ModelRunner
+
+
+class TorchPredictor(kserve.Model):
+    def __init__(self, name: str, model_uri: str):
+        super().__init__(name)
+        self.model_uri = model_uri
+        self.runner: ModelRunner | None = None
+        self.ready = False
+
+    def load(self) -> bool:
+        self.runner = ModelRunner(self.model_uri)
+        self.ready = True
+        return self.ready
+
+    def predict(self, payload, headers=None, response_headers=None):
+        if isinstance(payload, InferRequest):
+            if not payload.inputs:
+                raise InvalidInput("the request has no inputs")
+            rows = payload.inputs[0].as_numpy()
+            request_id = payload.id
+        else:  # v1 protocol: {"instances": [[...], ...]}
+            rows = np.asarray(payload.get("instances", []), dtype=np.float32)
+            request_id = None
+        try:
+            probs, labels = self.runner.predict(rows)
+        except ValueError as e:
+            raise InvalidInput(str(e))
+        if not isinstance(payload, InferRequest):
+            return {"predictions": labels.tolist()}
+        out_p = InferOutput(name="probabilities", shape=list(probs.shape), datatype="FP32")
+        out_p.set_data_from_numpy(probs.astype(np.float32), binary_data=False)
+        out_l = InferOutput(name="label", shape=list(labels.shape), datatype="INT64")
+        out_l.set_data_from_numpy(labels, binary_data=False)
+        return InferResponse(model_name=self.name, infer_outputs=[out_p, out_l], response_id=request_id or str(uuid.uuid4()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(parents=[kserve.model_server.parser])
+    parser.add_argument("--model_uri", default=os.environ.get("STORAGE_URI", "/mnt/models"),
+                        help="model directory: local path (KServe's storage initializer mounts /mnt/models) or s3://")
+    args, _ = parser.parse_known_args()
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("KFP_PYTORCH_SERVE_THREADS", "1")))
+    model = TorchPredictor(args.model_name, args.model_uri)
+    model.load()
+    kserve.ModelServer(http_port=args.http_port, grpc_port=args.grpc_port, enable_grpc=args.enable_grpc,
+                       workers=args.workers).start([model])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Model zoo (``mlp``, ``cnn``) and user factories given as ``module:function``.
+
+A factory is called as ``factory(input_dim=..., num_classes=..., image_shape=...)`` and returns an
+``nn.Module`` mapping ``float32 [batch, input_dim]`` to logits ``[batch, num_classes]``. Factories
+are resolved (imported) before any worker starts, so a typo fails in a second with a clear message
+instead of in N worker tracebacks.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .errors import ModelFactoryError
+
+
+class MLP(nn.Module):
+    def __init__(self, input_dim: int, num_classes: int, hidden: int = 128, depth: int = 2, dropout: float = 0.1):
+        super().__init__()
+        layers: list[nn.Module] = []
+        d = input_dim
+        for _ in range(depth):
+            layers += [nn.Linear(d, hidden), nn.ReLU(), nn.Dropout(dropout)]
+            d = hidden
+        layers.append(nn.Linear(d, num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class CNN(nn.Module):
+    """A small conv net over ``image_shape`` (C, H, W); features arrive flattened."""
+
+    def __init__(self, num_classes: int, image_shape: tuple[int, int, int], channels: int = 32):
+        super().__init__()
+        c, h, w = image_shape
+        self.image_shape = (c, h, w)
+        self.features = nn.Sequential(
+            nn.Conv2d(c, channels, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(channels, channels * 2, 3, padding=1), nn.ReLU(),
+            nn.AdaptiveAvgPool2d((max(1, h // 2), max(1, w // 2))),
+        )
+        self.head = nn.Linear(channels * 2 * max(1, h // 2) * max(1, w // 2), num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c, h, w = self.image_shape
+        z = self.features(x.reshape(x.shape[0], c, h, w))
+        return self.head(z.flatten(1))
+
+
+def mlp(input_dim: int, num_classes: int, image_shape=None, **kw) -> nn.Module:
+    return MLP(input_dim, num_classes, **kw)
+
+
+def cnn(input_dim: int, num_classes: int, image_shape=None, **kw) -> nn.Module:
+    if image_shape is None:
+        side = int(math.isqrt(input_dim))
+        if side * side != input_dim:
+            raise ModelFactoryError(
+                f"model 'cnn' needs an image shape, and {input_dim} features are not a square image",
+                "use model 'mlp', or a dataset whose metadata has image_shape (sample://digits does)")
+        image_shape = (1, side, side)
+    return CNN(num_classes, tuple(image_shape), **kw)
+
+
+ZOO: dict[str, Callable[..., nn.Module]] = {"mlp": mlp, "cnn": cnn}
+
+
+def resolve_factory(name: str) -> Callable[..., nn.Module]:
+    """``mlp`` / ``cnn`` from the zoo, or ``package.module:function``."""
+    if name in ZOO:
+        return ZOO[name]
+    if ":" not in name:
+        raise ModelFactoryError(f"unknown model {name!r}",
+                                f"use one of {', '.join(ZOO)} or a factory 'package.module:function'")
+    mod_name, _, fn_name = name.partition(":")
+    try:
+        module = importlib.import_module(mod_name)
+    except Exception as e:  # ImportError, or any error raised while the module imports
+        raise ModelFactoryError(f"cannot import model factory module {mod_name!r}: {type(e).__name__}: {e}",
+                                "check the spelling and that the module is installed in the training image "
+                                "(or on PYTHONPATH locally)") from e
+    fn = getattr(module, fn_name, None)
+    if fn is None or not callable(fn):
+        raise ModelFactoryError(f"module {mod_name!r} has no callable {fn_name!r}",
+                                f"define def {fn_name}(input_dim, num_classes, image_shape=None) -> nn.Module")
+    return fn
+
+
+def build_model(name: str, input_dim: int, num_classes: int, image_shape=None) -> nn.Module:
+    fn = resolve_factory(name)
+    kwargs = {"input_dim": input_dim, "num_classes": num_classes}
+    params = inspect.signature(fn).parameters
+    if "image_shape" in params or any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        kwargs["image_shape"] = image_shape
+    try:
+        model = fn(**kwargs)
+    except ModelFactoryError:
+        raise
+    except Exception as e:
+        raise ModelFactoryError(f"model factory {name!r} failed: {type(e).__name__}: {e}",
+                                "it is called as factory(input_dim=..., num_classes=..., image_shape=...)") from e
+    if not isinstance(model, nn.Module):
+        raise ModelFactoryError(f"model factory {name!r} returned {type(model).__name__}, not a torch.nn.Module",
+                                "return an nn.Module from the factory")
+    return model

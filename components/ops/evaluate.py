@@ -1,0 +1,29 @@
+"""KFP component wrapper of :mod:`kfp_pytorch.components.evaluate` (thin: parse inputs, call the runtime)."""
+from kfp import dsl
+from kfp.dsl import HTML, ClassificationMetrics, Dataset, Input, Metrics, Model, Output
+
+from .._kfp import COMPONENT_KW
+
+
+@dsl.component(**COMPONENT_KW)
+def evaluate_op(dataset: Input[Dataset], model: Input[Model], metrics: Output[Metrics],
+                confusion: Output[ClassificationMetrics], report: Output[HTML], threshold: float = 0.9,
+                gate_metric: str = "accuracy") -> bool:
+    """Test metrics, confusion matrix and an HTML report; returns whether metric >= threshold.
+
+    The single ``bool`` output (not a NamedTuple) keeps ``dsl.If(evaluate.output)`` resolvable by
+    kfp.local's orchestrator, which cannot resolve named outputs in conditions.
+    """
+    from kfp_pytorch.components.evaluate import EvaluateSpec, evaluate
+
+    res = evaluate(EvaluateSpec(dataset_uri=dataset.metadata.get("uri", dataset.path),
+                                model_uri=model.metadata.get("uri", model.path + "/model"),
+                                threshold=threshold, metric=gate_metric))
+    scalars = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}
+    for k, v in scalars.items():
+        metrics.log_metric(k, v)
+    metrics.log_metric("gate_passed", int(res["gate"]["passed"]))
+    confusion.log_confusion_matrix([str(c) for c in res["classes"]], res["metrics"]["confusion_matrix"])
+    with open(report.path, "w") as f:
+        f.write(res["report_html"])
+    return bool(res["gate"]["passed"])

@@ -1,0 +1,21 @@
+"""KFP component wrapper of :mod:`kfp_pytorch.components.prepare_data` (thin: parse inputs, call the runtime)."""
+from kfp import dsl
+from kfp.dsl import Dataset, Output
+
+from .._kfp import COMPONENT_KW
+
+
+@dsl.component(**COMPONENT_KW)
+def prepare_data_op(dataset_uri: str, dataset: Output[Dataset], label_column: str = "label",
+                    val_fraction: float = 0.15, test_fraction: float = 0.15, seed: int = 42,
+                    shard_rows: int = 512, storage_root: str = ""):
+    """Validate a table, split it (seeded, stratified), normalise and write shards."""
+    from kfp_pytorch.components._kfp import artifact_store_uri
+    from kfp_pytorch.components.prepare_data import PrepareSpec, prepare_data
+
+    out = artifact_store_uri(dataset, storage_root)
+    meta = prepare_data(PrepareSpec(dataset_uri=dataset_uri, output_uri=out, label_column=label_column,
+                                    val_fraction=val_fraction, test_fraction=test_fraction, seed=seed,
+                                    shard_rows=shard_rows))
+    dataset.metadata.update({"uri": out, "rows": meta["rows"], "num_features": meta["num_features"],
+                             "classes": meta["classes"], "split_seed": seed})

@@ -1,0 +1,21 @@
+"""KFP component wrapper of :mod:`kfp_pytorch.components.serve` (thin: parse inputs, call the runtime)."""
+from typing import NamedTuple
+
+from kfp import dsl
+from kfp.dsl import Input, Model
+
+from .._kfp import COMPONENT_KW
+
+
+@dsl.component(**COMPONENT_KW)
+def serve_op(model: Input[Model], model_name: str, port: int = 0, backend: str = "local"
+             ) -> NamedTuple("Outputs", [("endpoint", str), ("url", str)]):
+    """Serve the model over the Open Inference Protocol v2 and smoke-test one prediction."""
+    from collections import namedtuple
+
+    from kfp_pytorch.components.serve import ServeSpec, serve
+
+    ep = serve(ServeSpec(model_uri=model.metadata.get("uri", model.path + "/model"), model_name=model_name,
+                         port=port, backend=backend))
+    print(f"serving {model_name} at {ep.infer_url} (pid {ep.pid}); smoke test: {ep.smoke_test}")
+    return namedtuple("Outputs", ["endpoint", "url"])(ep.infer_url, ep.url)

@@ -1,0 +1,230 @@
+"""``prepare_data``: dataset URI -> validated, stratified, normalised shards in the store.
+
+Input: a table (CSV or Parquet) with numeric feature columns and one integer label column, read
+from a local path, ``s3://`` / ``minio://`` (through :mod:`.storage`), or ``sample://digits``,
+scikit-learn's 8x8 digits, which ships inside scikit-learn so nothing is downloaded.
+
+Output, below ``output_uri``::
+
+    metadata.json                 rows, classes, features, normalisation, shard checksums, seed
+    train/shard-00000.npz ...     x: float32 [n, features] (normalised), y: int64 [n]
+    val/...  test/...
+
+The split is seeded and stratified, so the same input and seed always give byte-identical shards.
+Normalisation statistics come from the train split only (no test leakage); they travel in the
+metadata so the predictor normalises raw requests the same way.
+"""
+
+import hashlib
+import io
+import json
+from dataclasses import asdict, dataclass
+from pathlib import PurePosixPath
+
+import numpy as np
+
+from .errors import ConfigError, DatasetError, StorageNotFound
+from .storage import Storage, join, parse_uri
+
+SAMPLE_SCHEME = "sample://"
+SAMPLES = ("digits",)
+METADATA_FILE = "metadata.json"
+SPLITS = ("train", "val", "test")
+
+
+@dataclass(frozen=True)
+class PrepareSpec:
+    """What to prepare and where to put it."""
+
+    dataset_uri: str
+    """Local path, s3://bucket/key, minio://bucket/key (CSV or Parquet), or sample://digits."""
+    output_uri: str
+    """Directory URI (local or s3://) that receives metadata.json and the shards."""
+    label_column: str = "label"
+    """Integer class label column; every other column is a numeric feature."""
+    val_fraction: float = 0.15
+    test_fraction: float = 0.15
+    seed: int = 42
+    """Seed of the stratified split: same seed and input -> byte-identical shards."""
+    shard_rows: int = 512
+    """Rows per shard: small enough to stream, large enough to keep request counts low."""
+
+    def validate(self) -> None:
+        problems = []
+        if not self.dataset_uri:
+            problems.append("dataset_uri: must be set (a path, s3://bucket/key or sample://digits)")
+        if not self.output_uri:
+            problems.append("output_uri: must be set")
+        for name in ("val_fraction", "test_fraction"):
+            v = getattr(self, name)
+            if not 0 < v < 0.5:
+                problems.append(f"{name}: must be in (0, 0.5), got {v}")
+        if self.shard_rows < 1:
+            problems.append(f"shard_rows: must be >= 1, got {self.shard_rows}")
+        if problems:
+            raise ConfigError(problems, title="invalid prepare_data settings")
+
+
+def load_table(uri: str, storage: Storage | None = None, label_column: str = "label"):
+    """Read the raw table as a DataFrame; ``sample://NAME`` gives a bundled dataset."""
+    import pandas as pd
+
+    if uri.startswith(SAMPLE_SCHEME):
+        name = uri[len(SAMPLE_SCHEME):]
+        if name != "digits":
+            raise DatasetError(f"unknown sample dataset {name!r}", f"available samples: {', '.join(SAMPLES)}")
+        from sklearn.datasets import load_digits
+
+        bunch = load_digits(as_frame=True)
+        df = bunch.frame.rename(columns={"target": label_column})
+        df.attrs["image_shape"] = [1, 8, 8]
+        return df
+    storage = storage or Storage()
+    try:
+        data = storage.read_bytes(uri)
+    except StorageNotFound as e:
+        raise DatasetError(f"dataset not found: {uri}",
+                           "check dataset_uri; it must point at a CSV or Parquet file "
+                           "(or use sample://digits)") from e
+    suffix = PurePosixPath(parse_uri(uri).key).suffix.lower()
+    try:
+        if suffix in (".parquet", ".pq"):
+            return pd.read_parquet(io.BytesIO(data))
+        return pd.read_csv(io.BytesIO(data))
+    except Exception as e:  # pandas raises many types for unparsable input
+        raise DatasetError(f"cannot parse {uri} as {'Parquet' if suffix in ('.parquet', '.pq') else 'CSV'}: {e}",
+                           "give a CSV with a header row, or a .parquet file") from e
+
+
+def validate_table(df, label_column: str) -> list[str]:
+    """Every problem with the table, each with its column; empty when the table is usable."""
+    import pandas as pd
+
+    problems: list[str] = []
+    if label_column not in df.columns:
+        return [f"label column {label_column!r} is missing (columns: {', '.join(map(str, df.columns[:12]))}"
+                f"{', ...' if len(df.columns) > 12 else ''})"]
+    features = [c for c in df.columns if c != label_column]
+    if not features:
+        problems.append("no feature columns: the table has only the label column")
+    if len(df) == 0:
+        problems.append("the table has no rows")
+    for c in features:
+        if not pd.api.types.is_numeric_dtype(df[c]):
+            problems.append(f"column {c!r}: must be numeric, got dtype {df[c].dtype}")
+    nan_cols = [c for c in df.columns if df[c].isna().any()]
+    for c in nan_cols:
+        problems.append(f"column {c!r}: {int(df[c].isna().sum())} NaN value(s)")
+    labels = df[label_column]
+    if label_column not in nan_cols:
+        if not pd.api.types.is_numeric_dtype(labels) or not np.all(np.mod(labels.to_numpy(dtype=float), 1) == 0):
+            problems.append(f"label column {label_column!r}: must hold integer class ids, got dtype {labels.dtype}")
+        else:
+            counts = labels.value_counts()
+            if len(counts) < 2:
+                problems.append(f"label column {label_column!r}: needs at least 2 classes, got {len(counts)}")
+            small = counts[counts < 3]
+            if len(small):
+                problems.append(f"label column {label_column!r}: classes {sorted(small.index.tolist())} have fewer "
+                                "than 3 rows; a stratified train/val/test split needs at least 3 per class")
+            if labels.min() < 0:
+                problems.append(f"label column {label_column!r}: class ids must be >= 0, got {labels.min()}")
+    return problems
+
+
+def _split(y: np.ndarray, spec: PrepareSpec) -> dict[str, np.ndarray]:
+    from sklearn.model_selection import train_test_split
+
+    idx = np.arange(len(y))
+    rest, test = train_test_split(idx, test_size=spec.test_fraction, random_state=spec.seed, stratify=y)
+    val_share = spec.val_fraction / (1 - spec.test_fraction)
+    train, val = train_test_split(rest, test_size=val_share, random_state=spec.seed, stratify=y[rest])
+    return {"train": np.sort(train), "val": np.sort(val), "test": np.sort(test)}
+
+
+def _npz_bytes(x: np.ndarray, y: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, x=x, y=y)
+    return buf.getvalue()
+
+
+def prepare_data(spec: PrepareSpec, storage: Storage | None = None) -> dict:
+    """Validate, split, normalise and shard; returns the metadata written to ``metadata.json``.
+
+    ``metadata.json`` is written last, so a reader that finds it finds every shard it lists.
+    """
+    spec.validate()
+    storage = storage or Storage()
+    df = load_table(spec.dataset_uri, storage, spec.label_column)
+    problems = validate_table(df, spec.label_column)
+    if problems:
+        raise DatasetError(f"dataset {spec.dataset_uri} failed validation:\n" + "\n".join(f"  - {p}" for p in problems),
+                           "fix the columns above (numeric features, integer labels, no NaNs) and run again")
+    features = [str(c) for c in df.columns if c != spec.label_column]
+    x = df[features].to_numpy(dtype=np.float32)
+    y = df[spec.label_column].to_numpy().astype(np.int64)
+    parts = _split(y, spec)
+    mean = x[parts["train"]].mean(axis=0)
+    std = x[parts["train"]].std(axis=0)
+    std = np.where(std < 1e-6, 1.0, std).astype(np.float32)  # constant columns: leave centred, not inf
+    classes = sorted(int(c) for c in np.unique(y))
+    meta: dict = {
+        "format": "kfp-pytorch-shards/v1",
+        "source": spec.dataset_uri,
+        "features": features,
+        "num_features": len(features),
+        "classes": classes,
+        "num_classes": max(classes) + 1,
+        "label_column": spec.label_column,
+        "image_shape": df.attrs.get("image_shape"),
+        "normalization": {"mean": mean.tolist(), "std": std.tolist()},
+        "split": {"seed": spec.seed, "val_fraction": spec.val_fraction, "test_fraction": spec.test_fraction,
+                  "stratified": True},
+        "rows": {},
+        "shards": {},
+    }
+    for split in SPLITS:
+        ids = parts[split]
+        xs = ((x[ids] - mean) / std).astype(np.float32)
+        ys = y[ids]
+        meta["rows"][split] = int(len(ids))
+        meta["shards"][split] = []
+        for i, start in enumerate(range(0, len(ids), spec.shard_rows)):
+            blob = _npz_bytes(xs[start:start + spec.shard_rows], ys[start:start + spec.shard_rows])
+            rel = f"{split}/shard-{i:05d}.npz"
+            storage.write_bytes(join(spec.output_uri, rel), blob)
+            meta["shards"][split].append({"path": rel, "rows": int(len(ys[start:start + spec.shard_rows])),
+                                          "sha256": hashlib.sha256(blob).hexdigest()})
+    storage.write_bytes(join(spec.output_uri, METADATA_FILE), json.dumps(meta, indent=1).encode(),
+                        content_type="application/json")
+    return meta
+
+
+def read_metadata(data_uri: str, storage: Storage | None = None) -> dict:
+    storage = storage or Storage()
+    try:
+        return json.loads(storage.read_bytes(join(data_uri, METADATA_FILE)))
+    except StorageNotFound as e:
+        raise DatasetError(f"no prepared dataset at {data_uri} ({METADATA_FILE} missing)",
+                           "run prepare_data first, or point at its output") from e
+
+
+def load_split(data_uri: str, split: str, storage: Storage | None = None, meta: dict | None = None,
+               verify: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Stream a split's shards from the store and concatenate them; checksums are verified."""
+    storage = storage or Storage()
+    meta = meta or read_metadata(data_uri, storage)
+    xs, ys = [], []
+    for shard in meta["shards"][split]:
+        blob = storage.read_bytes(join(data_uri, shard["path"]))
+        if verify and hashlib.sha256(blob).hexdigest() != shard["sha256"]:
+            raise DatasetError(f"shard {shard['path']} under {data_uri} is corrupt (checksum mismatch)",
+                               "run prepare_data again to rewrite the shards")
+        with np.load(io.BytesIO(blob)) as z:
+            xs.append(z["x"])
+            ys.append(z["y"])
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def spec_to_dict(spec: PrepareSpec) -> dict:
+    return asdict(spec)

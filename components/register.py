@@ -1,0 +1,48 @@
+"""``register``: put the trained model in the MLflow registry, guarded by the evaluation gate.
+
+The ``champion`` alias moves only if the gate passed *and* the new version beats the current
+champion on the gate metric; otherwise the version is registered (for audit) and tagged
+``gate=failed`` or left as a challenger.
+"""
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConfigError
+from .storage import Storage
+from .tracking import Tracker
+
+
+@dataclass(frozen=True)
+class RegisterSpec:
+    model_uri: str
+    model_name: str
+    metrics: dict
+    gate_passed: bool
+    metric: str = "accuracy"
+    tracking_uri: str = ""
+    """Empty: the embedded sqlite store under KFP_PYTORCH_HOME."""
+    run_id: str = ""
+    """MLflow run of the training job, to attach the model to."""
+
+    def validate(self) -> None:
+        import re
+
+        problems = []
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", self.model_name or ""):
+            problems.append(f"model_name: use letters, digits, '-', '_' or '.', at most 128, got {self.model_name!r}")
+        if self.metric not in self.metrics:
+            problems.append(f"metric: {self.metric!r} is not among the evaluation metrics {sorted(self.metrics)}")
+        if problems:
+            raise ConfigError(problems, title="invalid register settings")
+
+
+def register(spec: RegisterSpec, storage: Storage | None = None) -> dict:
+    spec.validate()
+    storage = storage or Storage()
+    tracker = Tracker(spec.tracking_uri or None)
+    with tempfile.TemporaryDirectory(prefix="kfp-pytorch-register-") as tmp:
+        local = storage.download_dir(spec.model_uri, Path(tmp) / "model")
+        return tracker.register(spec.model_name, local, spec.metrics, spec.gate_passed, spec.metric,
+                                run_id=spec.run_id or None)

@@ -1,0 +1,228 @@
+"""``serve``: put a trained model behind an Open Inference Protocol v2 endpoint.
+
+Backends (one seam, like train):
+
+- ``local``: starts :mod:`.kserve_predictor` (KServe's ``ModelServer`` around our
+  ``TorchPredictor``) as a detached process on 127.0.0.1, waits for ``/v2/models/{name}/ready``,
+  smoke-tests one prediction and returns the endpoint. The server outlives the pipeline step (that
+  is its point); ``kfp-pytorch serve list`` / ``serve stop NAME`` manage it through a pid file.
+- ``cluster``: a KServe InferenceService running the very same predictor class (separate issue).
+"""
+
+import collections
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import requests
+
+from .errors import ConfigError, PortInUseError, ServingError
+from .paths import home
+
+PREDICTOR_MODULE = "kfp_pytorch.components.kserve_predictor"
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    model_uri: str
+    """The model/ directory written by train (local path or s3://)."""
+    model_name: str = "model"
+    """The name in the endpoint path /v2/models/{name}/infer (DNS-1123 label)."""
+    backend: str = "local"
+    host: str = "127.0.0.1"
+    port: int = 0
+    """0 picks a free port."""
+    startup_timeout_s: float = 120.0
+
+    def validate(self) -> None:
+        import re
+
+        problems = []
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", self.model_name or ""):
+            problems.append(f"model_name: must be a DNS-1123 label (lower-case letters, digits, '-'), got {self.model_name!r}")
+        if not 0 <= self.port <= 65535:
+            problems.append(f"port: must be in [0, 65535], got {self.port}")
+        if self.backend not in BACKENDS:
+            problems.append(f"backend: must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if not self.model_uri:
+            problems.append("model_uri: must be set")
+        if problems:
+            raise ConfigError(problems, title="invalid serve settings")
+
+
+@dataclass
+class Endpoint:
+    name: str
+    url: str
+    """Base URL of the server, e.g. http://127.0.0.1:8080."""
+    infer_url: str
+    pid: int | None
+    model_uri: str
+    smoke_test: dict | None = None
+
+
+def _servers_dir() -> Path:
+    d = home() / "servers"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def _pick_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def infer(url: str, name: str, rows, timeout: float = 10.0, session: requests.Session | None = None) -> dict:
+    """One OIP v2 request with FP32 rows; returns the parsed response."""
+    rows = [list(map(float, r)) for r in rows]
+    body = {"inputs": [{"name": "input-0", "shape": [len(rows), len(rows[0])], "datatype": "FP32",
+                        "data": [v for r in rows for v in r]}]}
+    r = (session or requests).post(f"{url}/v2/models/{name}/infer", json=body, timeout=timeout)
+    if r.status_code != 200:
+        raise ServingError(f"inference request failed: HTTP {r.status_code}: {r.text[:300]}")
+    return r.json()
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        lines = collections.deque(path.read_text(errors="replace").splitlines(), maxlen=n)
+    except FileNotFoundError:
+        return ""
+    return "\n".join(f"    {line}" for line in lines)
+
+
+class LocalServeBackend:
+    def start(self, spec: ServeSpec) -> Endpoint:
+        # Serving a name again replaces the running server (a redeploy, as KServe does on update).
+        stop_server(spec.model_name)
+        port = spec.port or _pick_port(spec.host)
+        if not port_is_free(spec.host, port):
+            raise PortInUseError(f"port {port} on {spec.host} is already in use",
+                                 "choose another port (or port=0 for a free one), or stop the process using it")
+        log = _servers_dir() / f"{spec.model_name}.log"
+        cmd = [sys.executable, "-m", PREDICTOR_MODULE, "--model_name", spec.model_name, "--model_uri",
+               spec.model_uri, "--http_port", str(port), "--enable_grpc", "false", "--workers", "1"]
+        with open(log, "wb") as out:
+            # A new session: the server must outlive this step (kfp.local runs each step as a child).
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        url = f"http://{spec.host}:{port}"
+        ep = Endpoint(spec.model_name, url, f"{url}/v2/models/{spec.model_name}/infer", proc.pid, spec.model_uri)
+        try:
+            self._wait_ready(proc, ep, spec.startup_timeout_s, log)
+        except BaseException:
+            _terminate(proc.pid)
+            raise
+        _pidfile(spec.model_name).write_text(json.dumps(asdict(ep)))
+        return ep
+
+    @staticmethod
+    def _wait_ready(proc: subprocess.Popen, ep: Endpoint, timeout: float, log: Path) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise ServingError(f"the model server exited with code {proc.returncode} before it was ready; "
+                                   f"last lines of {log}:\n{_tail(log)}",
+                                   "check model_uri and the log above")
+            try:
+                if requests.get(f"{ep.url}/v2/models/{ep.name}/ready", timeout=1).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        raise ServingError(f"the model server did not become ready within {timeout:g}s; log: {log}",
+                           "raise startup_timeout_s or read the log")
+
+
+BACKENDS = {"local": LocalServeBackend}
+
+
+def _pidfile(name: str) -> Path:
+    return _servers_dir() / f"{name}.json"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:  # a zombie (exited, not yet reaped) is not alive
+        import psutil
+
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except Exception:
+        return True
+
+
+def _terminate(pid: int, grace: float = 10.0) -> None:
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.1)
+    if _alive(pid):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def read_server(name: str) -> dict | None:
+    p = _pidfile(name)
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def list_servers() -> list[dict]:
+    out = []
+    for p in sorted(_servers_dir().glob("*.json")):
+        info = json.loads(p.read_text())
+        info["alive"] = _alive(info["pid"])
+        out.append(info)
+    return out
+
+
+def stop_server(name: str) -> bool:
+    info = read_server(name)
+    if info is None:
+        return False
+    _terminate(info["pid"])
+    _pidfile(name).unlink(missing_ok=True)
+    return True
+
+
+def serve(spec: ServeSpec, sample_row: list[float] | None = None) -> Endpoint:
+    """Start the backend, then smoke-test one prediction (a row of the training mean by default)."""
+    spec.validate()
+    ep = BACKENDS[spec.backend]().start(spec)
+    try:
+        if sample_row is None:
+            from .predictor import ModelRunner  # noqa: F401 (metadata only)
+            from .storage import Storage, join
+
+            meta = json.loads(Storage().read_bytes(join(spec.model_uri, "metadata.json")))
+            sample_row = meta["normalization"]["mean"]
+        resp = infer(ep.url, ep.name, [sample_row])
+        ep.smoke_test = {"label": resp["outputs"][1]["data"][0] if len(resp["outputs"]) > 1 else None}
+    except BaseException:
+        stop_server(spec.model_name)
+        raise
+    return ep

@@ -1,0 +1,354 @@
+"""The one edge to object storage: local paths and ``s3://`` / ``minio://`` URIs.
+
+Every byte that moves outside KFP's own artifact passing (input datasets, the shards training
+workers read, checkpoints, exported models) goes through this module, so that MinIO (or any S3
+API, SeaweedFS included) replaces GCS everywhere.
+
+Contract:
+
+- Endpoint and credentials come from the environment or a config file, never from pipeline
+  parameters or YAML (they would be stored in the run's spec in clear text).
+- Writes are atomic: a reader sees the old object or the new one, never half of one. On S3 a
+  PUT is atomic by itself; on local disk we write a temporary file and ``os.replace`` it.
+- ``minio`` and ``urllib3`` exceptions are mapped to :mod:`kfp_pytorch.components.errors` types
+  with an actionable hint; callers never see a raw ``S3Error``.
+
+Environment (the same names the AWS CLI, MLflow and KServe use, so one Secret serves all):
+``AWS_ENDPOINT_URL`` (or ``S3_ENDPOINT`` / ``MLFLOW_S3_ENDPOINT_URL``), ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``S3_USE_HTTPS`` and ``S3_VERIFY_SSL`` (``0``/``1``).
+A YAML file named by ``KFP_PYTORCH_STORAGE_CONFIG`` (default ``~/.config/kfp-pytorch/storage.yaml``)
+with keys ``endpoint, access_key, secret_key, region, secure, verify_ssl`` fills what the
+environment leaves unset.
+"""
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Iterator
+from urllib.parse import urlparse
+
+from .errors import StorageAuthError, StorageError, StorageNotFound, StorageUnreachable
+
+S3_SCHEMES = ("s3", "minio")
+_AUTH_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken"}
+_NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "NoSuchObject"}
+_CHUNK = 8 * 1024 * 1024
+
+
+def _truthy(value: str | None, default: bool) -> bool:
+    if value is None or value == "":
+        return default
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """Where the S3 API is and how to authenticate. Built once, from env and config file."""
+
+    endpoint: str | None = None
+    """``host:port`` of the S3 API (scheme stripped; ``secure`` says http or https)."""
+    access_key: str | None = None
+    secret_key: str | None = None
+    region: str | None = None
+    secure: bool = False
+    """Use HTTPS. Default off: in-cluster MinIO is usually plain HTTP behind a Service."""
+    verify_ssl: bool = True
+    """Verify the server's certificate when ``secure`` (off for self-signed lab clusters)."""
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "StorageConfig":
+        env = dict(os.environ if env is None else env)
+        file_cfg: dict = {}
+        cfg_path = Path(env.get("KFP_PYTORCH_STORAGE_CONFIG", "~/.config/kfp-pytorch/storage.yaml")).expanduser()
+        if cfg_path.is_file():
+            import yaml
+
+            try:
+                file_cfg = yaml.safe_load(cfg_path.read_text()) or {}
+            except yaml.YAMLError as e:
+                raise StorageError(f"cannot parse storage config {cfg_path}: {e}",
+                                   "fix the YAML; keys: endpoint, access_key, secret_key, region, secure, verify_ssl") from e
+        raw = (env.get("AWS_ENDPOINT_URL") or env.get("S3_ENDPOINT") or env.get("MLFLOW_S3_ENDPOINT_URL")
+               or file_cfg.get("endpoint"))
+        secure_default = bool(file_cfg.get("secure", False))
+        endpoint = None
+        if raw:
+            parsed = urlparse(raw if "://" in raw else f"//{raw}")
+            endpoint = parsed.netloc or parsed.path
+            if parsed.scheme:
+                secure_default = parsed.scheme == "https"
+        return cls(
+            endpoint=endpoint,
+            access_key=env.get("AWS_ACCESS_KEY_ID") or file_cfg.get("access_key"),
+            secret_key=env.get("AWS_SECRET_ACCESS_KEY") or file_cfg.get("secret_key"),
+            region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or file_cfg.get("region"),
+            secure=_truthy(env.get("S3_USE_HTTPS"), secure_default),
+            verify_ssl=_truthy(env.get("S3_VERIFY_SSL"), bool(file_cfg.get("verify_ssl", True))),
+        )
+
+    def __repr__(self) -> str:  # never print the secret
+        return (f"StorageConfig(endpoint={self.endpoint!r}, access_key={'***' if self.access_key else None}, "
+                f"secure={self.secure}, verify_ssl={self.verify_ssl})")
+
+
+@dataclass(frozen=True)
+class Location:
+    """A parsed URI: either a local path or an S3 bucket + key."""
+
+    scheme: str  # "file" or "s3"
+    bucket: str
+    key: str
+
+    @property
+    def is_s3(self) -> bool:
+        return self.scheme == "s3"
+
+    @property
+    def path(self) -> Path:
+        return Path(self.key)
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.key}" if self.is_s3 else self.key
+
+
+def parse_uri(uri: str) -> Location:
+    """``s3://b/k`` and ``minio://b/k`` -> S3; ``file:///p`` and plain paths -> local."""
+    if not uri or not isinstance(uri, str):
+        raise StorageError(f"empty storage URI: {uri!r}", "give a local path, s3://bucket/key or minio://bucket/key")
+    parsed = urlparse(uri)
+    if parsed.scheme in S3_SCHEMES:
+        if not parsed.netloc:
+            raise StorageError(f"URI {uri!r} has no bucket", "write it as s3://BUCKET/KEY")
+        return Location("s3", parsed.netloc, parsed.path.lstrip("/"))
+    if parsed.scheme == "file":
+        return Location("file", "", parsed.path)
+    if parsed.scheme and len(parsed.scheme) > 1:  # a Windows drive letter is not a scheme
+        raise StorageError(f"unsupported URI scheme {parsed.scheme!r} in {uri!r}",
+                           "use a local path, file://, s3:// or minio:// (gs:// is not used on-prem)")
+    return Location("file", "", uri)
+
+
+def join(uri: str, *parts: str) -> str:
+    """Join path parts onto a URI without collapsing ``s3://``."""
+    out = uri.rstrip("/")
+    for p in parts:
+        out = f"{out}/{p.strip('/')}"
+    return out
+
+
+class Storage:
+    """Reads and writes URIs. One instance holds one S3 client (a connection pool)."""
+
+    def __init__(self, config: StorageConfig | None = None):
+        self.config = config or StorageConfig.from_env()
+        self._client = None
+
+    # ---- the minio client and error mapping -------------------------------------------------
+    @property
+    def client(self):
+        if self._client is None:
+            cfg = self.config
+            if not cfg.endpoint:
+                raise StorageError(
+                    "no S3 endpoint is configured",
+                    "set AWS_ENDPOINT_URL=http://HOST:PORT (and AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY), "
+                    "or write ~/.config/kfp-pytorch/storage.yaml")
+            import urllib3
+            from minio import Minio
+
+            http = urllib3.PoolManager(
+                timeout=urllib3.Timeout(connect=5, read=60),
+                maxsize=16,
+                cert_reqs="CERT_REQUIRED" if cfg.verify_ssl else "CERT_NONE",
+                retries=urllib3.Retry(total=2, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]),
+            )
+            self._client = Minio(cfg.endpoint, access_key=cfg.access_key, secret_key=cfg.secret_key,
+                                 region=cfg.region, secure=cfg.secure, http_client=http)
+        return self._client
+
+    def _map_error(self, e: Exception, loc: Location, action: str) -> StorageError:
+        from minio.error import S3Error
+        import urllib3
+
+        where = f"{action} {loc}"
+        endpoint = f"{'https' if self.config.secure else 'http'}://{self.config.endpoint}"
+        if isinstance(e, S3Error):
+            if e.code in _NOT_FOUND_CODES:
+                return StorageNotFound(f"{where}: {e.code} (no such {'bucket' if e.code == 'NoSuchBucket' else 'object'})",
+                                       "check the URI; `kfp-pytorch storage ls s3://BUCKET/` lists what is there")
+            if e.code in _AUTH_CODES:
+                return StorageAuthError(
+                    f"{where}: the S3 server at {endpoint} refused the credentials ({e.code})",
+                    "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (in-cluster: the Secret mounted into the pod)")
+            return StorageError(f"{where}: {e.code}: {e.message}")
+        if isinstance(e, (urllib3.exceptions.HTTPError, OSError)):
+            return StorageUnreachable(
+                f"{where}: cannot reach the S3 endpoint {endpoint} ({type(e).__name__})",
+                "check AWS_ENDPOINT_URL and that MinIO/SeaweedFS is running and reachable from here")
+        return StorageError(f"{where}: {e}")
+
+    def _s3(self, loc: Location, action: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except StorageError:
+            raise
+        except Exception as e:  # mapped to typed errors; the original stays as __cause__
+            from minio.error import S3Error
+            import urllib3
+
+            if isinstance(e, (S3Error, urllib3.exceptions.HTTPError, OSError)):
+                raise self._map_error(e, loc, action) from e
+            raise
+
+    # ---- public API -------------------------------------------------------------------------
+    def exists(self, uri: str) -> bool:
+        loc = parse_uri(uri)
+        if not loc.is_s3:
+            return loc.path.exists()
+        from minio.error import S3Error
+
+        try:
+            self.client.stat_object(loc.bucket, loc.key)
+            return True
+        except S3Error as e:
+            if e.code in _NOT_FOUND_CODES:
+                return False
+            raise self._map_error(e, loc, "stat") from e
+        except Exception as e:
+            raise self._map_error(e, loc, "stat") from e
+
+    def read_bytes(self, uri: str) -> bytes:
+        loc = parse_uri(uri)
+        if not loc.is_s3:
+            try:
+                return loc.path.read_bytes()
+            except FileNotFoundError as e:
+                raise StorageNotFound(f"read {loc}: no such file", "check the path") from e
+
+        def _get() -> bytes:
+            resp = self.client.get_object(loc.bucket, loc.key)
+            try:
+                return resp.read()
+            finally:
+                resp.close()
+                resp.release_conn()
+
+        return self._s3(loc, "read", _get)
+
+    def iter_chunks(self, uri: str, chunk_size: int = _CHUNK) -> Iterator[bytes]:
+        """Stream an object in chunks (for objects larger than memory)."""
+        loc = parse_uri(uri)
+        if not loc.is_s3:
+            with open(loc.path, "rb") as f:
+                while chunk := f.read(chunk_size):
+                    yield chunk
+            return
+        resp = self._s3(loc, "read", self.client.get_object, loc.bucket, loc.key)
+        try:
+            yield from resp.stream(chunk_size)
+        finally:
+            resp.close()
+            resp.release_conn()
+
+    def write_bytes(self, uri: str, data: bytes, content_type: str = "application/octet-stream") -> None:
+        loc = parse_uri(uri)
+        if not loc.is_s3:
+            _atomic_write_local(loc.path, data)
+            return
+        self._s3(loc, "write", self.client.put_object, loc.bucket, loc.key, io.BytesIO(data), len(data),
+                 content_type=content_type)
+
+    def upload_file(self, path: str | Path, uri: str) -> None:
+        loc = parse_uri(uri)
+        if not loc.is_s3:
+            loc.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = loc.path.with_name(f".{loc.path.name}.tmp-{os.getpid()}")
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, loc.path)
+            return
+        self._s3(loc, "upload", self.client.fput_object, loc.bucket, loc.key, str(path))
+
+    def download_file(self, uri: str, path: str | Path) -> Path:
+        loc, path = parse_uri(uri), Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not loc.is_s3:
+            if not loc.path.exists():
+                raise StorageNotFound(f"read {loc}: no such file", "check the path")
+            shutil.copyfile(loc.path, path)
+            return path
+        self._s3(loc, "download", self.client.fget_object, loc.bucket, loc.key, str(path))
+        return path
+
+    def list(self, uri: str) -> list[str]:
+        """URIs of every object below ``uri`` (recursive), sorted."""
+        loc = parse_uri(uri)
+        if not loc.is_s3:
+            if not loc.path.exists():
+                return []
+            return sorted(str(p) for p in loc.path.rglob("*") if p.is_file())
+        prefix = loc.key.rstrip("/") + "/" if loc.key else ""
+        objs = self._s3(loc, "list", lambda: list(self.client.list_objects(loc.bucket, prefix=prefix, recursive=True)))
+        return sorted(f"s3://{loc.bucket}/{o.object_name}" for o in objs)
+
+    def delete_prefix(self, uri: str) -> None:
+        loc = parse_uri(uri)
+        if not loc.is_s3:
+            shutil.rmtree(loc.path, ignore_errors=True)
+            return
+        for u in self.list(uri):
+            sub = parse_uri(u)
+            self._s3(sub, "delete", self.client.remove_object, sub.bucket, sub.key)
+
+    def ensure_bucket(self, uri: str) -> None:
+        loc = parse_uri(uri)
+        if not loc.is_s3:
+            loc.path.mkdir(parents=True, exist_ok=True)
+            return
+        if not self._s3(loc, "check bucket", self.client.bucket_exists, loc.bucket):
+            self._s3(loc, "create bucket", self.client.make_bucket, loc.bucket)
+
+    def download_dir(self, uri: str, dest: str | Path) -> Path:
+        """Copy every object below ``uri`` into ``dest`` keeping relative paths."""
+        dest = Path(dest)
+        loc = parse_uri(uri)
+        if not loc.is_s3:
+            if not loc.path.is_dir():
+                raise StorageNotFound(f"read {loc}: no such directory", "check the path")
+            shutil.copytree(loc.path, dest, dirs_exist_ok=True)
+            return dest
+        base = loc.key.rstrip("/") + "/"
+        found = self.list(uri)
+        if not found:
+            raise StorageNotFound(f"read {loc}: nothing stored under this prefix", "check the URI")
+        for u in found:
+            rel = parse_uri(u).key[len(base):]
+            self.download_file(u, dest / rel)
+        return dest
+
+    def upload_dir(self, src: str | Path, uri: str) -> None:
+        src = Path(src)
+        for p in sorted(src.rglob("*")):
+            if p.is_file():
+                self.upload_file(p, join(uri, str(p.relative_to(src))))
+
+
+def _atomic_write_local(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def open_binary(data: bytes) -> BinaryIO:
+    return io.BytesIO(data)

@@ -1,0 +1,124 @@
+"""The one edge to MLflow: experiment tracking and the model registry.
+
+Default store: an embedded sqlite database under ``KFP_PYTORCH_HOME`` (no server needed); any
+tracking URI (``http://mlflow:5000``) selects a server, whose artifacts then go wherever the server
+says (MinIO in a cluster). MLflow and HTTP exceptions become :class:`RegistryError` with a hint.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import RegistryError
+from .paths import home
+
+CHAMPION = "champion"
+EXPERIMENT = "kfp-pytorch"
+
+
+def resolve_tracking_uri(uri: str | None = None) -> str:
+    return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home() / 'mlflow.db'}"
+
+
+@contextmanager
+def _mapped(action: str, uri: str):
+    try:
+        yield
+    except RegistryError:
+        raise
+    except Exception as e:  # MlflowException, requests errors, sqlite errors all land here
+        import requests
+        from mlflow.exceptions import MlflowException
+
+        if isinstance(e, requests.exceptions.ConnectionError) or "Max retries exceeded" in str(e) \
+                or "Connection refused" in str(e):
+            raise RegistryError(f"{action}: cannot reach the MLflow tracking server at {uri}",
+                                "check the tracking URI and that `mlflow server` is running; "
+                                "leave it empty for the embedded sqlite store") from e
+        if isinstance(e, MlflowException):
+            raise RegistryError(f"{action} failed at {uri}: {e.message}") from e
+        raise
+
+
+class Tracker:
+    """Thin facade over ``mlflow``; one instance per tracking URI."""
+
+    def __init__(self, tracking_uri: str | None = None, experiment: str = EXPERIMENT):
+        # Fail fast on a dead server instead of MLflow's minutes of retries.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+        import mlflow
+
+        self.uri = resolve_tracking_uri(tracking_uri)
+        self.mlflow = mlflow
+        mlflow.set_tracking_uri(self.uri)
+        self.client = mlflow.MlflowClient(self.uri)
+        with _mapped("open experiment", self.uri):
+            exp = self.client.get_experiment_by_name(experiment)
+            if exp is None:
+                location = None
+                if self.uri.startswith("sqlite:") or self.uri.startswith("file:"):
+                    location = (home() / "mlartifacts").as_uri()
+                exp_id = self.client.create_experiment(experiment, artifact_location=location)
+            else:
+                exp_id = exp.experiment_id
+        self.experiment_id = exp_id
+
+    def log_training(self, run_name: str, params: dict, history: list[dict]) -> str:
+        """One run with the params and per-epoch loss / accuracy / samples per second."""
+        from mlflow.entities import Metric, Param
+
+        with _mapped("log training run", self.uri):
+            run = self.client.create_run(self.experiment_id, run_name=run_name,
+                                         tags={"kfp_pytorch.component": "train"})
+            rid = run.info.run_id
+            metrics = [Metric(k, float(h[k]), int(h.get("ts", 0)), h["epoch"])
+                       for h in history for k in ("loss", "accuracy", "val_loss", "val_accuracy", "samples_per_second")]
+            self.client.log_batch(rid, metrics=metrics,
+                                  params=[Param(k, str(v)[:500]) for k, v in params.items()])
+            self.client.set_terminated(rid)
+        return rid
+
+    def champion(self, name: str) -> dict | None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            mv = self.client.get_model_version_by_alias(name, CHAMPION)
+        except MlflowException:
+            return None
+        metrics = self.client.get_run(mv.run_id).data.metrics if mv.run_id else {}
+        return {"version": mv.version, "run_id": mv.run_id, "metrics": metrics}
+
+    def register(self, name: str, model_dir: Path, metrics: dict, gate_passed: bool, metric: str = "accuracy",
+                 run_id: str | None = None, pip_requirements: list[str] | None = None) -> dict:
+        """Log the model as an MLflow pyfunc, register a version, and move ``champion`` if earned.
+
+        ``champion`` moves only when the gate passed and the new model beats the current champion's
+        ``test_<metric>`` strictly (a tie keeps the incumbent: no churn for equal models).
+        """
+        import torch
+
+        from .mlflow_model import MlflowPredictor
+
+        mlflow = self.mlflow
+        reqs = pip_requirements or [f"torch=={torch.__version__.split('+')[0]}", "numpy"]
+        with _mapped("register model", self.uri):
+            previous = self.champion(name)
+            with mlflow.start_run(run_id=run_id, experiment_id=None if run_id else self.experiment_id):
+                mlflow.log_metrics({f"test_{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
+                info = mlflow.pyfunc.log_model(name="model", python_model=MlflowPredictor(),
+                                               artifacts={"model_dir": str(model_dir)}, pip_requirements=reqs,
+                                               registered_model_name=name)
+                rid = mlflow.active_run().info.run_id
+            versions = self.client.search_model_versions(f"name='{name}' and run_id='{rid}'")
+            version = max(int(v.version) for v in versions) if versions else int(info.registered_model_version)
+            new_value = float(metrics[metric])
+            old_value = previous["metrics"].get(f"test_{metric}") if previous else None
+            promote = gate_passed and (old_value is None or new_value > old_value)
+            self.client.set_model_version_tag(name, str(version), "gate", "passed" if gate_passed else "failed")
+            if promote:
+                self.client.set_registered_model_alias(name, CHAMPION, str(version))
+        return {"name": name, "version": version, "run_id": rid, "champion": promote,
+                "previous_champion": previous["version"] if previous else None,
+                "previous_value": old_value, "value": new_value, "model_uri": f"models:/{name}/{version}"}

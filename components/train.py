@@ -1,0 +1,206 @@
+"""``train``: distributed PyTorch training shaped like a Kubeflow PyTorchJob.
+
+The runtime function :func:`train` validates a :class:`TrainSpec`, resolves the model factory up
+front, then hands the job to a backend through one seam (:data:`BACKENDS`):
+
+- ``local``: ``torchrun`` (``torch.distributed.run``, elastic) launches ``workers`` processes of
+  :mod:`.train_worker` on this machine, with the same environment the Training Operator gives a
+  PyTorchJob replica (``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``, ``MASTER_ADDR``,
+  ``MASTER_PORT``; torchrun adds ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``). A worker that dies makes
+  torchrun restart the group (``max_restarts``) and the workers resume from the last checkpoint.
+- ``cluster``: builds a PyTorchJob/TrainJob manifest and submits it (filed separately; the seam is
+  :class:`Backend`, and :func:`worker_command` is what both backends run).
+"""
+
+import collections
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+from .errors import ConfigError, TrainingError
+from .models import ZOO, resolve_factory
+from .storage import Storage, join
+
+WORKER_MODULE = "kfp_pytorch.components.train_worker"
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """One training job. Validated once, before anything starts."""
+
+    dataset_uri: str
+    """Output of prepare_data (local dir or s3://)."""
+    output_uri: str
+    """Where checkpoints, the exported model and history go (local dir or s3://)."""
+    model: str = "mlp"
+    """``mlp``, ``cnn`` or a factory ``package.module:function``."""
+    epochs: int = 5
+    batch_size: int = 64
+    """Per-worker batch size (the global batch is ``batch_size * workers``)."""
+    lr: float = 1e-3
+    seed: int = 0
+    workers: int = 2
+    """Worker processes (PyTorchJob: replicas x nprocPerNode)."""
+    backend: str = "local"
+    max_restarts: int = 3
+    """How often a failed worker group is restarted from the last checkpoint."""
+    device: str = "auto"
+    """``auto`` (cuda when available, nccl), ``cpu`` (gloo) or ``cuda``."""
+    timeout_s: float = 3600.0
+    progress: str = "auto"
+
+    def validate(self) -> None:
+        problems = []
+        for name in ("dataset_uri", "output_uri"):
+            if not getattr(self, name):
+                problems.append(f"{name}: must be set")
+        for name, lo in (("epochs", 1), ("batch_size", 1), ("workers", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < lo:
+                problems.append(f"{name}: must be an integer >= {lo}, got {v!r}")
+        if not self.lr > 0:
+            problems.append(f"lr: must be > 0, got {self.lr}")
+        if self.max_restarts < 0:
+            problems.append(f"max_restarts: must be >= 0, got {self.max_restarts}")
+        if self.backend not in BACKENDS:
+            problems.append(f"backend: must be one of {', '.join(sorted(BACKENDS))}, got {self.backend!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            problems.append(f"device: must be auto, cpu or cuda, got {self.device!r}")
+        if not self.timeout_s > 0:
+            problems.append(f"timeout_s: must be > 0, got {self.timeout_s}")
+        if self.model not in ZOO and ":" not in self.model:
+            problems.append(f"model: must be one of {', '.join(ZOO)} or 'package.module:function', got {self.model!r}")
+        if problems:
+            raise ConfigError(problems, title="invalid train settings")
+
+
+@dataclass
+class TrainResult:
+    model_uri: str
+    history: list[dict] = field(default_factory=list)
+    restarts: int = 0
+    wall_seconds: float = 0.0
+    train_seconds: float = 0.0
+    """Sum of the epochs' training-loop time: the part compared with a bare torchrun script."""
+
+
+def worker_args(spec: TrainSpec) -> list[str]:
+    """Arguments of the worker entrypoint; identical for every backend."""
+    return ["--dataset-uri", spec.dataset_uri, "--output-uri", spec.output_uri, "--model", spec.model,
+            "--epochs", str(spec.epochs), "--batch-size", str(spec.batch_size), "--lr", repr(spec.lr),
+            "--seed", str(spec.seed), "--device", spec.device, "--progress", spec.progress]
+
+
+def worker_command(spec: TrainSpec, python: str = "python") -> list[str]:
+    """The replica's command: torchrun reads nnodes/nproc/node-rank/master from ``PET_*``."""
+    return [python, "-m", "torch.distributed.run", "-m", WORKER_MODULE, *worker_args(spec)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def replica_env(nnodes: int, nproc: int, node_rank: int, master_addr: str, master_port: int,
+                max_restarts: int) -> dict[str, str]:
+    """The environment the Training Operator sets on a PyTorchJob replica (elastic launcher form)."""
+    return {
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+        "PET_MASTER_ADDR": master_addr, "PET_MASTER_PORT": str(master_port),
+        "PET_NNODES": str(nnodes), "PET_NPROC_PER_NODE": str(nproc), "PET_NODE_RANK": str(node_rank),
+        "PET_MAX_RESTARTS": str(max_restarts),
+    }
+
+
+class Backend(Protocol):
+    def run(self, spec: TrainSpec) -> None:
+        """Run the job to completion, or raise TrainingError."""
+
+
+class LocalBackend:
+    """torchrun on this machine: one node, ``workers`` processes."""
+
+    def run(self, spec: TrainSpec) -> None:
+        env = dict(os.environ)
+        env.update(replica_env(1, spec.workers, 0, "127.0.0.1", free_port(), spec.max_restarts))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.workers)))
+        env["PYTHONUNBUFFERED"] = "1"
+        cmd = worker_command(spec, sys.executable)
+        tail: collections.deque[str] = collections.deque(maxlen=40)
+        # Own process group: on timeout, Ctrl-C or SIGTERM the whole tree goes, no orphans.
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                bufsize=1, start_new_session=True)
+        # A reader thread streams the workers' log into ours; the main thread owns the deadline,
+        # so a silent hang still times out.
+        reader = threading.Thread(target=_pump, args=(proc, tail), daemon=True)
+        reader.start()
+        prev = signal.getsignal(signal.SIGTERM)
+        in_main = threading.current_thread() is threading.main_thread()
+        if in_main:  # run terminated (KFP sends SIGTERM): take the workers down with us
+            signal.signal(signal.SIGTERM, _raise_interrupt)
+        try:
+            rc = proc.wait(timeout=spec.timeout_s)
+        except subprocess.TimeoutExpired as e:
+            raise TrainingError(f"training exceeded timeout_s={spec.timeout_s:g}", "raise timeout_s or reduce epochs") from e
+        finally:
+            if proc.poll() is None:
+                _kill_group(proc)
+            if in_main:
+                signal.signal(signal.SIGTERM, prev)
+            reader.join(timeout=5)
+        if rc != 0:
+            last = "\n".join(f"    {t}" for t in list(tail)[-15:])
+            raise TrainingError(f"training workers failed (torchrun exit code {rc}); last lines:\n{last}",
+                                "read the worker error above; after fixing it, the job resumes from its checkpoint")
+
+
+def _pump(proc: subprocess.Popen, tail: "collections.deque[str]") -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        tail.append(line.rstrip())
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+BACKENDS: dict[str, type] = {"local": LocalBackend}
+
+
+def train(spec: TrainSpec, storage: Storage | None = None) -> TrainResult:
+    """Validate, resolve the model factory here (fail fast), run the backend, read the history."""
+    spec.validate()
+    resolve_factory(spec.model)
+    storage = storage or Storage()
+    t0 = time.perf_counter()
+    BACKENDS[spec.backend]().run(spec)
+    history = json.loads(storage.read_bytes(join(spec.output_uri, "history.json")))
+    restarts = max((h.get("attempt", 0) for h in history), default=0)
+    return TrainResult(model_uri=join(spec.output_uri, "model"), history=history, restarts=restarts,
+                       wall_seconds=time.perf_counter() - t0,
+                       train_seconds=sum(h["seconds"] for h in history))
+
+
+def result_to_dict(r: TrainResult) -> dict:
+    return asdict(r)

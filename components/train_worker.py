@@ -1,0 +1,194 @@
+"""The training worker: one process of a PyTorchJob replica, identical locally and in a pod.
+
+It reads the environment the Kubeflow Training Operator (and ``torchrun``, which it runs) gives a
+replica: ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and the
+``PET_*`` launcher settings. Nothing here knows whether it runs under the local backend or in a
+cluster: the local backend reproduces that environment exactly.
+
+Per epoch, rank 0 writes ``checkpoints/last.pt`` atomically through :mod:`.storage`. On start,
+every rank loads that checkpoint if it exists, so a job restarted after a worker died resumes
+from the last finished epoch (``torchrun --max-restarts`` locally, ``backoffLimit`` in a cluster).
+
+At the end rank 0 writes, below ``--output-uri``::
+
+    model/weights.pt          state_dict
+    model/model.pt2           torch.export program (dynamic batch), what the predictor serves
+    model/metadata.json       input shape, classes, normalisation, model name, training summary
+    history.json              per-epoch loss / accuracy / samples per second
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from .models import build_model
+from .prepare_data import load_split, read_metadata
+from .storage import Storage, join
+
+CHECKPOINT = "checkpoints/last.pt"
+HISTORY = "history.json"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kfp_pytorch.components.train_worker")
+    p.add_argument("--dataset-uri", required=True)
+    p.add_argument("--output-uri", required=True)
+    p.add_argument("--model", default="mlp")
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--progress", default="auto", choices=["auto", "on", "off"])
+    return p.parse_args(argv)
+
+
+def _save_torch(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _all_mean(values: list[float], device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 1024) -> tuple[float, float]:
+    model.eval()
+    loss_sum, correct = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(x), batch):
+            logits = model(x[i:i + batch])
+            loss_sum += nn.functional.cross_entropy(logits, y[i:i + batch], reduction="sum").item()
+            correct += (logits.argmax(1) == y[i:i + batch]).sum().item()
+    model.train()
+    return loss_sum / max(1, len(x)), correct / max(1, len(x))
+
+
+def export_program(model: nn.Module, num_features: int) -> bytes:
+    """``torch.export`` with a dynamic batch dimension, serialised to bytes."""
+    model = model.eval()
+    example = (torch.randn(2, num_features),)
+    batch = torch.export.Dim("batch", min=1, max=65536)
+    program = torch.export.export(model, example, dynamic_shapes=({0: batch},))
+    buf = io.BytesIO()
+    torch.export.save(program, buf)
+    return buf.getvalue()
+
+
+def run(args: argparse.Namespace) -> dict:
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    backend = "nccl" if use_cuda else "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    storage = Storage()
+
+    meta = read_metadata(args.dataset_uri, storage)
+    x_train, y_train = load_split(args.dataset_uri, "train", storage, meta)
+    x_val, y_val = load_split(args.dataset_uri, "val", storage, meta)
+    torch.manual_seed(args.seed)
+    model = build_model(args.model, meta["num_features"], meta["num_classes"], meta.get("image_shape")).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+
+    start_epoch, history = 0, []
+    ckpt_uri = join(args.output_uri, CHECKPOINT)
+    if storage.exists(ckpt_uri):
+        state = torch.load(io.BytesIO(storage.read_bytes(ckpt_uri)), map_location=device, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start_epoch, history = state["epoch"] + 1, state["history"]
+        if rank == 0:
+            print(f"[kfp-pytorch] resuming from checkpoint {ckpt_uri}: epoch {start_epoch} "
+                  f"(restart {attempt})", flush=True)
+
+    ddp = DDP(model, device_ids=[local_rank] if use_cuda else None)
+    train_ds = TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train))
+    sampler = DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    loader = DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler, pin_memory=use_cuda)
+    xv, yv = torch.from_numpy(x_val).to(device), torch.from_numpy(y_val).to(device)
+    show = rank == 0 and (args.progress == "on" or (args.progress == "auto"))
+    for epoch in range(start_epoch, args.epochs):
+        sampler.set_epoch(epoch)
+        t0 = time.perf_counter()
+        loss_sum, correct, seen = 0.0, 0, 0
+        bar = None
+        if show:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(loader), desc=f"epoch {epoch + 1}/{args.epochs}", file=sys.stderr,
+                       mininterval=1.0, leave=True, dynamic_ncols=False, ncols=100)
+        for xb, yb in loader:
+            xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            logits = ddp(xb)
+            loss = nn.functional.cross_entropy(logits, yb)
+            loss.backward()
+            optimizer.step()
+            loss_sum += loss.item() * len(yb)
+            correct += (logits.argmax(1) == yb).sum().item()
+            seen += len(yb)
+            if bar is not None:
+                bar.update(1)
+        elapsed = time.perf_counter() - t0
+        g_loss, g_acc, g_rate = _all_mean([loss_sum / max(1, seen), correct / max(1, seen), seen / elapsed], device)
+        val_loss, val_acc = _evaluate(model, xv, yv)
+        entry = {"epoch": epoch + 1, "loss": g_loss, "accuracy": g_acc, "val_loss": val_loss,
+                 "val_accuracy": val_acc, "samples_per_second": g_rate * world, "seconds": elapsed,
+                 "attempt": attempt}
+        history.append(entry)
+        if bar is not None:
+            bar.set_postfix(loss=f"{g_loss:.4f}", val_acc=f"{val_acc:.3f}")
+            bar.close()
+        if rank == 0:
+            print("[kfp-pytorch] " + json.dumps(entry), flush=True)
+            state = {"epoch": epoch, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "history": history, "args": vars(args)}
+            storage.write_bytes(ckpt_uri, _save_torch(state))
+        dist.barrier()
+
+    summary = {"epochs": args.epochs, "world_size": world, "backend": backend,
+               "final": history[-1] if history else None}
+    if rank == 0:
+        cpu_model = model.to("cpu").eval()
+        storage.write_bytes(join(args.output_uri, "model/weights.pt"), _save_torch(cpu_model.state_dict()))
+        storage.write_bytes(join(args.output_uri, "model/model.pt2"), export_program(cpu_model, meta["num_features"]))
+        model_meta = {
+            "format": "kfp-pytorch-model/v1", "model": args.model, "input_shape": [meta["num_features"]],
+            "image_shape": meta.get("image_shape"), "classes": meta["classes"],
+            "num_classes": meta["num_classes"], "features": meta["features"],
+            "normalization": meta["normalization"], "dataset_uri": args.dataset_uri,
+            "program": "model.pt2", "weights": "weights.pt", "training": summary,
+        }
+        storage.write_bytes(join(args.output_uri, "model/metadata.json"), json.dumps(model_meta, indent=1).encode())
+        storage.write_bytes(join(args.output_uri, HISTORY), json.dumps(history, indent=1).encode())
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

