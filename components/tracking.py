@@ -120,5 +120,5 @@ class Tracker:
             if promote:
                 self.client.set_registered_model_alias(name, CHAMPION, str(version))
         return {"name": name, "version": version, "run_id": rid, "champion": promote,
-                "previous_champion": previous["version"] if previous else None,
+                "previous_champion": int(previous["version"]) if previous else None,
                 "previous_value": old_value, "value": new_value, "model_uri": f"models:/{name}/{version}"}

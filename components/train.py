@@ -15,6 +15,7 @@ front, then hands the job to a backend through one seam (:data:`BACKENDS`):
 import collections
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -134,7 +135,7 @@ class LocalBackend:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.workers)))
         env["PYTHONUNBUFFERED"] = "1"
         cmd = worker_command(spec, sys.executable)
-        tail: collections.deque[str] = collections.deque(maxlen=40)
+        tail: collections.deque[str] = collections.deque(maxlen=400)
         # Own process group: on timeout, Ctrl-C or SIGTERM the whole tree goes, no orphans.
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1, start_new_session=True)
@@ -157,9 +158,23 @@ class LocalBackend:
                 signal.signal(signal.SIGTERM, prev)
             reader.join(timeout=5)
         if rc != 0:
-            last = "\n".join(f"    {t}" for t in list(tail)[-15:])
-            raise TrainingError(f"training workers failed (torchrun exit code {rc}); last lines:\n{last}",
+            cause = worker_error(list(tail))
+            last = "\n".join(f"    {t}" for t in list(tail)[-12:])
+            raise TrainingError(f"training workers failed (torchrun exit code {rc})"
+                                + (f": {cause}" if cause else "") + f"; last lines:\n{last}",
                                 "read the worker error above; after fixing it, the job resumes from its checkpoint")
+
+
+_ERROR_LINE = re.compile(r"^\s*(?:\[[^\]]*\]:?\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b.*)$")
+
+
+def worker_error(lines: list[str]) -> str | None:
+    """The last exception line a worker printed (not torchrun's own ChildFailedError summary)."""
+    for line in reversed(lines):
+        m = _ERROR_LINE.match(line)
+        if m and "ChildFailedError" not in line and "elastic" not in line:
+            return m.group(1).strip()
+    return None
 
 
 def _pump(proc: subprocess.Popen, tail: "collections.deque[str]") -> None:

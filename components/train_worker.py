@@ -90,16 +90,32 @@ def export_program(model: nn.Module, num_features: int) -> bytes:
     return buf.getvalue()
 
 
+def _init_process_group(backend: str, attempt: int) -> None:
+    """``env://`` initialisation, with the store keys namespaced by restart attempt.
+
+    After torchrun restarts a worker group, the launcher's TCPStore still holds the previous
+    attempt's gloo addresses; a rank reading a stale one fails with "connectFullMesh failed".
+    A per-attempt PrefixStore gives every attempt a clean namespace. Without torchrun (plain
+    ``RANK``/``WORLD_SIZE``, as the operator sets for non-elastic replicas) rank 0 hosts the store.
+    """
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=(rank == 0 and not agent_store), timeout=timedelta(minutes=10))
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"kfp-pytorch/attempt-{attempt}", store),
+                            rank=rank, world_size=world, timeout=timedelta(minutes=10))
+
+
 def run(args: argparse.Namespace) -> dict:
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     backend = "nccl" if use_cuda else "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    _init_process_group(backend, attempt)
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     storage = Storage()
 
     meta = read_metadata(args.dataset_uri, storage)

@@ -1,0 +1,74 @@
+"""evaluate (gate, report) and register (MLflow registry) against a real `mlflow server`."""
+import mlflow
+import pytest
+
+from kfp_pytorch.components.errors import ConfigError, RegistryError
+from kfp_pytorch.components.evaluate import EvaluateSpec, evaluate
+from kfp_pytorch.components.register import RegisterSpec, register
+from servers import free_port
+
+
+def test_evaluate_metrics_gate_and_report(digits_data, trained_model):
+    res = evaluate(EvaluateSpec(digits_data, trained_model.model_uri, threshold=0.5))
+    m = res["metrics"]
+    assert 0.9 < m["accuracy"] <= 1 and m["test_rows"] == 270
+    cm = m["confusion_matrix"]
+    assert len(cm) == 10 and sum(map(sum, cm)) == 270
+    assert sum(cm[i][i] for i in range(10)) / 270 == pytest.approx(m["accuracy"])
+    assert res["gate"]["passed"] is True
+    html = res["report_html"]
+    assert html.count("data:image/png;base64,") == 2 and "Gate PASSED" in html
+    strict = evaluate(EvaluateSpec(digits_data, trained_model.model_uri, threshold=0.999999, metric="macro_f1"))
+    assert strict["gate"]["passed"] is False and "Gate FAILED" in strict["report_html"]
+
+
+def test_evaluate_rejects_bad_settings(digits_data, trained_model):
+    with pytest.raises(ConfigError):
+        evaluate(EvaluateSpec(digits_data, trained_model.model_uri, threshold=2, metric="auc"))
+
+
+def _metrics(acc):
+    return {"accuracy": acc, "macro_f1": acc}
+
+
+def test_champion_moves_only_when_earned(mlflow_server, trained_model, s3):
+    uri = mlflow_server.url
+    name = "digits-champion"
+    first = register(RegisterSpec(trained_model.model_uri, name, _metrics(0.95), True, tracking_uri=uri))
+    assert first["champion"] is True and first["previous_champion"] is None
+    worse = register(RegisterSpec(trained_model.model_uri, name, _metrics(0.93), True, tracking_uri=uri))
+    assert worse["champion"] is False and worse["version"] == first["version"] + 1
+    failed = register(RegisterSpec(trained_model.model_uri, name, _metrics(0.99), False, tracking_uri=uri))
+    assert failed["champion"] is False
+    better = register(RegisterSpec(trained_model.model_uri, name, _metrics(0.97), True, tracking_uri=uri))
+    assert better["champion"] is True and better["previous_champion"] == first["version"]
+    client = mlflow.MlflowClient(uri)
+    assert int(client.get_model_version_by_alias(name, "champion").version) == better["version"]
+    assert client.get_model_version(name, str(failed["version"])).tags["gate"] == "failed"
+    # The registered model loads as an MLflow pyfunc (artifacts went to S3) and predicts.
+    mlflow.set_tracking_uri(uri)
+    model = mlflow.pyfunc.load_model(f"models:/{name}@champion")
+    import numpy as np
+
+    assert model.predict(np.zeros((3, 64), dtype=np.float32)).shape == (3,)
+
+
+def test_embedded_sqlite_store_is_the_default(trained_model, tmp_path):
+    res = register(RegisterSpec(trained_model.model_uri, "digits-embedded", _metrics(0.9), True))
+    assert res["champion"] is True
+    import os
+
+    assert os.path.exists(os.path.join(os.environ["KFP_PYTORCH_HOME"], "mlflow.db"))
+
+
+def test_unreachable_tracking_server_is_reported(trained_model):
+    with pytest.raises(RegistryError) as e:
+        register(RegisterSpec(trained_model.model_uri, "x", _metrics(0.9), True,
+                              tracking_uri=f"http://127.0.0.1:{free_port()}"))
+    assert "cannot reach the MLflow tracking server" in str(e.value)
+
+
+def test_register_validates_name_and_metric(trained_model):
+    with pytest.raises(ConfigError) as e:
+        register(RegisterSpec(trained_model.model_uri, "bad name!", {"accuracy": 1.0}, True, metric="auc"))
+    assert "model_name" in str(e.value) and "metric" in str(e.value)

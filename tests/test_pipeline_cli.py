@@ -1,0 +1,158 @@
+"""The pipeline and the CLI as a user runs them: a real subprocess, real servers, real HTTP."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from google.protobuf import json_format
+from kfp.pipeline_spec import pipeline_spec_pb2
+
+from servers import free_port
+
+GOLDEN = Path(__file__).parent / "golden" / "train_and_serve.yaml"
+CLI = [sys.executable, "-m", "kfp_pytorch.cli"]
+
+
+def run_cli(*args, env=None, timeout=600):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def summary_of(stdout: str) -> dict:
+    return json.loads(stdout[stdout.rindex('\n{\n "pipeline"'):])
+
+
+def _project_processes():
+    home = os.environ["KFP_PYTORCH_HOME"]
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("KFP_PYTORCH_HOME") == home and p.pid != os.getpid() and p.status() != "zombie":
+                out.append(p)
+        except (psutil.Error, OSError):
+            pass
+    return out
+
+
+def _normalised(doc: dict) -> dict:
+    doc = dict(doc)
+    doc.pop("sdkVersion", None)
+    return doc
+
+
+def test_compile_parses_back_and_matches_golden(tmp_path):
+    out = tmp_path / "p.yaml"
+    r = run_cli("compile", "train-and-serve", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    doc = yaml.safe_load(out.read_text())
+    spec = json_format.ParseDict(doc, pipeline_spec_pb2.PipelineSpec())
+    assert spec.pipeline_info.name == "train-and-serve"
+    assert {"comp-prepare-data-op", "comp-train-op", "comp-evaluate-op", "comp-register-op",
+            "comp-serve-op"} <= set(spec.components)
+    cond = spec.root.dag.tasks["condition-1"].trigger_policy.condition
+    assert "evaluate-op-Output" in cond and "true" in cond
+    text = out.read_text()
+    assert "AWS_SECRET_ACCESS_KEY" not in text and "secret_key" not in text  # credentials never compiled in
+    if os.environ.get("UPDATE_GOLDEN"):
+        GOLDEN.write_text(yaml.safe_dump(_normalised(doc), sort_keys=True))
+    assert _normalised(doc) == yaml.safe_load(GOLDEN.read_text()), \
+        "compiled pipeline changed: review it, then rerun with UPDATE_GOLDEN=1"
+
+
+def test_pipelines_lists_parameters():
+    r = run_cli("pipelines", "--json")
+    params = json.loads(r.stdout)["train_and_serve"]
+    assert params["epochs"] == {"type": "int", "default": 8, "help": "training epochs"}
+    assert params["dataset_uri"]["default"] == "sample://digits"
+
+
+def test_end_to_end_on_s3_and_mlflow_server(s3, bucket, mlflow_server):
+    """The main job with every artifact in the S3 server and the registry on a real MLflow server."""
+    r = run_cli("run", "train_and_serve", "--local", "--json", "--param", "epochs=4",
+                "--param", f"storage_root=s3://{bucket}/runs", "--param", f"tracking_uri={mlflow_server.url}",
+                "--param", "model_name=digits-e2e")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    s = summary_of(r.stdout)
+    try:
+        assert s["status"] == "SUCCEEDED" and s["gate_passed"] is True
+        assert s["metrics"]["accuracy"] > 0.9
+        assert s["model"]["registry_uri"] == "models:/digits-e2e/1" and s["model"]["champion"] is True
+        assert s["endpoint"].endswith("/v2/models/digits-e2e/infer")
+        assert s["prediction"]["label"] in range(10)
+        assert s["artifacts"]["prepare-data-op.dataset"].startswith(f"s3://{bucket}/runs/")
+        assert s["artifacts"]["train-op.model"].startswith(f"s3://{bucket}/runs/")
+        stored = s3.list(f"s3://{bucket}/runs")
+        assert any(u.endswith("model/model.pt2") for u in stored)
+        assert any(u.endswith("checkpoints/last.pt") for u in stored)
+        assert any(u.endswith("train/shard-00000.npz") for u in stored)
+        # No credential leaks into what the run wrote locally.
+        secret = os.environ["AWS_SECRET_ACCESS_KEY"]
+        for f in Path(s["run_dir"]).rglob("*.json"):
+            assert secret not in f.read_text()
+        assert secret not in r.stdout and secret not in r.stderr
+    finally:
+        run_cli("serve", "stop", "digits-e2e")
+
+
+def test_gate_failure_skips_register_and_serve():
+    r = run_cli("run", "train_and_serve", "--local", "--json", "--param", "epochs=1", "--param", "threshold=0.999")
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = summary_of(r.stdout)
+    assert s["gate_passed"] is False and "model" not in s and "endpoint" not in s
+    assert not _project_processes()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["run", "no_such_pipeline", "--local"], "unknown pipeline 'no_such_pipeline'"),
+    (["run", "train_and_serve", "--local", "--param", "epoch=3"], "did you mean 'epochs'"),
+    (["run", "train_and_serve", "--local", "--param", "epochs=three"], "epochs: expected integer, got 'three'"),
+    (["run", "train_and_serve", "--local", "--param", "model_name=Bad_Name", "--param", "lr=-1"], "lr: must be > 0"),
+    (["run", "train_and_serve", "--local", "--param", "dataset_uri=/nonexistent/data.csv"], "dataset not found"),
+    (["run", "train_and_serve", "--local", "--param", "model_arch=nosuchpkg_q.models:net"],
+     "cannot import model factory module 'nosuchpkg_q.models'"),
+    (["run", "train_and_serve", "--local", "--param", "batch_size"], "expected key=value"),
+])
+def test_bad_input_is_a_clear_error(args, needle):
+    r = run_cli(*args)
+    assert r.returncode == 2, (r.stdout[-1000:], r.stderr[-1000:])
+    assert needle in r.stderr and "Traceback" not in r.stderr and "hint:" in r.stderr
+    assert not (Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").exists()  # nothing ran
+
+
+def test_bad_table_is_rejected_before_any_step(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b,label\n1,2,0\n3,,1\nx,4,1\n")
+    r = run_cli("run", "train_and_serve", "--local", "--param", f"dataset_uri={bad}")
+    assert r.returncode == 2 and "column 'b': 1 NaN" in r.stderr and "column 'a': must be numeric" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_unreachable_s3_and_wrong_credentials(s3_server, bucket):
+    dead = run_cli("run", "train_and_serve", "--local", "--param", "dataset_uri=s3://data/x.csv",
+                   env={"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "a",
+                        "AWS_SECRET_ACCESS_KEY": "b"})
+    assert dead.returncode == 1 and "cannot reach the S3 endpoint" in dead.stderr and "Traceback" not in dead.stderr
+    wrong = run_cli("run", "train_and_serve", "--local", "--param", f"dataset_uri=s3://{bucket}/x.csv",
+                    env={**s3_server.env, "AWS_SECRET_ACCESS_KEY": "not-the-secret"})
+    assert wrong.returncode == 1 and "refused the credentials" in wrong.stderr
+    assert "not-the-secret" not in wrong.stderr and "Traceback" not in wrong.stderr
+
+
+def test_port_in_use_is_rejected_before_any_step():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run_cli("run", "train_and_serve", "--local", "--param", f"serve_port={port}")
+    assert r.returncode == 2 and f"serve_port {port}" in r.stderr and "already in use" in r.stderr
+
+
+def test_serve_stop_unknown_name():
+    r = run_cli("serve", "stop", "nobody")
+    assert r.returncode == 1 and "no local model server named 'nobody'" in r.stderr

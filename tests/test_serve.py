@@ -1,0 +1,91 @@
+"""The local model server (KServe ModelServer + our TorchPredictor) over real HTTP."""
+import socket
+
+import numpy as np
+import psutil
+import pytest
+import requests
+
+from kfp_pytorch.components.errors import ConfigError, PortInUseError, ServingError
+from kfp_pytorch.components.predictor import ModelRunner
+from kfp_pytorch.components.prepare_data import load_split, read_metadata
+from kfp_pytorch.components.serve import ServeSpec, infer, list_servers, serve, stop_server
+
+
+@pytest.fixture
+def endpoint(trained_model):
+    ep = serve(ServeSpec(trained_model.model_uri, "digits"))
+    yield ep
+    stop_server("digits")
+
+
+def _raw_rows(digits_data, n):
+    x, y = load_split(digits_data, "test")
+    norm = read_metadata(digits_data)["normalization"]
+    return x[:n] * np.asarray(norm["std"]) + np.asarray(norm["mean"]), y[:n]
+
+
+def test_open_inference_protocol_v2(endpoint, digits_data, trained_model):
+    assert requests.get(f"{endpoint.url}/v2/health/ready").status_code == 200
+    assert requests.get(f"{endpoint.url}/v2/models/digits/ready").status_code == 200
+    assert endpoint.infer_url == f"{endpoint.url}/v2/models/digits/infer" and endpoint.smoke_test is not None
+    rows, y = _raw_rows(digits_data, 32)
+    resp = infer(endpoint.url, "digits", rows.tolist())
+    out = {o["name"]: o for o in resp["outputs"]}
+    assert out["probabilities"]["shape"] == [32, 10] and out["label"]["datatype"] == "INT64"
+    labels = np.asarray(out["label"]["data"])
+    assert (labels == y).mean() > 0.85
+    # Same answers as the in-process runner (the served program is the evaluated one).
+    _, local = ModelRunner(trained_model.model_uri).predict(rows)
+    assert (labels == local).all()
+
+
+def test_bad_request_gets_a_400_not_a_crash(endpoint):
+    body = {"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}
+    r = requests.post(endpoint.infer_url, json=body)
+    assert r.status_code == 400 and "expected input of shape [n, 64]" in r.text
+    assert requests.get(f"{endpoint.url}/v2/health/ready").status_code == 200
+
+
+def test_server_is_listed_and_stopped(endpoint):
+    [info] = [s for s in list_servers() if s["name"] == "digits"]
+    assert info["alive"] and info["pid"] == endpoint.pid
+    assert stop_server("digits")
+    assert not psutil.pid_exists(endpoint.pid) or psutil.Process(endpoint.pid).status() == psutil.STATUS_ZOMBIE
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"{endpoint.url}/v2/health/ready", timeout=2)
+
+
+def test_port_in_use_is_a_clear_error(trained_model):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(PortInUseError) as e:
+            serve(ServeSpec(trained_model.model_uri, "busy", port=port))
+        assert f"port {port}" in str(e.value) and e.value.hint
+    assert not [s for s in list_servers() if s["name"] == "busy"]
+
+
+def test_missing_model_fails_fast_without_orphans(tmp_path):
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ServingError, match="exited"):
+        serve(ServeSpec(str(tmp_path / "nothing"), "ghost"))
+    after = {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+    assert after <= before
+
+
+def test_serving_from_s3(s3, bucket, trained_model):
+    s3.upload_dir(trained_model.model_uri, f"s3://{bucket}/model")
+    ep = serve(ServeSpec(f"s3://{bucket}/model", "from-s3"))
+    try:
+        resp = infer(ep.url, "from-s3", [[0.0] * 64])
+        assert len(resp["outputs"][1]["data"]) == 1
+    finally:
+        stop_server("from-s3")
+
+
+def test_serve_validates_settings(trained_model):
+    with pytest.raises(ConfigError) as e:
+        serve(ServeSpec(trained_model.model_uri, "Bad_Name", port=70000))
+    assert "model_name" in str(e.value) and "port" in str(e.value)

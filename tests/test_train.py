@@ -1,0 +1,146 @@
+"""Distributed training through the local backend: real torchrun, real gloo, real processes."""
+import json
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+from kfp_pytorch.components.errors import ConfigError, ModelFactoryError, TrainingError
+from kfp_pytorch.components.models import build_model, resolve_factory
+from kfp_pytorch.components.train import TrainSpec, train, worker_command
+from kfp_pytorch.components.train_worker import CHECKPOINT
+
+
+def test_trained_model_learns_and_writes_everything(trained_model):
+    h = trained_model.history
+    assert [e["epoch"] for e in h] == list(range(1, 7))
+    assert h[-1]["loss"] < h[0]["loss"] and h[-1]["val_accuracy"] > 0.9
+    assert all(e["samples_per_second"] > 0 for e in h)
+    model_dir = trained_model.model_uri
+    meta = json.loads(open(f"{model_dir}/metadata.json").read())
+    assert meta["input_shape"] == [64] and meta["classes"] == list(range(10))
+    assert meta["training"]["world_size"] == 2 and meta["training"]["backend"] == "gloo"
+    program = torch.export.load(f"{model_dir}/model.pt2").module()
+    assert program(torch.zeros(5, 64)).shape == (5, 10)  # dynamic batch
+
+
+def test_workers_get_the_pytorchjob_environment(digits_data, tmp_path, monkeypatch):
+    probe = tmp_path / "probe"
+    monkeypatch.setenv("KFP_PYTORCH_TEST_PROBE_DIR", str(probe))
+    train(TrainSpec(digits_data, str(tmp_path / "out"), model="factories:env_probe", epochs=1, workers=2,
+                    progress="off"))
+    envs = [json.loads((probe / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    for rank, env in enumerate(envs):
+        assert env["RANK"] == str(rank) and env["LOCAL_RANK"] == str(rank) and env["WORLD_SIZE"] == "2"
+        assert env["PET_NNODES"] == "1" and env["PET_NPROC_PER_NODE"] == "2" and env["PET_NODE_RANK"] == "0"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
+
+
+def test_worker_command_is_the_replica_entrypoint():
+    cmd = worker_command(TrainSpec("s3://b/data", "s3://b/out", epochs=3))
+    assert cmd[:5] == ["python", "-m", "torch.distributed.run", "-m", "kfp_pytorch.components.train_worker"]
+    assert "--dataset-uri" in cmd and "s3://b/data" in cmd
+
+
+def test_s3_dataset_checkpoints_and_model(s3, bucket, tmp_path):
+    from kfp_pytorch.components.prepare_data import PrepareSpec, prepare_data
+
+    data = f"s3://{bucket}/data"
+    prepare_data(PrepareSpec("sample://digits", data))
+    result = train(TrainSpec(data, f"s3://{bucket}/run", model="cnn", epochs=2, progress="off"))
+    objects = s3.list(f"s3://{bucket}/run")
+    for rel in (CHECKPOINT, "model/model.pt2", "model/weights.pt", "model/metadata.json", "history.json"):
+        assert f"s3://{bucket}/run/{rel}" in objects
+    assert result.model_uri == f"s3://{bucket}/run/model" and len(result.history) == 2
+
+
+def _worker_pids() -> list[psutil.Process]:
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = p.cmdline()
+        except psutil.Error:  # exited while we looked
+            continue
+        if "kfp_pytorch.components.train_worker" in cmd and "torch.distributed.run" not in cmd:
+            out.append(p)
+    return out
+
+
+def test_killed_worker_resumes_from_checkpoint(digits_data, tmp_path):
+    out = tmp_path / "out"
+    spec = TrainSpec(digits_data, str(out), model="factories:slow", epochs=5, workers=2, max_restarts=2,
+                     progress="off")
+    box: dict = {}
+
+    def _run():
+        try:
+            box["result"] = train(spec)
+        except Exception as e:  # surfaced by the assertion below
+            box["error"] = e
+
+    t = threading.Thread(target=_run)
+    t.start()
+    ckpt = out / CHECKPOINT
+    deadline = time.monotonic() + 120
+    while not ckpt.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ckpt.exists(), "no checkpoint appeared"
+    time.sleep(0.15)  # inside the next epoch
+    victims = _worker_pids()
+    assert victims, "no worker process found"
+    os.kill(victims[-1].pid, signal.SIGKILL)
+    t.join(timeout=180)
+    assert "error" not in box, box.get("error")
+    result = box["result"]
+    epochs = [h["epoch"] for h in result.history]
+    assert epochs == [1, 2, 3, 4, 5]  # every epoch exactly once: resumed, not restarted from scratch
+    assert result.restarts >= 1
+    first_after = next(h for h in result.history if h["attempt"] >= 1)
+    assert first_after["epoch"] > 1
+
+
+def test_failing_factory_in_workers_gives_the_worker_error(digits_data, tmp_path):
+    with pytest.raises(TrainingError) as e:
+        train(TrainSpec(digits_data, str(tmp_path / "o"), model="factories:broken", epochs=1, max_restarts=0,
+                        progress="off"))
+    assert "this factory always fails" in str(e.value)
+    assert not _worker_pids()
+
+
+def test_timeout_kills_the_workers(digits_data, tmp_path):
+    with pytest.raises(TrainingError, match="timeout"):
+        train(TrainSpec(digits_data, str(tmp_path / "o"), model="factories:slow", epochs=50, timeout_s=3,
+                        progress="off"))
+    time.sleep(0.5)
+    assert not _worker_pids()
+
+
+@pytest.mark.parametrize("name,msg", [
+    ("nosuchmodule_xyz:make", "cannot import model factory module 'nosuchmodule_xyz'"),
+    ("factories:missing_fn", "has no callable 'missing_fn'"),
+    ("resnet", "unknown model 'resnet'"),
+])
+def test_unimportable_factory_fails_before_any_worker(name, msg):
+    with pytest.raises(ModelFactoryError) as e:
+        resolve_factory(name)
+    assert msg in str(e.value) and e.value.hint
+
+
+def test_factory_results_are_checked():
+    with pytest.raises(ModelFactoryError, match="always fails"):
+        build_model("factories:broken", 4, 2)
+    with pytest.raises(ModelFactoryError, match="not a square image"):
+        build_model("cnn", 10, 2)
+
+
+def test_invalid_settings_listed_together(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        train(TrainSpec("d", "o", epochs=0, workers=0, lr=-1, backend="slurm"))
+    text = str(e.value)
+    for field in ("epochs", "workers", "lr", "backend"):
+        assert f"{field}:" in text
