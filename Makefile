@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-export KFP_PYTORCH_HOME ?= $(CURDIR)/.kfp-pytorch
+# State (embedded MLflow store, kfp.local outputs, local servers) lives in $$KFP_PYTORCH_HOME, default ~/.kfp-pytorch.
 
 .PHONY: setup demo test bench simulate clean
 

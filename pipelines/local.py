@@ -54,6 +54,7 @@ class LocalRun:
     outputs: dict = field(default_factory=dict)
     """task name -> executor output (parameterValues and artifacts)."""
     failed_task: str | None = None
+    elapsed_s: float = 0.0
 
 
 def _read_outputs(run_dir: Path) -> dict:
@@ -73,6 +74,9 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
     # use_venv=False: steps run in this environment, where kfp_pytorch is installed (as in the image).
     kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
     error: Exception | None = None
+    import time
+
+    t0 = time.perf_counter()
     try:
         entry.func(**params)
     except RuntimeError as e:  # kfp.local: "Pipeline ... FAILURE. Inner task failed: 'x'"
@@ -80,8 +84,9 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
     new = sorted(set(root.iterdir()) - before, key=lambda p: p.stat().st_mtime)
     run_dir = new[-1] if new else root
     outputs = _read_outputs(run_dir)
+    elapsed = time.perf_counter() - t0
     if error is None:
-        return LocalRun(entry.name, run_dir, True, outputs)
+        return LocalRun(entry.name, run_dir, True, outputs, elapsed_s=elapsed)
     failed = None
     import re
 
@@ -90,13 +95,14 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
         failed = re.sub(r"\[\d+m", "", m.group(1))
     if failed and (run_dir / failed).exists():
         shutil.rmtree(run_dir / failed, ignore_errors=True)  # partial outputs of the failed step
-    return LocalRun(entry.name, run_dir, False, outputs, failed)
+    return LocalRun(entry.name, run_dir, False, outputs, failed, elapsed)
 
 
 def summarize(run: LocalRun) -> dict:
     """The facts a user wants at the end: metrics, model version, endpoint, artifact locations."""
     o = run.outputs
-    s: dict = {"pipeline": run.pipeline, "status": "SUCCEEDED" if run.succeeded else "FAILED", "run_dir": str(run.run_dir)}
+    s: dict = {"pipeline": run.pipeline, "status": "SUCCEEDED" if run.succeeded else "FAILED", "run_dir": str(run.run_dir),
+                "elapsed_s": round(run.elapsed_s, 2)}
     if run.failed_task:
         s["failed_task"] = run.failed_task
     arts = {}

@@ -1,0 +1,229 @@
+"""kfp-pytorch benchmarks: every figure as a ratio against its named baseline, side by side.
+
+    make bench                  # everything
+    python tests/bench.py --only train,data,serve,pipeline [--json OUT]
+
+Figures (issue #2):
+- train:    local backend of `train` vs a hand-written torchrun script (tests/bench_baseline_ddp.py),
+            same model, data, seed and steps; ratio of training-loop seconds (target <= 1.10).
+- data:     reading a 100 MB shard through the storage module from the S3 server vs a bare
+            minio get_object of the same object; ratio of throughputs (target >= 0.8).
+- serve:    p50/p99 latency and requests/s of the local model server at concurrency 1 and 16 vs
+            an in-process call of the same model (target: p50 overhead <= 3 ms at concurrency 1).
+- pipeline: wall time of `make demo` after setup, and of one kfp.local pipeline run.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from servers import start_seaweedfs  # noqa: E402
+
+ROWS: list[dict] = []
+
+
+def row(figure, value, baseline, ratio, target, ok, unit=""):
+    ROWS.append({"figure": figure, "value": value, "baseline": baseline, "ratio": ratio, "target": target,
+                 "ok": ok, "unit": unit})
+    mark = "ok " if ok else ("   " if ok is None else "MISS")
+    r = f"{ratio:8.3f}x" if ratio is not None else "         "
+    print(f"  [{mark}] {figure:<44} {value:>10.4g} {unit:<6} vs {baseline:>10.4g}  {r}  target {target}", flush=True)
+
+
+def bench_train(tmp: Path) -> None:
+    import pandas as pd
+
+    from kfp_pytorch.components.prepare_data import PrepareSpec, prepare_data
+    from kfp_pytorch.components.train import TrainSpec, free_port, train
+
+    print("train: local backend vs hand-written torchrun script (2 workers, gloo, 60k x 64 rows, 3 epochs)")
+    rng = np.random.default_rng(0)
+    n, d, k = 60_000, 64, 10
+    centers = rng.normal(size=(k, d))
+    y = rng.integers(0, k, n)
+    df = pd.DataFrame(centers[y] + rng.normal(scale=2.0, size=(n, d)), columns=[f"f{i}" for i in range(d)])
+    df["label"] = y
+    df.to_csv(tmp / "big.csv", index=False)
+    data = str(tmp / "data")
+    prepare_data(PrepareSpec(str(tmp / "big.csv"), data, shard_rows=8192))
+    epochs, bs, lr, seed = 3, 128, 0.001, 0
+    ours, base = [], []
+    for rep in range(2):  # interleaved, so machine noise hits both alike
+        env = dict(os.environ, OMP_NUM_THREADS="1", PET_NNODES="1", PET_NPROC_PER_NODE="2", PET_NODE_RANK="0",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", str(HERE / "bench_baseline_ddp.py"),
+                              data, str(epochs), str(bs), str(lr), str(seed)], capture_output=True, text=True, env=env)
+        line = [ln for ln in out.stdout.splitlines() if ln.startswith("BASELINE ")]
+        if not line:
+            raise RuntimeError(out.stdout[-2000:] + out.stderr[-2000:])
+        base.append(json.loads(line[0][9:])["train_seconds"])
+        os.environ["OMP_NUM_THREADS"] = "1"
+        r = train(TrainSpec(data, str(tmp / f"out{rep}"), epochs=epochs, batch_size=bs, lr=lr, seed=seed,
+                            progress="off"))
+        ours.append(r.train_seconds)
+        rate = statistics.mean(h["samples_per_second"] for h in r.history)
+    o, b = min(ours), min(base)
+    row("train loop seconds (kfp-pytorch / torchrun)", o, b, o / b, "<= 1.10", o / b <= 1.10, "s")
+    row("train samples/s (kfp-pytorch)", rate, n * 0.7 * epochs / b, None, "report", None, "1/s")
+
+
+def bench_data(tmp: Path) -> None:
+    from minio import Minio
+
+    from kfp_pytorch.components.storage import Storage, StorageConfig
+
+    print("data: 100 MB shard through the storage module vs bare minio get_object")
+    s3 = start_seaweedfs(tmp / "weed")
+    try:
+        host = s3.url.split("//")[1]
+        cfg = StorageConfig(endpoint=host, access_key=s3.env["AWS_ACCESS_KEY_ID"],
+                            secret_key=s3.env["AWS_SECRET_ACCESS_KEY"])
+        st = Storage(cfg)
+        st.ensure_bucket("s3://bench")
+        blob = np.random.default_rng(0).bytes(100 * 1024 * 1024)
+        st.write_bytes("s3://bench/shard.bin", blob)
+        bare = Minio(host, access_key=cfg.access_key, secret_key=cfg.secret_key, secure=False)
+
+        def bare_get() -> int:
+            resp = bare.get_object("bench", "shard.bin")
+            try:
+                return len(resp.read())
+            finally:
+                resp.close()
+                resp.release_conn()
+
+        ours, base = [], []
+        for _ in range(5):
+            t = time.perf_counter()
+            assert bare_get() == len(blob)
+            base.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            assert len(st.read_bytes("s3://bench/shard.bin")) == len(blob)
+            ours.append(time.perf_counter() - t)
+        mb = len(blob) / 2**20
+        o, b = mb / statistics.median(ours), mb / statistics.median(base)
+        row("S3 read MB/s (storage module / bare minio)", o, b, o / b, ">= 0.8", o / b >= 0.8, "MB/s")
+    finally:
+        s3.stop()
+
+
+def _lat(fn, n):
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def bench_serve(tmp: Path) -> None:
+    import requests
+
+    from kfp_pytorch.components.predictor import ModelRunner
+    from kfp_pytorch.components.prepare_data import PrepareSpec, prepare_data
+    from kfp_pytorch.components.serve import ServeSpec, serve, stop_server
+    from kfp_pytorch.components.train import TrainSpec, train
+
+    print("serve: local model server (KServe ModelServer, OIP v2 REST) vs in-process call")
+    os.environ["KFP_PYTORCH_HOME"] = str(tmp / "home")
+    data = str(tmp / "digits")
+    prepare_data(PrepareSpec("sample://digits", data))
+    r = train(TrainSpec(data, str(tmp / "m"), epochs=2, progress="off"))
+    runner = ModelRunner(r.model_uri)
+    row_ = [[float(v) for v in runner.mean]]
+    ep = serve(ServeSpec(r.model_uri, "bench"))
+    body = {"inputs": [{"name": "input-0", "shape": [1, 64], "datatype": "FP32", "data": row_[0]}]}
+    try:
+        local = threading.local()
+
+        def call():
+            s = getattr(local, "s", None) or setattr(local, "s", requests.Session()) or local.s
+            resp = s.post(ep.infer_url, json=body, timeout=10)
+            resp.raise_for_status()
+
+        x = np.asarray(row_, dtype=np.float32)
+        for _ in range(50):
+            call()
+            runner.predict(x)
+        inproc = _lat(lambda: runner.predict(x), 400)
+        http1 = _lat(call, 400)
+        p50_in, p50_h = np.percentile(inproc, 50) * 1e3, np.percentile(http1, 50) * 1e3
+        row("serve p50 ms, concurrency 1 (HTTP / in-process)", p50_h, p50_in, p50_h / p50_in,
+            "overhead <= 3 ms", p50_h - p50_in <= 3.0, "ms")
+        row("serve p50 overhead ms, concurrency 1", p50_h - p50_in, 0.0, None, "<= 3", p50_h - p50_in <= 3.0, "ms")
+        row("serve p99 ms, concurrency 1", np.percentile(http1, 99) * 1e3, np.percentile(inproc, 99) * 1e3,
+            None, "report", None, "ms")
+        row("serve req/s, concurrency 1", 1 / statistics.mean(http1), 1 / statistics.mean(inproc),
+            (1 / statistics.mean(http1)) / (1 / statistics.mean(inproc)), "report", None, "1/s")
+        per, lat16 = 60, []
+        lock = threading.Lock()
+
+        def worker():
+            mine = _lat(call, per)
+            with lock:
+                lat16.extend(mine)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(16) as pool:
+            for f in [pool.submit(worker) for _ in range(16)]:
+                f.result()
+        wall = time.perf_counter() - t0
+        row("serve p50 ms, concurrency 16", np.percentile(lat16, 50) * 1e3, p50_in, None, "report", None, "ms")
+        row("serve p99 ms, concurrency 16", np.percentile(lat16, 99) * 1e3, np.percentile(inproc, 99) * 1e3,
+            None, "report", None, "ms")
+        row("serve req/s, concurrency 16", len(lat16) / wall, 1 / statistics.mean(inproc), None, "report", None, "1/s")
+    finally:
+        stop_server("bench")
+
+
+def bench_pipeline(tmp: Path) -> None:
+    print("pipeline: wall time of `make demo` (after setup) and of one kfp.local run")
+    env = dict(os.environ, KFP_PYTORCH_HOME=str(tmp / "demo-home"))
+    t = time.perf_counter()
+    out = subprocess.run(["make", "-s", "demo"], cwd=ROOT, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t
+    if out.returncode != 0:
+        raise RuntimeError(out.stdout[-2000:] + out.stderr[-2000:])
+    subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "serve", "stop", "digits"], env=env, capture_output=True)
+    t = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "run", "train_and_serve", "--local", "--json",
+                          "--no-predict"], capture_output=True, text=True, env=env)
+    total = time.perf_counter() - t
+    summary = json.loads(out.stdout[out.stdout.rindex('\n{\n "pipeline"'):])
+    subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "serve", "stop", "digits"], env=env, capture_output=True)
+    row("make demo wall seconds", wall, wall, None, "report", None, "s")
+    row("kfp.local pipeline run seconds (in CLI)", summary["elapsed_s"], total, summary["elapsed_s"] / total,
+        "report", None, "s")
+
+
+BENCHES = {"train": bench_train, "data": bench_data, "serve": bench_serve, "pipeline": bench_pipeline}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", default=",".join(BENCHES))
+    p.add_argument("--json", default=None, help="also write the rows as JSON to this file")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="kfp-pytorch-bench-") as tmp:
+        for name in args.only.split(","):
+            BENCHES[name.strip()](Path(tmp))
+    if args.json:
+        Path(args.json).write_text(json.dumps(ROWS, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
