@@ -179,6 +179,45 @@ def storage_ls(uri):
         click.echo(u)
 
 
+@cli.command("simulate")
+@click.option("--trace", "trace", required=True, type=click.Path(dir_okay=False), help="Trace CSV (itp-2021 format).")
+@click.option("--policies", default="all", show_default=True, help="all, or a comma-separated list.")
+@click.option("--users", default=20, show_default=True, type=int)
+@click.option("--zipf", default=1.1, show_default=True, type=float)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--load", default=0.9, show_default=True, type=float)
+@click.option("--half-life", "half_life", default="7d", show_default=True, help="Usage half-life: 7d, 12h, seconds.")
+@click.option("--config", "config", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Scheduler config YAML (fairshare weights).")
+@click.option("--json", "as_json", is_flag=True, help="Print {policy: {metric: value}} only.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="PNG with per-user service ratios and wait CDFs.")
+def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, as_json, plot_path):
+    """Replay a GPU-cluster trace under several scheduling policies, side by side."""
+    import yaml
+
+    from kfp_pytorch.fairness_scheduler.config import load_config
+    from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
+    from kfp_pytorch.fairness_scheduler.report import format_table, parse_policies, plot, run_protocol
+    from kfp_pytorch.fairness_scheduler.usage import parse_duration
+
+    try:
+        hl = parse_duration(half_life)
+    except ValueError:
+        raise SchedulerConfigError([f"--half-life: must be a duration like 7d, 12h or seconds, got {half_life!r}"])
+    cfg = load_config(yaml.safe_load(open(config)) if config else {})
+    results, info = run_protocol(trace, parse_policies(policies), users, zipf, seed, load, hl, cfg.fairshare,
+                                 progress=not as_json and sys.stderr.isatty())
+    if as_json:
+        click.echo(json.dumps({p: r.metrics for p, r in results.items()}, indent=1))
+    else:
+        click.echo(format_table(results, info))
+    if plot_path:
+        plot(results, plot_path)
+        if not as_json:
+            click.echo(f"plot: {plot_path}")
+
+
 def main(argv: list[str] | None = None) -> int:  # noqa: D103
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:

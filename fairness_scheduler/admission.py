@@ -1,0 +1,297 @@
+"""Gang admission: start the highest-priority gangs that fit *entirely*, placed node by node.
+
+Pure: no clock, no client. The simulator and the Kubernetes controller both call :func:`admit`
+with a :class:`PendingQueue`, a :class:`NodePool` and a prepared policy.
+
+Algorithm (one cycle):
+
+1. Pending workloads sit in FIFO queues per (user, shape); a policy never ranks a younger
+   workload of the same user and shape above an older one, so only queue heads compete.
+2. A heap holds the heads by policy key. Pop the best head:
+   - it fits: place it (best fit for pods below a node's size, whole free nodes for pods of a
+     node's size or more), start it, and push the queue's next head. If the policy's user keys
+     changed (DRF, Kueue's entry penalty, our current-allocation term), that user's heads are
+     re-pushed with fresh keys; stale entries are skipped by version.
+   - it does not fit: it waits. Capacity only shrinks within a cycle, so its queue is set aside
+     for the rest of the cycle (greedy backfill: everything that fits in key order starts).
+     If the policy says it is starving, it gets a *reservation*: the nodes closest to fitting
+     it (most free GPUs) are held for it, no later workload is placed on them, and they drain
+     until it starts. Reservations are capped (``reserve_cap`` of the GPUs) and re-derived every
+     cycle from the pool, so they need no extra state and survive a controller restart.
+3. Every workload that did not start gets a reason (``pending_reasons``).
+
+Edge cases, decided here: a workload that cannot fit even an empty cluster is *unschedulable*
+and is reported once at enqueue, never queued (no endless loop); quota is checked before
+placement; ties in key are impossible (keys end with submit time and arrival sequence).
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from .model import Node, Resources, Workload
+from .policy import CycleContext, Policy
+
+
+class NodePool:
+    """Free resources per node, indexed by free GPUs for O(levels) fit checks."""
+
+    def __init__(self, nodes: list[Node]):
+        self.nodes = list(nodes)
+        self.alloc = [n.allocatable for n in self.nodes]
+        self.free = list(self.alloc)
+        self.max_gpu = int(max((a.gpu for a in self.alloc), default=0))
+        self.levels: list[set[int]] = [set() for _ in range(self.max_gpu + 1)]
+        self.whole: set[int] = set()
+        for i, a in enumerate(self.alloc):
+            self._index(i)
+        self.held: set[int] = set()
+        self.total = Resources()
+        for a in self.alloc:
+            self.total = self.total + a
+
+    # -- indexing ------------------------------------------------------------------------------
+    def _level(self, i: int) -> int:
+        return int(self.free[i].gpu + 1e-9)
+
+    def _index(self, i: int) -> None:
+        self.levels[self._level(i)].add(i)
+        if self.free[i] == self.alloc[i]:
+            self.whole.add(i)
+
+    def _unindex(self, i: int) -> None:
+        self.levels[self._level(i)].discard(i)
+        self.whole.discard(i)
+
+    # -- queries -------------------------------------------------------------------------------
+    def needs_whole_node(self, pod: Resources, node: int) -> bool:
+        """Pods of a node's GPU count or more take whole nodes (no sharing with small pods)."""
+        return pod.gpu >= self.alloc[node].gpu > 0
+
+    def ever_fits(self, w: Workload) -> bool:
+        """Could ``w`` run on this cluster if it were empty?"""
+        free = [a for a in self.alloc]
+        for pod in sorted(w.pods, key=lambda p: -p.gpu):
+            for i, f in enumerate(free):
+                if pod.fits_in(f) and (not self.needs_whole_node(pod, i) or f == self.alloc[i]):
+                    free[i] = Resources(0, 0, 0) if self.needs_whole_node(pod, i) else f - pod
+                    break
+            else:
+                return False
+        return True
+
+    def place(self, w: Workload) -> list[int] | None:
+        """Node index per pod (best fit), or None if the gang does not fit entirely now."""
+        chosen: list[int] = []
+        taken: dict[int, Resources] = {}
+        for pod in w.pods:
+            i = self._place_one(pod, taken)
+            if i is None:
+                return None
+            chosen.append(i)
+            taken[i] = self.free[i] if self.needs_whole_node(pod, i) else taken.get(i, Resources()) + pod
+        return chosen
+
+    def _place_one(self, pod: Resources, taken: dict[int, Resources]) -> int | None:
+        """Whole free node for node-sized pods; else the fullest node that still fits (best fit)."""
+        if self.max_gpu and pod.gpu >= self.max_gpu:
+            for i in sorted(self.whole):
+                if i not in self.held and i not in taken and pod.fits_in(self.alloc[i]):
+                    return i
+            return None
+        for level in range(int(pod.gpu + 0.999999), self.max_gpu + 1):
+            for i in sorted(self.levels[level]):
+                if i in self.held:
+                    continue
+                free = self.free[i] - taken[i] if i in taken else self.free[i]
+                if pod.fits_in(free) and not self.needs_whole_node(pod, i):
+                    return i
+        return None
+
+    def allocate(self, w: Workload, placement: list[int]) -> None:
+        for pod, i in zip(w.pods, placement):
+            self._unindex(i)
+            self.free[i] = Resources() if self.needs_whole_node(pod, i) else self.free[i] - pod
+            self._index(i)
+
+    def release(self, w: Workload, placement: list[int]) -> None:
+        for pod, i in zip(w.pods, placement):
+            self._unindex(i)
+            self.free[i] = self.alloc[i] if self.needs_whole_node(pod, i) else self.free[i] + pod
+            self._index(i)
+
+    def reserve_for(self, w: Workload) -> list[int] | None:
+        """Hold the nodes closest to fitting ``w`` (most free GPUs, lowest index first)."""
+        n_nodes = len(w.pods) if len(w.pods) > 1 or w.pods[0].gpu >= self.max_gpu else 1
+        candidates = [i for i in range(len(self.nodes)) if i not in self.held and w.pods[0].fits_in(self.alloc[i])]
+        if len(candidates) < n_nodes:
+            return None
+        candidates.sort(key=lambda i: (-self.free[i].gpu, i))
+        chosen = candidates[:n_nodes]
+        self.held.update(chosen)
+        return chosen
+
+    def free_gpus(self) -> float:
+        return sum(f.gpu for f in self.free)
+
+    def largest_free_gpu(self) -> int:
+        for level in range(self.max_gpu, 0, -1):
+            if any(i not in self.held for i in self.levels[level]):
+                return level
+        return 0
+
+
+class PendingQueue:
+    """FIFO queues per (user, shape); insertion must follow (submit_time, seq) per queue."""
+
+    def __init__(self):
+        self.queues: dict[tuple, deque[Workload]] = {}
+        self.by_user: dict[str, set[tuple]] = {}
+        self.size = 0
+
+    @staticmethod
+    def shape(w: Workload) -> tuple:
+        return (w.user, w.total.gpu, len(w.pods), w.total.cpu, w.total.memory_gb)
+
+    def push(self, w: Workload) -> None:
+        k = self.shape(w)
+        q = self.queues.get(k)
+        if q is None:
+            q = self.queues[k] = deque()
+            self.by_user.setdefault(w.user, set()).add(k)
+        q.append(w)
+        self.size += 1
+
+    def pop(self, k: tuple) -> Workload:
+        q = self.queues[k]
+        w = q.popleft()
+        if not q:
+            del self.queues[k]
+            self.by_user[k[0]].discard(k)
+        self.size -= 1
+        return w
+
+    def remove(self, w: Workload) -> None:
+        k = self.shape(w)
+        self.queues[k].remove(w)
+        if not self.queues[k]:
+            del self.queues[k]
+            self.by_user[k[0]].discard(k)
+        self.size -= 1
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):
+        for q in self.queues.values():
+            yield from q
+
+
+@dataclass
+class CycleResult:
+    started: list[tuple[Workload, list[int]]] = field(default_factory=list)
+    reservations: list[tuple[Workload, list[int]]] = field(default_factory=list)
+    pending_reasons: dict[str, str] = field(default_factory=dict)
+    """Reasons for the queue heads that did not start (name -> reason)."""
+
+
+def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext, reserve_cap: float = 0.5,
+          quotas: dict[str, float] | None = None, explain: bool = True, max_reservations: int = 1) -> CycleResult:
+    """One admission cycle; mutates ``queue`` (started workloads leave) and ``pool`` (allocations)."""
+    now = ctx.now
+    res = CycleResult()
+    policy.prepare(ctx)
+    version: dict[str, int] = {}
+    heap: list = []
+    blocked: set[tuple] = set()
+    held_gpu = {u: s.held.gpu for u, s in ctx.users.items()}
+    reserved_gpu = 0.0
+    cap = reserve_cap * pool.total.gpu
+    pool.held.clear()
+
+    def push(k: tuple) -> None:
+        w = queue.queues[k][0]
+        heapq.heappush(heap, (policy.key(w, now), version.get(w.user, 0), k))
+
+    def start(k: tuple, w: Workload, placement: list[int]) -> None:
+        pool.allocate(w, placement)
+        queue.pop(k)
+        res.started.append((w, placement))
+        held_gpu[w.user] = held_gpu.get(w.user, 0.0) + w.gpus
+        if policy.on_admit(w, ctx):
+            version[w.user] = version.get(w.user, 0) + 1
+
+    # Pass 1: starving heads, in key order, start or get a reservation before anything else may
+    # take the capacity they are draining for.
+    if policy.reserves:
+        starving = sorted(((q[0].submit_time, q[0].seq), k) for k, q in queue.queues.items()
+                          if policy.is_starving(q[0], now))
+        for _, k in starving:
+            if len(res.reservations) >= max_reservations:
+                break
+            w = queue.queues[k][0]
+            quota = quotas.get(w.user) if quotas else None
+            if quota is not None and held_gpu.get(w.user, 0.0) + w.gpus > quota + 1e-9:
+                continue
+            placement = pool.place(w)
+            if placement is not None:
+                start(k, w, placement)
+                continue
+            if reserved_gpu + w.gpus > cap:
+                continue
+            nodes = pool.reserve_for(w)
+            if nodes is not None:
+                reserved_gpu += sum(pool.alloc[i].gpu for i in nodes)
+                res.reservations.append((w, nodes))
+                blocked.add(k)
+                if explain:
+                    res.pending_reasons[w.name] = (f"starving: nodes {[pool.nodes[i].name for i in nodes]} "
+                                                   "are reserved and draining for this gang")
+
+    # Pass 2: greedy backfill of everything else, in key order, around the reservations.
+    for k in queue.queues:
+        if k not in blocked:
+            push(k)
+    largest = pool.largest_free_gpu()
+    whole = len(pool.whole - pool.held)
+    while heap:
+        key, ver, k = heapq.heappop(heap)
+        if k in blocked or k not in queue.queues or ver != version.get(k[0], 0):
+            continue
+        w = queue.queues[k][0]
+        quota = quotas.get(w.user) if quotas else None
+        if quota is not None and held_gpu.get(w.user, 0.0) + w.gpus > quota + 1e-9:
+            blocked.add(k)
+            if explain:
+                res.pending_reasons[w.name] = (f"user {w.user} is at its GPU quota "
+                                               f"({held_gpu.get(w.user, 0.0):g}/{quota:g} held)")
+            continue
+        # Cheap infeasibility test before a placement search (most cycles end here).
+        single = len(w.pods) == 1 and w.pods[0].gpu < pool.max_gpu
+        fits_now = (w.pods[0].gpu <= largest) if single else (len(w.pods) <= whole)
+        placement = pool.place(w) if fits_now else None
+        if placement is None:
+            blocked.add(k)
+            reason = (f"waiting for {w.gpus:g} GPUs on one node (largest free: {largest})" if single else
+                      f"gang of {len(w.pods)} pods needs {len(w.pods)} free nodes (free now: {whole})")
+            if explain:
+                res.pending_reasons[w.name] = reason
+            continue
+        before = version.get(w.user, 0)
+        start(k, w, placement)
+        largest, whole = pool.largest_free_gpu(), len(pool.whole - pool.held)
+        if version.get(w.user, 0) != before:
+            for k2 in queue.by_user.get(w.user, ()):
+                if k2 not in blocked:
+                    push(k2)
+        elif k in queue.queues:
+            push(k)
+        if largest == 0 and whole == 0:
+            break
+    if explain:
+        for k, q in queue.queues.items():
+            w = q[0]
+            res.pending_reasons.setdefault(w.name, "cluster full: no free GPUs")
+    pool.held.clear()
+    return res

@@ -1,0 +1,185 @@
+"""Typed scheduler configuration: defaults, then validation that reports every bad field.
+
+Example (YAML)::
+
+    half_life: 7d
+    policy: fairshare
+    fairshare: {weight_fairshare: 1000, weight_age: 1000, age_cap: 3d, starvation_after: 12h}
+    users:
+      - {name: alice, shares: 2, priority: 3, gpu_quota: 16}
+      - {name: bob}
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+from .errors import SchedulerConfigError
+from .model import UserConfig
+from .usage import parse_duration
+
+
+@dataclass
+class FairShareConfig:
+    """Weights and thresholds of our ``fairshare`` policy (factors are in [0, 1])."""
+
+    weight_fairshare: float = 1000.0
+    """Weight of the fair-share factor F (usage against shares)."""
+    weight_age: float = 1000.0
+    """Weight of the age factor A = min(wait / age_cap, 1)."""
+    weight_priority: float = 100.0
+    """Weight of the static tier T. Kept below the fair-share weight on purpose: a static tier
+    that dominates starves light users (the thesis's problem case)."""
+    weight_size: float = 0.0
+    """Weight of the size factor Z (favour small gangs); off by default."""
+    age_cap: float = 86400.0
+    """Seconds of wait at which A reaches 1 (1 day: waits of days are what we must prevent)."""
+    current_weight: float = 0.5
+    """Blend of current allocation into effective usage (0: history only, 1: DRF-like)."""
+    fairshare_mode: str = "classic"
+    """``classic`` (Slurm 2^(-U/S)) or ``ratio`` (S/(S+U))."""
+    starvation_after: float = 6 * 3600.0
+    """Floor of the starvation threshold (seconds): no workload is starving before this."""
+    starvation_factor: float = 4.0
+    """A workload is starving once it has waited this many times the current typical wait
+    (decayed mean wait of recently started workloads), and at least ``starvation_after``.
+    Relative, so it adapts to load: in a calm cluster a day is long, in a flooded one it is not."""
+    age_mode: str = "tail"
+    """``linear``: A = min(wait / age_cap, 1) (Slurm). ``tail``: A = 0 until the starvation
+    threshold, then ramps to 1 at twice the threshold: fair share alone orders normal waits."""
+    starvation_first: bool = False
+    """Order starving workloads before all others (oldest first) instead of by priority."""
+    typical_wait_half_life: float = 86400.0
+    """Half-life (seconds) of the decayed mean behind the typical wait."""
+    reserve_cap: float = 0.5
+    """At most this fraction of the cluster's GPUs is held by reservations at once."""
+    max_reservations: int = 1
+    """At most this many starving workloads hold reservations at once (oldest first), as EASY
+    backfilling reserves for the head only: enough to end starvation, cheap in utilization."""
+
+
+@dataclass
+class SchedulerConfig:
+    users: list[UserConfig] = field(default_factory=list)
+    half_life: float = 7 * 86400.0
+    """Half-life of decayed usage in seconds (Slurm's default: 7 days)."""
+    policy: str = "fairshare"
+    fairshare: FairShareConfig = field(default_factory=FairShareConfig)
+    default_shares: float = 1.0
+    """Shares of a user that is not listed."""
+
+    def user(self, name: str) -> UserConfig:
+        for u in self.users:
+            if u.name == name:
+                return u
+        return UserConfig(name, shares=self.default_shares)
+
+
+_DURATIONS = {"half_life", "age_cap", "starvation_after", "typical_wait_half_life"}
+
+
+def _num(problems, path, value, lo=None, lo_open=False, duration=False):
+    try:
+        v = parse_duration(value) if duration else float(value)
+    except (TypeError, ValueError):
+        problems.append(f"{path}: must be a {'duration like 7d, 12h or seconds' if duration else 'number'}, got {value!r}")
+        return None
+    if math.isnan(v):
+        problems.append(f"{path}: must be a number, got NaN")
+        return None
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        problems.append(f"{path}: must be {'>' if lo_open else '>='} {lo:g}, got {value!r}")
+        return None
+    return v
+
+
+def load_config(data: dict | None) -> SchedulerConfig:
+    """Build and validate; raises SchedulerConfigError listing *every* problem with its path."""
+    from .policy import POLICIES
+
+    data = dict(data or {})
+    problems: list[str] = []
+    cfg = SchedulerConfig()
+    known = {f.name for f in fields(SchedulerConfig)}
+    for k in data:
+        if k not in known:
+            problems.append(f"{k}: unknown field (known: {', '.join(sorted(known))})")
+    if "half_life" in data:
+        v = _num(problems, "half_life", data["half_life"], 0, lo_open=True, duration=True)
+        if v is not None:
+            cfg.half_life = v
+    if "policy" in data:
+        if data["policy"] not in POLICIES:
+            problems.append(f"policy: must be one of {', '.join(POLICIES)}, got {data['policy']!r}")
+        else:
+            cfg.policy = data["policy"]
+    if "default_shares" in data:
+        v = _num(problems, "default_shares", data["default_shares"], 0, lo_open=True)
+        if v is not None:
+            cfg.default_shares = v
+    fs = data.get("fairshare") or {}
+    if not isinstance(fs, dict):
+        problems.append(f"fairshare: must be a mapping, got {type(fs).__name__}")
+        fs = {}
+    fs_known = {f.name for f in fields(FairShareConfig)}
+    for k, value in fs.items():
+        path = f"fairshare.{k}"
+        if k not in fs_known:
+            problems.append(f"{path}: unknown field (known: {', '.join(sorted(fs_known))})")
+        elif k == "age_mode":
+            if value not in ("linear", "tail"):
+                problems.append(f"{path}: must be linear or tail, got {value!r}")
+            else:
+                cfg.fairshare.age_mode = value
+        elif k == "starvation_first":
+            if not isinstance(value, bool):
+                problems.append(f"{path}: must be true or false, got {value!r}")
+            else:
+                cfg.fairshare.starvation_first = value
+        elif k == "fairshare_mode":
+            if value not in ("classic", "ratio"):
+                problems.append(f"{path}: must be classic or ratio, got {value!r}")
+            else:
+                cfg.fairshare.fairshare_mode = value
+        else:
+            if k == "max_reservations" and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                problems.append(f"{path}: must be an integer >= 0, got {value!r}")
+                continue
+            lo_open = k in ("age_cap",)
+            v = _num(problems, path, value, 0, lo_open=lo_open, duration=k in _DURATIONS)
+            if v is not None:
+                if k in ("current_weight", "reserve_cap") and v > 1:
+                    problems.append(f"{path}: must be in [0, 1], got {value!r}")
+                else:
+                    setattr(cfg.fairshare, k, v)
+    users = data.get("users") or []
+    if not isinstance(users, list):
+        problems.append(f"users: must be a list, got {type(users).__name__}")
+        users = []
+    seen = set()
+    for i, u in enumerate(users):
+        path = f"users[{i}]"
+        if not isinstance(u, dict):
+            problems.append(f"{path}: must be a mapping with name, shares, priority, gpu_quota")
+            continue
+        name = u.get("name")
+        if not name or not isinstance(name, str):
+            problems.append(f"{path}.name: must be a non-empty string, got {name!r}")
+        elif name in seen:
+            problems.append(f"{path}.name: duplicate user {name!r}")
+        seen.add(name)
+        for k in u:
+            if k not in ("name", "shares", "priority", "gpu_quota"):
+                problems.append(f"{path}.{k}: unknown field (known: name, shares, priority, gpu_quota)")
+        shares = _num(problems, f"{path}.shares", u.get("shares", cfg.default_shares), 0, lo_open=True)
+        prio = u.get("priority", 1)
+        if not isinstance(prio, int) or isinstance(prio, bool):
+            problems.append(f"{path}.priority: must be an integer, got {prio!r}")
+        quota = u.get("gpu_quota")
+        if quota is not None:
+            quota = _num(problems, f"{path}.gpu_quota", quota, 0)
+        if isinstance(name, str) and shares is not None and isinstance(prio, int):
+            cfg.users.append(UserConfig(name, shares, prio, quota))
+    if problems:
+        raise SchedulerConfigError(problems)
+    return cfg

@@ -1,0 +1,180 @@
+"""The usage ledger: an append-only record of usage intervals plus decayed aggregates.
+
+Storage is SQL through SQLAlchemy: ``sqlite:///path`` (WAL mode, the embedded default) or any
+SQLAlchemy URL, e.g. ``postgresql+psycopg://...`` for an HA controller pair.
+
+Tables:
+
+- ``usage_intervals``: one row per finished (or checkpointed) interval of a workload holding
+  resources: user, workload, GPUs/CPUs/GB, start, end. Append-only.
+- ``usage_aggregates``: per user, decayed GPU-s/CPU-s/GB-s *as of* a time: the intervals that
+  compaction folded in.
+- ``ledger_meta``: half-life and the compaction watermark.
+
+Crash safety: each ``record`` is one transaction; compaction folds intervals into aggregates and
+deletes them in *one* transaction, so a ``kill -9`` at any point leaves either the state before
+or after, never half. Nothing derived is trusted across restarts: :meth:`recover` rebuilds the
+in-memory aggregates from the tables on open.
+
+Decay is exact (see :mod:`.usage`): an interval ``[s, e]`` at rate ``r`` contributes, at ``t >= e``,
+``r * h/ln2 * (2^-((t-e)/h) - 2^-((t-s)/h))``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import LedgerError
+from .model import Resources
+from .usage import LN2
+
+
+@dataclass(frozen=True)
+class Interval:
+    workload: str
+    user: str
+    resources: Resources
+    start: float
+    end: float
+
+
+def interval_usage(r: Resources, start: float, end: float, now: float, half_life: float) -> Resources:
+    """Decayed resource-seconds of an interval, evaluated at ``now`` (clipped to ``now``)."""
+    end = min(end, now)
+    if end <= start:
+        return Resources()
+    if math.isinf(half_life):
+        k = end - start
+    else:
+        k = half_life / LN2 * (2.0 ** (-(now - end) / half_life) - 2.0 ** (-(now - start) / half_life))
+    return r.scale(k)
+
+
+def _decay(r: Resources, dt: float, half_life: float) -> Resources:
+    if dt <= 0 or math.isinf(half_life):
+        return r
+    return r.scale(2.0 ** (-dt / half_life))
+
+
+class UsageLedger:
+    def __init__(self, url: str | Path = "sqlite:///fairshare-ledger.db", half_life: float = 7 * 86400.0):
+        from sqlalchemy import (Column, Float, Integer, MetaData, String, Table, create_engine, event)
+
+        url = str(url)
+        if "://" not in url:
+            url = f"sqlite:///{url}"
+        self.url = url
+        self.half_life = half_life
+        try:
+            self.engine = create_engine(url, future=True)
+        except Exception as e:  # bad URL or missing driver
+            raise LedgerError(f"cannot open usage ledger {url!r}: {e}",
+                              "use sqlite:///PATH or a SQLAlchemy URL such as postgresql+psycopg://...") from e
+        if url.startswith("sqlite"):
+            @event.listens_for(self.engine, "connect")
+            def _pragmas(dbapi_conn, _):  # WAL + full sync: committed means on disk
+                cur = dbapi_conn.cursor()
+                cur.execute("PRAGMA journal_mode=WAL")
+                cur.execute("PRAGMA synchronous=FULL")
+                cur.close()
+        md = MetaData()
+        self.intervals = Table(
+            "usage_intervals", md,
+            Column("id", Integer, primary_key=True, autoincrement=True),
+            Column("workload", String(253), nullable=False), Column("user", String(253), nullable=False, index=True),
+            Column("gpu", Float, nullable=False), Column("cpu", Float, nullable=False),
+            Column("memory_gb", Float, nullable=False), Column("start", Float, nullable=False),
+            Column("end", Float, nullable=False, index=True))
+        self.aggregates = Table(
+            "usage_aggregates", md,
+            Column("user", String(253), primary_key=True), Column("gpu_s", Float, nullable=False),
+            Column("cpu_s", Float, nullable=False), Column("gb_s", Float, nullable=False),
+            Column("as_of", Float, nullable=False))
+        self.meta = Table("ledger_meta", md, Column("key", String(64), primary_key=True),
+                          Column("value", String(256), nullable=False))
+        try:
+            md.create_all(self.engine)
+        except Exception as e:
+            raise LedgerError(f"cannot create the ledger tables at {url}: {e}") from e
+        self.recover()
+
+    # -- writes --------------------------------------------------------------------------------
+    def record(self, iv: Interval) -> None:
+        """Append one interval (one transaction: committed means durable)."""
+        if iv.end < iv.start:
+            raise LedgerError(f"interval of {iv.workload} ends before it starts ({iv.start} > {iv.end})")
+        with self.engine.begin() as conn:
+            conn.execute(self.intervals.insert().values(
+                workload=iv.workload, user=iv.user, gpu=iv.resources.gpu, cpu=iv.resources.cpu,
+                memory_gb=iv.resources.memory_gb, start=iv.start, end=iv.end))
+        self._add(iv.user, iv.resources, iv.start, iv.end)
+
+    def compact(self, before: float) -> int:
+        """Fold intervals that ended at or before ``before`` into the aggregates; returns how many."""
+        from sqlalchemy import delete, select
+
+        h = self.half_life
+        with self.engine.begin() as conn:  # one transaction: all or nothing
+            rows = conn.execute(select(self.intervals).where(self.intervals.c.end <= before)).all()
+            if not rows:
+                return 0
+            aggs = {r.user: (Resources(r.gpu_s, r.cpu_s, r.gb_s), r.as_of)
+                    for r in conn.execute(select(self.aggregates)).all()}
+            for r in rows:
+                base, as_of = aggs.get(r.user, (Resources(), before))
+                t = max(as_of, before)
+                base = _decay(base, t - as_of, h) + interval_usage(Resources(r.gpu, r.cpu, r.memory_gb),
+                                                                     r.start, r.end, t, h)
+                aggs[r.user] = (base, t)
+            for user, (res, as_of) in aggs.items():
+                conn.execute(self.aggregates.delete().where(self.aggregates.c.user == user))
+                conn.execute(self.aggregates.insert().values(user=user, gpu_s=res.gpu, cpu_s=res.cpu,
+                                                             gb_s=res.memory_gb, as_of=as_of))
+            conn.execute(delete(self.intervals).where(self.intervals.c.end <= before))
+        self.recover()
+        return len(rows)
+
+    # -- reads ---------------------------------------------------------------------------------
+    def recover(self) -> None:
+        """Rebuild the in-memory aggregates from the tables (after open, crash or compaction)."""
+        from sqlalchemy import select
+
+        self._base: dict[str, tuple[Resources, float]] = {}
+        self._open: dict[str, list[tuple[Resources, float, float]]] = {}
+        with self.engine.connect() as conn:
+            for r in conn.execute(select(self.aggregates)).all():
+                self._base[r.user] = (Resources(r.gpu_s, r.cpu_s, r.gb_s), r.as_of)
+            for r in conn.execute(select(self.intervals)).all():
+                self._open.setdefault(r.user, []).append((Resources(r.gpu, r.cpu, r.memory_gb), r.start, r.end))
+
+    def _add(self, user: str, r: Resources, start: float, end: float) -> None:
+        self._open.setdefault(user, []).append((r, start, end))
+
+    def usage(self, now: float) -> dict[str, Resources]:
+        """Decayed usage of every user at ``now`` (resource-seconds)."""
+        out: dict[str, Resources] = {}
+        for user, (base, as_of) in self._base.items():
+            out[user] = _decay(base, now - as_of, self.half_life)
+        for user, ivs in self._open.items():
+            acc = out.get(user, Resources())
+            for r, s, e in ivs:
+                acc = acc + interval_usage(r, s, e, now, self.half_life)
+            out[user] = acc
+        return out
+
+    def intervals_count(self) -> int:
+        from sqlalchemy import func, select
+
+        with self.engine.connect() as conn:
+            return conn.execute(select(func.count()).select_from(self.intervals)).scalar_one()
+
+    def all_intervals(self) -> list[Interval]:
+        from sqlalchemy import select
+
+        with self.engine.connect() as conn:
+            return [Interval(r.workload, r.user, Resources(r.gpu, r.cpu, r.memory_gb), r.start, r.end)
+                    for r in conn.execute(select(self.intervals).order_by(self.intervals.c.id)).all()]
+
+    def close(self) -> None:
+        self.engine.dispose()

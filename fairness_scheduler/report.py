@@ -1,0 +1,91 @@
+"""Run several policies side by side on one trace (the benchmark protocol), and show results."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import FairShareConfig
+from .errors import SchedulerConfigError
+from .policy import POLICIES
+from .simulator import METRICS, SimResult, simulate
+from .trace import capacity, protocol_nodes, protocol_users, protocol_workloads, read_trace
+
+
+def parse_policies(text: str) -> list[str]:
+    if text.strip() == "all":
+        return list(POLICIES)
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in names if p not in POLICIES]
+    if bad or not names:
+        raise SchedulerConfigError([f"--policies: unknown policy {b!r}" for b in bad] or ["--policies: empty"],
+                                   f"use 'all' or a comma-separated list of: {', '.join(POLICIES)}")
+    return names
+
+
+def run_protocol(trace: str | Path, policies: list[str], users: int = 20, zipf: float = 1.1, seed: int = 0,
+                 load: float = 0.9, half_life: float = 7 * 86400.0, fairshare: FairShareConfig | None = None,
+                 progress: bool = False) -> tuple[dict[str, SimResult], dict]:
+    problems = []
+    if users < 1:
+        problems.append(f"--users: must be >= 1, got {users}")
+    if not load > 0:
+        problems.append(f"--load: must be > 0, got {load}")
+    if not zipf >= 0:
+        problems.append(f"--zipf: must be >= 0, got {zipf}")
+    if not half_life > 0:
+        problems.append(f"--half-life: must be > 0, got {half_life}")
+    if problems:
+        raise SchedulerConfigError(problems)
+    jobs = read_trace(trace)
+    c = capacity(jobs, load)
+    info = {"trace": str(trace), "jobs": len(jobs), "capacity_gpus": c, "nodes": c // 8, "users": users,
+            "zipf": zipf, "seed": seed, "load": load, "half_life_s": half_life}
+    results = {}
+    for p in policies:
+        results[p] = simulate(protocol_workloads(jobs, users, zipf, seed), protocol_users(users), protocol_nodes(c),
+                              p, half_life, fairshare, progress=progress)
+    return results, info
+
+
+def format_table(results: dict[str, SimResult], info: dict) -> str:
+    head = f"{'policy':<16}" + "".join(f"{m:>15}" for m in METRICS)
+    lines = [f"trace {info['trace']}: {info['jobs']} jobs, C = {info['capacity_gpus']} GPUs "
+             f"({info['nodes']} nodes of 8), {info['users']} users, zipf {info['zipf']}, seed {info['seed']}, "
+             f"load {info['load']}", head, "-" * len(head)]
+    for p, r in results.items():
+        cells = []
+        for m in METRICS:
+            v = r.metrics[m]
+            cells.append(f"{v:>15.4f}" if m in ("utilization", "jain_service", "min_service") else f"{v:>15.0f}")
+        lines.append(f"{p:<16}" + "".join(cells))
+    unsched = {p: len(r.unschedulable) for p, r in results.items() if r.unschedulable}
+    if unsched:
+        lines.append(f"unschedulable (larger than the cluster, reported, not run): {unsched}")
+    lines.append("times in seconds; service = GPU-time held / max-min fair GPU-time (1.0 = fair share)")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, SimResult], path: str | Path) -> None:
+    """Per-user service ratios (bars) and wait CDFs (lines) per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(14, 5))
+    names = sorted({u for r in results.values() for u in r.service})
+    width = 0.8 / max(1, len(results))
+    for k, (p, r) in enumerate(results.items()):
+        a1.bar(np.arange(len(names)) + k * width, [r.service.get(u, np.nan) for u in names], width, label=p)
+    a1.axhline(1.0, color="k", lw=0.8, ls="--")
+    a1.set(title="Service ratio per user (1.0 = fair share)", xticks=np.arange(len(names)) + 0.4,
+           xticklabels=[n.replace("user-", "u") for n in names], ylabel="held / fair")
+    a1.legend(fontsize=8)
+    for p, r in results.items():
+        w = np.sort(r.waits)
+        a2.plot(np.maximum(w, 1) / 3600.0, np.arange(1, len(w) + 1) / len(w), label=p)
+    a2.set(title="Wait CDF", xlabel="wait (hours, log)", ylabel="fraction of jobs", xscale="log")
+    a2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,121 @@
+"""Trace CSVs (``shared/traces/itp-2021`` format) and the fair-share benchmark protocol.
+
+Columns: ``job_id, submission_time, duration, num_gpu`` (seconds from trace start, seconds of
+run time, GPUs). The published traces have no users and no cluster size, so the protocol fixes
+both (see that folder's README, implemented here exactly):
+
+- users: ``rng = numpy.random.default_rng(seed)``; ``rng.choice(users, size=n, p=p)`` in file
+  order, ``p[k] ~ 1 / (k + 1) ** zipf``;
+- shares 1 each; static priority 3 for users 0-4, 2 for 5-9, 1 for the rest;
+- capacity ``C = max(ceil(mean_demand / load / 8) * 8, max_job_gpus rounded up to 8)``,
+  ``mean_demand = sum(gpus * duration) / (last submission - first submission)``; nodes of 8 GPUs.
+"""
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import TraceError
+from .model import Node, Resources, UserConfig, Workload, gang_for_gpus
+
+COLUMNS = ("job_id", "submission_time", "duration", "num_gpu")
+NODE_GPUS = 8
+
+
+@dataclass(frozen=True)
+class TraceJob:
+    job_id: str
+    submit: float
+    duration: float
+    gpus: int
+    line: int
+
+
+def read_trace(path: str | Path) -> list[TraceJob]:
+    """Parse and validate; any bad row raises TraceError naming ``file:line``."""
+    path = Path(path)
+    try:
+        f = open(path, newline="")
+    except FileNotFoundError as e:
+        raise TraceError(f"trace file not found: {path}", "give a CSV with columns " + ", ".join(COLUMNS)) from e
+    jobs: list[TraceJob] = []
+    with f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header is None:
+            raise TraceError(f"{path}:1: empty file", "expected a header: " + ",".join(COLUMNS))
+        header = [h.strip() for h in header]
+        missing = [c for c in COLUMNS if c not in header]
+        if missing:
+            raise TraceError(f"{path}:1: missing column(s) {', '.join(missing)} (header: {','.join(header)})",
+                             "the header must name " + ", ".join(COLUMNS))
+        idx = [header.index(c) for c in COLUMNS]
+        for line, row in enumerate(reader, start=2):
+            if not row or all(not c.strip() for c in row):
+                continue
+            if len(row) < len(header):
+                raise TraceError(f"{path}:{line}: expected {len(header)} fields, got {len(row)}: {','.join(row)}")
+            jid, sub, dur, gpu = (row[i].strip() for i in idx)
+            try:
+                submit, duration = float(sub), float(dur)
+                gpus_f = float(gpu)
+            except ValueError:
+                raise TraceError(f"{path}:{line}: non-numeric value in {','.join(row)}",
+                                 "submission_time, duration and num_gpu must be numbers") from None
+            if not all(map(math.isfinite, (submit, duration, gpus_f))):
+                raise TraceError(f"{path}:{line}: non-finite value in {','.join(row)}")
+            if duration < 0:
+                raise TraceError(f"{path}:{line}: negative duration {dur}")
+            if submit < 0:
+                raise TraceError(f"{path}:{line}: negative submission_time {sub}")
+            if gpus_f < 1 or gpus_f != int(gpus_f):
+                raise TraceError(f"{path}:{line}: num_gpu must be a positive integer, got {gpu}")
+            jobs.append(TraceJob(jid, submit, duration, int(gpus_f), line))
+    if not jobs:
+        raise TraceError(f"{path}: no jobs", "the trace has a header but no rows")
+    return jobs
+
+
+def zipf_probabilities(n_users: int, zipf: float) -> np.ndarray:
+    w = 1.0 / (np.arange(n_users) + 1.0) ** zipf
+    return w / w.sum()
+
+
+def assign_users(n_jobs: int, n_users: int = 20, zipf: float = 1.1, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.choice(n_users, size=n_jobs, p=zipf_probabilities(n_users, zipf))
+
+
+def user_name(k: int) -> str:
+    return f"user-{k:02d}"
+
+
+def protocol_users(n_users: int = 20) -> list[UserConfig]:
+    """1 share each; priority 3 for users 0-4, 2 for 5-9, 1 for the rest."""
+    return [UserConfig(user_name(k), 1.0, 3 if k < 5 else 2 if k < 10 else 1) for k in range(n_users)]
+
+
+def capacity(jobs: list[TraceJob], load: float = 0.9, node_gpus: int = NODE_GPUS) -> int:
+    span = max(j.submit for j in jobs) - min(j.submit for j in jobs)
+    demand = sum(j.gpus * j.duration for j in jobs) / span if span > 0 else 0.0
+    by_load = math.ceil(demand / load / node_gpus) * node_gpus
+    biggest = math.ceil(max(j.gpus for j in jobs) / node_gpus) * node_gpus
+    return max(by_load, biggest)
+
+
+def protocol_workloads(jobs: list[TraceJob], n_users: int = 20, zipf: float = 1.1, seed: int = 0
+                       ) -> list[Workload]:
+    users = assign_users(len(jobs), n_users, zipf, seed)
+    out = []
+    for seq, (j, u) in enumerate(zip(jobs, users)):
+        out.append(Workload(j.job_id, user_name(int(u)), j.submit, gang_for_gpus(j.gpus, NODE_GPUS),
+                            duration=j.duration, seq=seq))
+    return out
+
+
+def protocol_nodes(c: int, node_gpus: int = NODE_GPUS) -> list[Node]:
+    return [Node(f"node-{i:03d}", Resources(node_gpus)) for i in range(c // node_gpus)]

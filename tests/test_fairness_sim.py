@@ -1,0 +1,207 @@
+"""Trace protocol, simulator metrics (hand-computed), config validation, ledger durability, CLI."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kfp_pytorch.fairness_scheduler.config import load_config
+from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError, TraceError
+from kfp_pytorch.fairness_scheduler.ledger import Interval, UsageLedger, interval_usage
+from kfp_pytorch.fairness_scheduler.model import Resources, UserConfig, Workload, gang_for_gpus
+from kfp_pytorch.fairness_scheduler.simulator import jain, simulate, water_fill
+from kfp_pytorch.fairness_scheduler.trace import (assign_users, capacity, protocol_nodes, protocol_users,
+                                                   protocol_workloads, read_trace)
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "itp-2021"  # ../shared beside the checkout
+
+
+def write(tmp_path, text, name="t.csv"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+# ---- trace and protocol --------------------------------------------------------------------------
+@pytest.mark.parametrize("body,where,what", [
+    ("job_id,submission_time,duration\na,0,1\n", ":1:", "missing column(s) num_gpu"),
+    ("job_id,submission_time,duration,num_gpu\na,0,10,1\nb,x,10,1\n", ":3:", "non-numeric"),
+    ("job_id,submission_time,duration,num_gpu\na,0,10,1\nb,5,-3,1\n", ":3:", "negative duration"),
+    ("job_id,submission_time,duration,num_gpu\na,0,10,0\n", ":2:", "num_gpu must be a positive integer"),
+    ("job_id,submission_time,duration,num_gpu\na,0,10\n", ":2:", "expected 4 fields"),
+])
+def test_malformed_rows_name_file_and_line(tmp_path, body, where, what):
+    p = write(tmp_path, body)
+    with pytest.raises(TraceError) as e:
+        read_trace(p)
+    assert f"{p}{where}" in str(e.value) and what in str(e.value)
+
+
+def test_protocol_users_and_capacity_follow_the_readme():
+    jobs = read_trace(TRACES / "cluster10.csv")
+    users = assign_users(len(jobs), 20, 1.1, 0)
+    p = 1 / (np.arange(20) + 1.0) ** 1.1
+    expected = np.random.default_rng(0).choice(20, size=len(jobs), p=p / p.sum())
+    assert (users == expected).all()
+    span = max(j.submit for j in jobs) - min(j.submit for j in jobs)
+    demand = sum(j.gpus * j.duration for j in jobs) / span
+    assert capacity(jobs) == max(math.ceil(demand / 0.9 / 8) * 8, 16)
+    tiers = [u.priority for u in protocol_users()]
+    assert tiers == [3] * 5 + [2] * 5 + [1] * 10
+    assert all(u.shares == 1 for u in protocol_users())
+
+
+def test_water_fill_and_jain():
+    alloc = water_fill(np.array([1.0, 10.0, 10.0]), np.ones(3), 9.0)
+    assert alloc.tolist() == [1.0, 4.0, 4.0]
+    assert water_fill(np.array([1.0, 2.0]), np.ones(2), 10).tolist() == [1.0, 2.0]
+    assert water_fill(np.array([10.0, 10.0]), np.array([1.0, 3.0]), 8).tolist() == [2.0, 6.0]
+    assert jain(np.array([1.0, 1.0])) == 1.0 and jain(np.array([1.0, 0.0])) == 0.5
+
+
+def test_fifo_metrics_on_a_hand_computed_trace():
+    # One 8-GPU node. t=0: A (8 GPUs, 100 s, user a); t=10: B (4 GPUs, 50 s, user b);
+    # t=20: C (4 GPUs, 30 s, user b). FIFO: A 0-100, B 100-150, C 100-130.
+    mk = lambda n, u, t, g, d, s: Workload(n, u, t, gang_for_gpus(g), duration=d, seq=s)  # noqa: E731
+    wl = [mk("A", "a", 0, 8, 100, 0), mk("B", "b", 10, 4, 50, 1), mk("C", "b", 20, 4, 30, 2)]
+    r = simulate(wl, [UserConfig("a"), UserConfig("b")], protocol_nodes(8), "fifo", light_users=1)
+    m = r.metrics
+    assert r.start.tolist() == [0, 100, 100] and r.end.tolist() == [100, 150, 130]
+    assert m["wait_max"] == 90 and m["wait_p50"] == 80 and m["makespan"] == 150
+    assert m["jct_mean"] == pytest.approx((100 + 140 + 110) / 3)
+    assert m["utilization"] == pytest.approx((800 + 200 + 120) / (8 * 150))
+    # Fair allocation: 0-10 a alone (8); 10-100 a and b demand 8 each -> 4/4; 100-130 b wants 8 -> 8;
+    # 130-150 b wants 4 -> 4. Held: a 8*100 = 800; b 8*30 + 4*20 = 320.
+    fair_a, fair_b = 8 * 10 + 4 * 90, 4 * 90 + 8 * 30 + 4 * 20
+    assert r.service["a"] == pytest.approx(800 / fair_a) and r.service["b"] == pytest.approx(320 / fair_b)
+    assert m["light_wait_p95"] == pytest.approx(np.percentile([90, 80], 95))  # b submitted fewer GPU-s
+
+
+def test_job_larger_than_the_cluster_is_reported_not_dropped():
+    wl = [Workload("huge", "a", 0, gang_for_gpus(64), duration=10, seq=0),
+          Workload("ok", "a", 1, gang_for_gpus(8), duration=10, seq=1)]
+    r = simulate(wl, [UserConfig("a")], protocol_nodes(16), "fairshare")
+    assert r.unschedulable == ["huge"] and r.end[1] == 11
+
+
+@pytest.mark.parametrize("policy", ["fifo", "static-priority", "drf", "slurm-fairshare", "kueue-afs", "fairshare"])
+def test_every_policy_runs_every_job_of_a_real_trace(policy):
+    jobs = read_trace(TRACES / "cluster10.csv")
+    wl = protocol_workloads(jobs)
+    r = simulate(wl, protocol_users(), protocol_nodes(capacity(jobs)), policy)
+    assert not np.isnan(r.start).any() and (r.start >= [w.submit_time for w in wl]).all()
+    assert 0 < r.metrics["utilization"] <= 1 and 0 < r.metrics["jain_service"] <= 1
+
+
+def test_fairshare_protects_light_users_against_fifo():
+    jobs = read_trace(TRACES / "cluster09.csv")[:4000]
+    c = capacity(jobs)
+    res = {p: simulate(protocol_workloads(jobs), protocol_users(), protocol_nodes(c), p).metrics
+           for p in ("fifo", "fairshare")}
+    assert res["fairshare"]["light_wait_p95"] < 0.5 * res["fifo"]["light_wait_p95"]
+    assert res["fairshare"]["jain_service"] > res["fifo"]["jain_service"]
+
+
+# ---- config --------------------------------------------------------------------------------------
+def test_config_reports_every_bad_field_with_its_path():
+    with pytest.raises(SchedulerConfigError) as e:
+        load_config({"half_life": "soon", "policy": "lottery", "bogus": 1,
+                     "fairshare": {"weight_age": -1, "current_weight": 2, "fairshare_mode": "x"},
+                     "users": [{"name": "a"}, {"name": "b", "shares": 0}, {"name": "c", "shares": 1},
+                               {"name": "d", "shares": -1, "priority": "high"}, {"name": "a"}]})
+    text = str(e.value)
+    for needle in ("half_life: must be a duration", "policy: must be one of", "bogus: unknown field",
+                   "fairshare.weight_age: must be >= 0", "fairshare.current_weight: must be in [0, 1]",
+                   "fairshare.fairshare_mode", "users[1].shares: must be > 0, got 0",
+                   "users[3].shares: must be > 0, got -1", "users[3].priority: must be an integer",
+                   "users[4].name: duplicate user 'a'"):
+        assert needle in text, needle
+
+
+def test_config_loads_good_values():
+    cfg = load_config({"half_life": "3d", "fairshare": {"age_cap": "12h", "weight_size": 10},
+                       "users": [{"name": "alice", "shares": 2, "priority": 3, "gpu_quota": 16}]})
+    assert cfg.half_life == 3 * 86400 and cfg.fairshare.age_cap == 43200 and cfg.fairshare.weight_size == 10
+    assert cfg.user("alice").gpu_quota == 16 and cfg.user("nobody").shares == 1.0
+
+
+# ---- ledger --------------------------------------------------------------------------------------
+def test_ledger_decay_and_compaction_preserve_usage(tmp_path):
+    led = UsageLedger(tmp_path / "l.db", half_life=3600)
+    led.record(Interval("w1", "a", Resources(2, 8, 32), 0, 1800))
+    led.record(Interval("w2", "b", Resources(1), 100, 7200))
+    before = led.usage(10_000)
+    assert before["a"].gpu == pytest.approx(interval_usage(Resources(2), 0, 1800, 10_000, 3600).gpu)
+    assert before["a"].cpu == pytest.approx(4 * before["a"].gpu)
+    assert led.compact(5000) == 1 and led.intervals_count() == 1
+    after = led.usage(10_000)
+    assert after["a"].gpu == pytest.approx(before["a"].gpu) and after["b"].gpu == pytest.approx(before["b"].gpu)
+    reopened = UsageLedger(tmp_path / "l.db", half_life=3600).usage(10_000)
+    assert reopened["a"].gpu == pytest.approx(before["a"].gpu)
+
+
+WRITER = r"""
+import sys
+from kfp_pytorch.fairness_scheduler.ledger import Interval, UsageLedger
+from kfp_pytorch.fairness_scheduler.model import Resources
+led = UsageLedger(sys.argv[1], half_life=3600)
+i = 0
+while True:
+    led.record(Interval(f"w{i}", f"u{i % 3}", Resources(1), i, i + 10))
+    print(i, flush=True)  # printed only after the commit returned
+    i += 1
+    if i % 50 == 0:
+        led.compact(i - 20)
+"""
+
+
+def test_kill_9_loses_no_committed_interval(tmp_path):
+    db = tmp_path / "crash.db"
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(db)], stdout=subprocess.PIPE, text=True)
+    committed = -1
+    deadline = time.monotonic() + 60
+    while committed < 180 and time.monotonic() < deadline:
+        committed = int(proc.stdout.readline())
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    led = UsageLedger(db, half_life=3600)  # recovery rebuilds the aggregates from the tables
+    assert led.intervals_count() > 0
+    # Every committed interval is either still an interval or folded into an aggregate: the
+    # recovered usage equals a from-scratch computation over all committed intervals, plus at
+    # most the one interval that may have committed after the last line was printed.
+    now = committed + 100.0
+    expected = {}
+    for i in range(committed + 1):
+        expected[f"u{i % 3}"] = expected.get(f"u{i % 3}", 0) + interval_usage(Resources(1), i, i + 10, now, 3600).gpu
+    got = led.usage(now)
+    one_more = interval_usage(Resources(1), committed + 1, committed + 11, now, 3600).gpu
+    for u, v in expected.items():
+        assert v - 1e-6 <= got[u].gpu <= v + one_more + 1e-6
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+def test_simulate_cli_json_and_plot(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(TRACES / "cluster10.csv"),
+                          "--json", "--plot", str(tmp_path / "p.png")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert list(data) == ["fifo", "static-priority", "drf", "slurm-fairshare", "kueue-afs", "fairshare"]
+    assert set(data["fifo"]) == {"wait_p50", "wait_p95", "wait_max", "jct_mean", "makespan", "utilization",
+                                 "jain_service", "min_service", "light_wait_p95"}
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_simulate_cli_bad_input(tmp_path):
+    bad = write(tmp_path, "job_id,submission_time,duration,num_gpu\na,0,10,1\nb,1,oops,1\n")
+    out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(bad)],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and f"{bad}:3: non-numeric" in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(bad), "--policies", "x"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "unknown policy 'x'" in out.stderr
