@@ -250,9 +250,9 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
                                                    "are reserved and draining for this gang")
 
     # Pass 2: greedy backfill of everything else, in key order, around the reservations.
-    for k in queue.queues:
-        if k not in blocked:
-            push(k)
+    heap = [(policy.key(q[0], now), version.get(q[0].user, 0), k) for k, q in queue.queues.items()
+            if k not in blocked]
+    heapq.heapify(heap)
     largest = pool.largest_free_gpu()
     whole = len(pool.whole - pool.held)
     while heap:

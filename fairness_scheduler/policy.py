@@ -62,17 +62,15 @@ class CycleContext:
     """Decayed mean wait of recently started workloads (seconds): the current regime's normal
     wait, against which a starving workload is recognised."""
 
-    def norm(self, r: Resources) -> float:
-        """Capacity-normalised size of a resource vector (sum over resource kinds present)."""
+    def __post_init__(self):
         c = self.capacity
-        total = 0.0
-        if c.gpu > 0:
-            total += r.gpu / c.gpu
-        if c.cpu > 0:
-            total += r.cpu / c.cpu
-        if c.memory_gb > 0:
-            total += r.memory_gb / c.memory_gb
-        return total
+        self._inv = (1.0 / c.gpu if c.gpu else 0.0, 1.0 / c.cpu if c.cpu else 0.0,
+                     1.0 / c.memory_gb if c.memory_gb else 0.0)
+
+    def norm(self, r: Resources) -> float:
+        """Capacity-normalised size of a resource vector (sum over the resource kinds present)."""
+        ig, ic, im = self._inv
+        return r.gpu * ig + r.cpu * ic + r.memory_gb * im
 
     def dominant(self, r: Resources) -> float:
         c = self.capacity
@@ -86,6 +84,9 @@ class Policy:
 
     name = "base"
     reserves = False
+    reads_usage = True
+    """False for policies that never read users' usage or allocation (the caller may skip
+    refreshing them)."""
 
     def prepare(self, ctx: CycleContext) -> None:
         self.ctx = ctx
@@ -102,6 +103,7 @@ class Policy:
 
 class Fifo(Policy):
     name = "fifo"
+    reads_usage = False
 
     def key(self, w, now):
         return (w.submit_time, w.seq)
@@ -109,6 +111,7 @@ class Fifo(Policy):
 
 class StaticPriority(Policy):
     name = "static-priority"
+    reads_usage = False
 
     def key(self, w, now):
         return (-self.ctx.users[w.user].config.priority, w.submit_time, w.seq)
@@ -263,6 +266,8 @@ class FairShare(Policy):
         return True
 
     def is_starving(self, w, now):
+        if self.cfg.reserve_whole_node_gangs_only and w.pods[0].gpu < self.cfg.node_gpus_hint:
+            return False
         return now - w.submit_time >= self.threshold
 
 

@@ -3,6 +3,11 @@
     make bench                  # everything
     python tests/bench.py --only train,data,serve,pipeline [--json OUT]
 
+Figures (issue #4):
+- simulate: all six policies on cluster07 in one run (target <= 10 s; a reference implementation 3.8 s).
+- cycle:    one scheduling cycle (priorities + admission) at 10k pending gangs, 1000 users, 1000 nodes
+            (target median <= 50 ms), and its growth from 10k to 100k pending (target <= 12x).
+
 Figures (issue #2):
 - train:    local backend of `train` vs a hand-written torchrun script (tests/bench_baseline_ddp.py),
             same model, data, seed and steps; ratio of training-loop seconds (target <= 1.10).
@@ -209,7 +214,76 @@ def bench_pipeline(tmp: Path) -> None:
         "report", None, "s")
 
 
-BENCHES = {"train": bench_train, "data": bench_data, "serve": bench_serve, "pipeline": bench_pipeline}
+def bench_simulate(tmp: Path) -> None:
+    from kfp_pytorch.fairness_scheduler.policy import POLICIES
+    from kfp_pytorch.fairness_scheduler.report import run_protocol
+
+    print("simulate: all six policies on cluster07 (12.7k jobs), protocol defaults")
+    trace = ROOT.parent / "shared" / "traces" / "itp-2021" / "cluster07.csv"
+    t = time.perf_counter()
+    results, _ = run_protocol(trace, list(POLICIES))
+    wall = time.perf_counter() - t
+    row("six policies on cluster07, seconds", wall, 3.8, wall / 3.8, "<= 10 s (ref impl 3.8 s)", wall <= 10, "s")
+
+
+def _cycle_setup(n_pending: int, n_users: int = 1000, n_nodes: int = 1000, seed: int = 0):
+    """A busy cluster (about 95% of GPUs held) and ``n_pending`` gangs with trace-like sizes."""
+    from kfp_pytorch.fairness_scheduler.model import Node, Resources, UserConfig, Workload, gang_for_gpus
+
+    rng = np.random.default_rng(seed)
+    nodes = [Node(f"n{i:04d}", Resources(8, 64, 512)) for i in range(n_nodes)]
+    users = [UserConfig(f"u{k:04d}", 1.0, 3 if k < n_users // 4 else 2 if k < n_users // 2 else 1)
+             for k in range(n_users)]
+    p = 1 / (np.arange(n_users) + 1.0) ** 1.1
+    owners = rng.choice(n_users, size=n_pending, p=p / p.sum())
+    sizes = rng.choice([1, 2, 4, 8, 16, 32, 64], size=n_pending, p=[0.7, 0.1, 0.08, 0.09, 0.015, 0.01, 0.005])
+    pending = [Workload(f"w{i}", users[owners[i]].name, float(rng.integers(0, 86400)),
+                        gang_for_gpus(int(sizes[i])), seq=i) for i in range(n_pending)]
+    used = rng.choice([8, 8, 8, 7, 6, 8, 8, 8, 8, 8, 8, 8, 8, 8, 4, 8, 8, 8, 8, 8], size=n_nodes)
+    usage = rng.gamma(0.5, 1e5, size=n_users)
+    return nodes, users, pending, used, usage
+
+
+def _one_cycle(nodes, users, pending, used, usage, now=90000.0):
+    from kfp_pytorch.fairness_scheduler.admission import NodePool, PendingQueue, admit
+    from kfp_pytorch.fairness_scheduler.model import Resources, Workload, gang_for_gpus
+    from kfp_pytorch.fairness_scheduler.policy import CycleContext, UserState, make_policy
+
+    pool = NodePool(nodes)
+    for i, u in enumerate(used):
+        if u:
+            pool.allocate(Workload("r", "x", 0, gang_for_gpus(int(u))), [i] * (1 if u < 8 else 1))
+    queue = PendingQueue()
+    for w in sorted(pending, key=lambda w: (w.submit_time, w.seq)):
+        queue.push(w)
+    states = {}
+    for k, u in enumerate(users):
+        s = UserState(u)
+        s.usage = Resources(float(usage[k]))
+        states[u.name] = s
+    ctx = CycleContext(now, states, pool.total)
+    return admit(queue, pool, make_policy("fairshare"), ctx)
+
+
+def bench_cycle(tmp: Path) -> None:
+    print("cycle: priorities + admission, 1000 users on 1000 nodes (8 GPUs each), busy cluster")
+    med = {}
+    for n in (10_000, 100_000):
+        setup = _cycle_setup(n)
+        times = []
+        for _ in range(7 if n == 10_000 else 3):
+            t = time.perf_counter()
+            res = _one_cycle(*setup)
+            times.append(time.perf_counter() - t)
+        med[n] = statistics.median(times) * 1e3
+        print(f"    {n} pending: median {med[n]:.1f} ms, started {len(res.started)}", flush=True)
+    row("cycle median ms at 10k pending", med[10_000], 50.0, med[10_000] / 50.0, "<= 50 ms", med[10_000] <= 50, "ms")
+    g = med[100_000] / med[10_000]
+    row("cycle growth 10k -> 100k pending", g, 10.0, g / 10.0, "<= 12x", g <= 12, "x")
+
+
+BENCHES = {"train": bench_train, "data": bench_data, "serve": bench_serve, "pipeline": bench_pipeline,
+           "simulate": bench_simulate, "cycle": bench_cycle}
 
 
 def main() -> int:
