@@ -14,10 +14,13 @@ Algorithm (one cycle):
      re-pushed with fresh keys; stale entries are skipped by version.
    - it does not fit: it waits. Capacity only shrinks within a cycle, so its queue is set aside
      for the rest of the cycle (greedy backfill: everything that fits in key order starts).
-     If the policy says it is starving, it gets a *reservation*: the nodes closest to fitting
-     it (most free GPUs) are held for it, no later workload is placed on them, and they drain
-     until it starts. Reservations are capped (``reserve_cap`` of the GPUs) and re-derived every
-     cycle from the pool, so they need no extra state and survive a controller restart.
+     Starving workloads (the policy decides: ours, large gangs waiting several times the typical
+     wait) are handled first, oldest first: they start if they fit, else get a *reservation*:
+     the nodes closest to fitting them (most free GPUs) are held, with a shadow time estimated
+     from the running workloads' user histories. Only workloads estimated to end before the
+     shadow time may still use held nodes (EASY backfilling, with history instead of user-given
+     limits). Reservations are capped (count and ``reserve_cap`` of the GPUs) and re-derived
+     every cycle from the pool, so they need no extra state and survive a controller restart.
 3. Every workload that did not start gets a reason (``pending_reasons``).
 
 Edge cases, decided here: a workload that cannot fit even an empty cluster is *unschedulable*
@@ -27,6 +30,7 @@ placement; ties in key are impossible (keys end with submit time and arrival seq
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -46,7 +50,10 @@ class NodePool:
         self.whole: set[int] = set()
         for i, a in enumerate(self.alloc):
             self._index(i)
-        self.held: set[int] = set()
+        self.held: dict[int, float] = {}
+        """Reserved nodes -> the reservation's estimated start (its shadow time)."""
+        self.running: list[dict[int, tuple[Workload, float, float]]] = [{} for _ in self.nodes]
+        """Per node: workload id -> (workload, start time, GPUs it holds there), for estimates."""
         self.total = Resources()
         for a in self.alloc:
             self.total = self.total + a
@@ -81,55 +88,86 @@ class NodePool:
                 return False
         return True
 
-    def place(self, w: Workload) -> list[int] | None:
-        """Node index per pod (best fit), or None if the gang does not fit entirely now."""
+    def place(self, w: Workload, ends_by: float | None = None) -> list[int] | None:
+        """Node index per pod (best fit), or None if the gang does not fit entirely now.
+
+        Reserved nodes are used only by a workload estimated to end (``ends_by``) before the
+        reservation's shadow time (EASY backfilling)."""
         chosen: list[int] = []
         taken: dict[int, Resources] = {}
         for pod in w.pods:
-            i = self._place_one(pod, taken)
+            i = self._place_one(pod, taken, ends_by)
             if i is None:
                 return None
             chosen.append(i)
             taken[i] = self.free[i] if self.needs_whole_node(pod, i) else taken.get(i, Resources()) + pod
         return chosen
 
-    def _place_one(self, pod: Resources, taken: dict[int, Resources]) -> int | None:
+    def _usable(self, i: int, ends_by: float | None) -> bool:
+        shadow = self.held.get(i)
+        return shadow is None or (ends_by is not None and ends_by <= shadow)
+
+    def _place_one(self, pod: Resources, taken: dict[int, Resources], ends_by: float | None = None) -> int | None:
         """Whole free node for node-sized pods; else the fullest node that still fits (best fit)."""
         if self.max_gpu and pod.gpu >= self.max_gpu:
             for i in sorted(self.whole):
-                if i not in self.held and i not in taken and pod.fits_in(self.alloc[i]):
+                if self._usable(i, ends_by) and i not in taken and pod.fits_in(self.alloc[i]):
                     return i
             return None
         for level in range(int(pod.gpu + 0.999999), self.max_gpu + 1):
             for i in sorted(self.levels[level]):
-                if i in self.held:
+                if not self._usable(i, ends_by):
                     continue
                 free = self.free[i] - taken[i] if i in taken else self.free[i]
                 if pod.fits_in(free) and not self.needs_whole_node(pod, i):
                     return i
         return None
 
-    def allocate(self, w: Workload, placement: list[int]) -> None:
+    def allocate(self, w: Workload, placement: list[int], start: float = 0.0) -> None:
+        on: dict[int, float] = {}
+        for pod, i in zip(w.pods, placement):
+            on[i] = on.get(i, 0.0) + (self.alloc[i].gpu if self.needs_whole_node(pod, i) else pod.gpu)
+        for i, g in on.items():
+            self.running[i][id(w)] = (w, start, g)
         for pod, i in zip(w.pods, placement):
             self._unindex(i)
             self.free[i] = Resources() if self.needs_whole_node(pod, i) else self.free[i] - pod
             self._index(i)
 
     def release(self, w: Workload, placement: list[int]) -> None:
+        for i in set(placement):
+            self.running[i].pop(id(w), None)
         for pod, i in zip(w.pods, placement):
             self._unindex(i)
             self.free[i] = self.alloc[i] if self.needs_whole_node(pod, i) else self.free[i] + pod
             self._index(i)
 
-    def reserve_for(self, w: Workload) -> list[int] | None:
-        """Hold the nodes closest to fitting ``w`` (most free GPUs, lowest index first)."""
+    def reserve_for(self, w: Workload, end_of=None) -> list[int] | None:
+        """Hold the nodes closest to fitting ``w`` (most free GPUs, lowest index first).
+
+        ``end_of(workload, start)`` estimates when a running workload ends; the reservation's
+        shadow time is when the held nodes are estimated to be free enough (inf without estimates).
+        """
         n_nodes = len(w.pods) if len(w.pods) > 1 or w.pods[0].gpu >= self.max_gpu else 1
         candidates = [i for i in range(len(self.nodes)) if i not in self.held and w.pods[0].fits_in(self.alloc[i])]
         if len(candidates) < n_nodes:
             return None
         candidates.sort(key=lambda i: (-self.free[i].gpu, i))
         chosen = candidates[:n_nodes]
-        self.held.update(chosen)
+        whole = n_nodes > 1 or w.pods[0].gpu >= self.max_gpu
+        shadow = 0.0
+        for i in chosen:
+            runs = sorted(((end_of(x, st) if end_of else math.inf), g) for x, st, g in self.running[i].values())
+            free_at, free = 0.0, self.free[i].gpu
+            need = self.alloc[i].gpu if whole else w.pods[0].gpu
+            for end, g in runs:  # GPUs come back as the running workloads end
+                if free >= need:
+                    break
+                free += g
+                free_at = end
+            shadow = max(shadow, free_at)
+        for i in chosen:
+            self.held[i] = shadow
         return chosen
 
     def free_gpus(self) -> float:
@@ -214,8 +252,17 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
         w = queue.queues[k][0]
         heapq.heappush(heap, (policy.key(w, now), version.get(w.user, 0), k))
 
+    def estimate(w: Workload) -> float | None:
+        st = ctx.users.get(w.user)
+        est = st.estimated_runtime if st is not None else None
+        return est if est is not None else ctx.default_runtime
+
+    def end_of(x: Workload, started: float) -> float:
+        est = estimate(x)
+        return math.inf if est is None else max(started + est, now + 60.0)
+
     def start(k: tuple, w: Workload, placement: list[int]) -> None:
-        pool.allocate(w, placement)
+        pool.allocate(w, placement, now)
         queue.pop(k)
         res.started.append((w, placement))
         held_gpu[w.user] = held_gpu.get(w.user, 0.0) + w.gpus
@@ -240,7 +287,7 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
                 continue
             if reserved_gpu + w.gpus > cap:
                 continue
-            nodes = pool.reserve_for(w)
+            nodes = pool.reserve_for(w, end_of)
             if nodes is not None:
                 reserved_gpu += sum(pool.alloc[i].gpu for i in nodes)
                 res.reservations.append((w, nodes))
@@ -254,7 +301,7 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
             if k not in blocked]
     heapq.heapify(heap)
     largest = pool.largest_free_gpu()
-    whole = len(pool.whole - pool.held)
+    whole = len(pool.whole - pool.held.keys())
     while heap:
         key, ver, k = heapq.heappop(heap)
         if k in blocked or k not in queue.queues or ver != version.get(k[0], 0):
@@ -269,8 +316,10 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
             continue
         # Cheap infeasibility test before a placement search (most cycles end here).
         single = len(w.pods) == 1 and w.pods[0].gpu < pool.max_gpu
-        fits_now = (w.pods[0].gpu <= largest) if single else (len(w.pods) <= whole)
-        placement = pool.place(w) if fits_now else None
+        est = estimate(w) if pool.held else None
+        ends_by = now + est if est is not None else None
+        fits_now = ends_by is not None or ((w.pods[0].gpu <= largest) if single else (len(w.pods) <= whole))
+        placement = pool.place(w, ends_by) if fits_now else None
         if placement is None:
             blocked.add(k)
             reason = (f"waiting for {w.gpus:g} GPUs on one node (largest free: {largest})" if single else
@@ -280,7 +329,7 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
             continue
         before = version.get(w.user, 0)
         start(k, w, placement)
-        largest, whole = pool.largest_free_gpu(), len(pool.whole - pool.held)
+        largest, whole = pool.largest_free_gpu(), len(pool.whole - pool.held.keys())
         if version.get(w.user, 0) != before:
             for k2 in queue.by_user.get(w.user, ()):
                 if k2 not in blocked:

@@ -50,22 +50,20 @@ class FairShareConfig:
     age_mode: str = "linear"
     """``linear``: A = min(wait / age_cap, 1) (Slurm). ``tail``: A = 0 until the starvation
     threshold, then ramps to 1 at twice the threshold: fair share alone orders normal waits."""
-    reserve_whole_node_gangs_only: bool = True
-    """Reserve only for gangs of whole nodes: small pods are never starved by fragmentation for
-    long (any freed GPU fits them), whole-node gangs are, under greedy backfill."""
-    node_gpus_hint: float = 8.0
-    """GPUs of a node: pods at least this large count as whole-node gangs."""
+    reserve_min_fraction: float = 0.25
+    """Only gangs asking for at least this fraction of the cluster get reservations. Small jobs
+    are not starved by backfill for long (some GPU frees up soon), large gangs are: they need
+    many nodes empty at once, which greedy backfill almost never leaves."""
     starvation_first: bool = False
     """Order starving workloads before all others (oldest first) instead of by priority."""
     typical_wait_half_life: float = 86400.0
     """Half-life (seconds) of the decayed mean behind the typical wait."""
     reserve_cap: float = 0.5
     """At most this fraction of the cluster's GPUs is held by reservations at once."""
-    max_reservations: int = 0
-    """At most this many starving workloads hold reservations at once (oldest first), as EASY
-    backfilling reserves for the head only. Off (0) by default: without run-time estimates a
-    reservation drains its nodes, and on the itp-2021 traces that drain cost light users and JCT
-    more than the starvation it removed (see the closing notes of the scheduler issue)."""
+    max_reservations: int = 1
+    """At most this many starving large gangs hold reservations at once (oldest first), as EASY
+    backfilling reserves for the head only. Workloads estimated (from their user's history) to
+    end before the reservation's shadow time may still run on the reserved nodes."""
 
 
 @dataclass

@@ -58,6 +58,8 @@ class CycleContext:
     users: dict[str, UserState]
     capacity: Resources
     """Total allocatable resources of the cluster (normalises usage and shares)."""
+    default_runtime: float | None = None
+    """Run-time estimate for users without history (mean over all finished workloads)."""
     typical_wait: float = 0.0
     """Decayed mean wait of recently started workloads (seconds): the current regime's normal
     wait, against which a starving workload is recognised."""
@@ -266,7 +268,7 @@ class FairShare(Policy):
         return True
 
     def is_starving(self, w, now):
-        if self.cfg.reserve_whole_node_gangs_only and w.pods[0].gpu < self.cfg.node_gpus_hint:
+        if self.ctx.norm(w.total) < self.cfg.reserve_min_fraction * self.ctx.norm(self.ctx.capacity):
             return False
         return now - w.submit_time >= self.threshold
 

@@ -106,7 +106,8 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
     fair_int = np.zeros(len(users))
     fair = np.zeros(len(users))
     running: list = []  # (end, seq, workload, placement)
-    runtimes: dict[str, list[float]] = {}
+    runtimes: dict[str, list] = {}
+    all_rt = [0.0, 0]
     queued_sizes: dict[float, int] = {}
     min_single = math.inf
     k_penalty = getattr(policy, "penalty_seconds", 0.0)
@@ -141,7 +142,13 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
             u = uidx[w.user]
             held[u] -= w.gpus
             demand[u] -= w.gpus
-            runtimes.setdefault(w.user, []).append(e - start[pos[id(w)]])
+            rt = runtimes.setdefault(w.user, [0.0, 0])
+            rt[0] += e - start[pos[id(w)]]
+            rt[1] += 1
+            states[w.user].estimated_runtime = rt[0] / rt[1]  # a real scheduler's estimate: history
+            all_rt[0] += e - start[pos[id(w)]]
+            all_rt[1] += 1
+            ctx.default_runtime = all_rt[0] / all_rt[1]
             demand_dirty = True
         while ai < n and workloads[order[ai]].submit_time <= t:
             w = workloads[order[ai]]

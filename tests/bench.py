@@ -226,6 +226,43 @@ def bench_simulate(tmp: Path) -> None:
     row("six policies on cluster07, seconds", wall, 3.8, wall / 3.8, "<= 10 s (ref impl 3.8 s)", wall <= 10, "s")
 
 
+def bench_fairness(tmp: Path) -> None:
+    """The issue #4 goals for `fairshare` against the baselines, every trace, protocol defaults."""
+    from kfp_pytorch.fairness_scheduler.report import run_protocol
+
+    print("fairness goals: fairshare vs the baselines on every trace (ratios to FIFO unless noted)")
+    traces = sorted((ROOT.parent / "shared" / "traces" / "itp-2021").glob("*.csv"))
+    passed = 0
+    for tr in traces:
+        res, info = run_protocol(tr, ["fifo", "static-priority", "drf", "slurm-fairshare", "kueue-afs", "fairshare"])
+        m = {p: r.metrics for p, r in res.items()}
+        f, o = m["fifo"], m["fairshare"]
+        best = max(v["jain_service"] for p, v in m.items() if p != "fairshare")
+        name = tr.stem
+        strict = name in ("cluster07", "cluster09")
+        light_target = 0.15 if name in ("cluster02", "cluster07", "cluster09") else 0.35
+        checks = {
+            "jain": (o["jain_service"], f">= {best - 0.005:.3f}" + (" & >= 0.95" if strict else ""),
+                     o["jain_service"] >= best - 0.005 and (not strict or o["jain_service"] >= 0.95)),
+            "light_wait_p95/fifo": (o["light_wait_p95"] / max(f["light_wait_p95"], 1e-9), f"<= {light_target}",
+                                    o["light_wait_p95"] <= light_target * f["light_wait_p95"] + 1e-9),
+            "wait_max/fifo": (o["wait_max"] / max(f["wait_max"], 1e-9), "<= 1.5",
+                              o["wait_max"] <= 1.5 * f["wait_max"] + 1e-9),
+            "utilization/fifo": (o["utilization"] / f["utilization"], ">= 0.98",
+                                 o["utilization"] >= 0.98 * f["utilization"]),
+            "jct_mean/fifo": (o["jct_mean"] / f["jct_mean"], "<= 1.05", o["jct_mean"] <= 1.05 * f["jct_mean"]),
+            "min_service": (o["min_service"], f">= {f['min_service']:.3f}" + (" & >= 0.6" if strict else ""),
+                            o["min_service"] >= f["min_service"] and (not strict or o["min_service"] >= 0.6)),
+        }
+        ok = all(c[2] for c in checks.values())
+        passed += ok
+        print(f"  {name} (C={info['capacity_gpus']}): {'PASS' if ok else 'MISS'}  " + "  ".join(
+            f"{k} {v:.3f}{'' if good else '(!' + t + ')'}" for k, (v, t, good) in checks.items()), flush=True)
+        ROWS.append({"figure": f"fairness goals {name}", "ok": ok,
+                     "checks": {k: {"value": v, "target": t, "ok": g} for k, (v, t, g) in checks.items()}})
+    print(f"  traces meeting every goal: {passed}/{len(traces)}")
+
+
 def _cycle_setup(n_pending: int, n_users: int = 1000, n_nodes: int = 1000, seed: int = 0):
     """A busy cluster (about 95% of GPUs held) and ``n_pending`` gangs with trace-like sizes."""
     from kfp_pytorch.fairness_scheduler.model import Node, Resources, UserConfig, Workload, gang_for_gpus
@@ -283,7 +320,7 @@ def bench_cycle(tmp: Path) -> None:
 
 
 BENCHES = {"train": bench_train, "data": bench_data, "serve": bench_serve, "pipeline": bench_pipeline,
-           "simulate": bench_simulate, "cycle": bench_cycle}
+           "simulate": bench_simulate, "cycle": bench_cycle, "fairness": bench_fairness}
 
 
 def main() -> int:

@@ -48,7 +48,7 @@ def ctx(users, pool, now=0.0, usage=None, held=None, typical_wait=0.0):
         s.usage = Resources((usage or {}).get(u.name, 0.0))
         s.held = Resources((held or {}).get(u.name, 0.0))
         states[u.name] = s
-    return CycleContext(now, states, pool.total, typical_wait)
+    return CycleContext(now, states, pool.total, typical_wait=typical_wait)
 
 
 # ---- usage decay ---------------------------------------------------------------------------------
@@ -174,6 +174,27 @@ def test_starving_gang_gets_a_reservation_and_backfill_avoids_it():
     started = {x.name: p for x, p in res.started}
     assert set(started) == {"s0", "s1"} and all(p == [1] for p in started.values())  # backfill elsewhere only
     assert "reserved" in res.pending_reasons["big"]
+
+
+def test_easy_backfill_lets_short_work_use_reserved_nodes():
+    """With run-time estimates (user history), work that ends before the shadow time may use held nodes."""
+    users = [UserConfig("long"), UserConfig("short")]
+    pool = NodePool(nodes(2))
+    pool.allocate(W("r0").user("long").gpus(4).build(), [0], start=0.0)
+    pool.allocate(W("r1").user("long").gpus(4).build(), [1], start=0.0)
+    q = PendingQueue()
+    big = W("big").user("long").gpus(16).at(0).build()
+    quick = W("quick").user("short").gpus(2).at(500).build()
+    slow = W("slow").user("long").gpus(2).at(600).build()
+    for j in [big, quick, slow]:
+        q.push(j)
+    c = ctx(users, pool, now=1000.0)
+    c.users["long"].estimated_runtime = 5000.0  # r0, r1 end at ~5000: the shadow time
+    c.users["short"].estimated_runtime = 100.0
+    cfg = FairShareConfig(starvation_after=100, starvation_factor=0)
+    res = admit(q, pool, make_policy("fairshare", cfg), c, reserve_cap=1.0)
+    assert [w.name for w, _ in res.reservations] == ["big"]
+    assert pool.held == {} and [w.name for w, _ in res.started] == ["quick"]  # slow would delay big
 
 
 def test_quota_is_respected():
