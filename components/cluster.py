@@ -1,0 +1,346 @@
+"""Cluster backends, the pure half: typed specs -> Kubernetes manifests (no client, no I/O).
+
+``to_pytorchjob(spec)``, ``to_trainjob(spec)``, ``to_inference_service(spec)`` and
+``kfp_launcher_configmap(...)`` build plain dicts that are valid against the upstream CRD schemas
+(Training Operator v1.9 PyTorchJob, Trainer v2.3 TrainJob, KServe v0.20 InferenceService); a dry
+run prints them, and only the Kubernetes edge submits them (build, then submit, as torchx does).
+
+Credentials never appear in a manifest: pods read them from a Secret through ``secretKeyRef``,
+and KServe's storage initializer from a ServiceAccount's Secret.
+"""
+import hashlib
+import re
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+from .train import WORKER_MODULE, TrainSpec, worker_args
+
+FAIRNESS_GATE = "fairness.kfp-pytorch.io/admission"
+"""Scheduling gate the fairness scheduler removes when it admits a gang."""
+LABEL_PREFIX = "kfp-pytorch.io"
+QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def dns1123_name(*parts: str, max_len: int = 63) -> str:
+    """A valid DNS-1123 label derived deterministically from ``parts``.
+
+    Lower-cases, maps other characters to '-', and when too long keeps a readable prefix plus a
+    short hash of the full input, so different long inputs stay different names.
+    """
+    raw = "-".join(p for p in parts if p)
+    name = re.sub(r"[^a-z0-9-]+", "-", raw.lower()).strip("-")
+    name = re.sub(r"-{2,}", "-", name) or "x"
+    if len(name) > max_len or name != raw:
+        digest = hashlib.sha256(raw.encode()).hexdigest()[:8]
+        if len(name) > max_len:
+            name = name[: max_len - 9].rstrip("-") + "-" + digest
+    if not name[0].isalnum():
+        name = "x" + name[1:]
+    return name
+
+
+def parse_resources(res: dict | None, path: str = "resources") -> dict:
+    """``{"cpu": "4", "memory": "16Gi", "gpu": 1}`` -> requests/limits; every bad value listed."""
+    res = dict(res or {})
+    problems, out = [], {}
+    names = {"cpu": "cpu", "memory": "memory", "gpu": "nvidia.com/gpu", "nvidia.com/gpu": "nvidia.com/gpu",
+             "ephemeral-storage": "ephemeral-storage"}
+    for k, v in res.items():
+        if k not in names:
+            problems.append(f"{path}.{k}: unknown resource (use cpu, memory, gpu)")
+            continue
+        text = str(v).strip()
+        if isinstance(v, bool) or not QUANTITY.match(text):
+            problems.append(f"{path}.{k}: {v!r} is not a Kubernetes quantity "
+                            f"(examples: cpu '500m' or 4, memory '16Gi', gpu 1)")
+            continue
+        if names[k] == "nvidia.com/gpu" and not re.fullmatch(r"\d+", text):
+            problems.append(f"{path}.{k}: GPUs must be a whole number, got {v!r}")
+            continue
+        out[names[k]] = int(text) if re.fullmatch(r"\d+", text) else text
+    if problems:
+        raise ConfigError(problems, "fix the resource values", title="invalid resources")
+    return out
+
+
+@dataclass(frozen=True)
+class S3Access:
+    """How pods reach MinIO: endpoint in the clear, credentials only by Secret reference."""
+
+    endpoint: str = "http://minio-service.kubeflow:9000"
+    secret_name: str = "kfp-pytorch-s3"
+    access_key_key: str = "AWS_ACCESS_KEY_ID"
+    secret_key_key: str = "AWS_SECRET_ACCESS_KEY"
+    region: str = "us-east-1"
+    verify_ssl: bool = True
+
+    def env(self) -> list[dict]:
+        return [
+            {"name": "AWS_ENDPOINT_URL", "value": self.endpoint},
+            {"name": "AWS_REGION", "value": self.region},
+            {"name": "S3_VERIFY_SSL", "value": "1" if self.verify_ssl else "0"},
+            {"name": "AWS_ACCESS_KEY_ID",
+             "valueFrom": {"secretKeyRef": {"name": self.secret_name, "key": self.access_key_key}}},
+            {"name": "AWS_SECRET_ACCESS_KEY",
+             "valueFrom": {"secretKeyRef": {"name": self.secret_name, "key": self.secret_key_key}}},
+        ]
+
+
+@dataclass(frozen=True)
+class ClusterTrainSpec:
+    """Where and how a training job runs in the cluster."""
+
+    train: TrainSpec
+    image: str = ""
+    """The project's image (see Dockerfile); required."""
+    namespace: str = "kubeflow-user"
+    run_id: str = "local"
+    """KFP run id: with ``task`` it names the job deterministically, so a retried task adopts it."""
+    task: str = "train"
+    user: str = ""
+    """Owner, for labels and fair-share accounting."""
+    pipeline: str = "train-and-serve"
+    nodes: int = 1
+    """Pods (replicas); ``train.workers`` processes are spread as nprocPerNode = workers / nodes."""
+    resources: dict = field(default_factory=dict)
+    """Per pod: {"cpu": 4, "memory": "16Gi", "gpu": 1}."""
+    s3: S3Access = field(default_factory=S3Access)
+    clean_pod_policy: str = "Running"
+    backoff_limit: int = 3
+    active_deadline_seconds: int | None = None
+    ttl_seconds_after_finished: int | None = 86400
+    fairness: bool = False
+    """Add the fairness scheduler's scheduling gate and priority class."""
+    priority_class: str = "kfp-pytorch-default"
+    queue: str = ""
+    """Gang-scheduler queue (Volcano/scheduler-plugins) for runPolicy.schedulingPolicy."""
+    elastic_min_nodes: int | None = None
+    """Set to enable elasticPolicy with min..nodes replicas (c10d rendezvous)."""
+    node_selector: dict = field(default_factory=dict)
+    tolerations: list = field(default_factory=list)
+    runtime: str = "torch-distributed"
+    """ClusterTrainingRuntime of a TrainJob."""
+
+    @property
+    def name(self) -> str:
+        return dns1123_name(self.pipeline, self.run_id[:12], self.task, max_len=50)
+
+    def validate(self) -> dict:
+        problems = []
+        if not self.image:
+            problems.append("image: required (the kfp-pytorch image built from the Dockerfile, e.g. "
+                            "registry.example.com/kfp-pytorch:0.1.0)")
+        if not DNS1123_LABEL.match(self.namespace or "") or len(self.namespace) > 63:
+            problems.append(f"namespace: must be a DNS-1123 label, got {self.namespace!r}")
+        if self.nodes < 1:
+            problems.append(f"nodes: must be >= 1, got {self.nodes}")
+        elif self.train.workers % self.nodes:
+            problems.append(f"workers ({self.train.workers}) must be a multiple of nodes ({self.nodes})")
+        if self.clean_pod_policy not in ("None", "Running", "All"):
+            problems.append(f"clean_pod_policy: must be None, Running or All, got {self.clean_pod_policy!r}")
+        if self.backoff_limit < 0:
+            problems.append(f"backoff_limit: must be >= 0, got {self.backoff_limit}")
+        if self.elastic_min_nodes is not None and not 1 <= self.elastic_min_nodes <= self.nodes:
+            problems.append(f"elastic_min_nodes: must be in [1, nodes], got {self.elastic_min_nodes}")
+        try:
+            res = parse_resources(self.resources)
+        except ConfigError as e:
+            problems += e.problems
+            res = {}
+        if problems:
+            raise ConfigError(problems, title="invalid cluster training settings")
+        return res
+
+    def labels(self) -> dict:
+        out = {"app.kubernetes.io/managed-by": "kfp-pytorch", f"{LABEL_PREFIX}/pipeline": dns1123_name(self.pipeline),
+               f"{LABEL_PREFIX}/run-id": dns1123_name(self.run_id), f"{LABEL_PREFIX}/task": dns1123_name(self.task)}
+        if self.user:
+            out[f"{LABEL_PREFIX}/user"] = dns1123_name(self.user)
+        return out
+
+
+def _pod_template(spec: ClusterTrainSpec, resources: dict) -> dict:
+    pod: dict = {
+        "containers": [{
+            "name": "pytorch",  # the Training Operator requires this container name
+            "image": spec.image,
+            "imagePullPolicy": "IfNotPresent",
+            "command": ["python", "-m", "torch.distributed.run", "-m", WORKER_MODULE],
+            "args": worker_args(spec.train),
+            "env": spec.s3.env() + [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+            "resources": {"requests": dict(resources), "limits": dict(resources)} if resources else {},
+        }],
+    }
+    if spec.node_selector:
+        pod["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod["tolerations"] = list(spec.tolerations)
+    if spec.fairness:
+        pod["schedulingGates"] = [{"name": FAIRNESS_GATE}]
+        pod["priorityClassName"] = spec.priority_class
+    return {"metadata": {"labels": spec.labels()}, "spec": pod}
+
+
+def to_pytorchjob(spec: ClusterTrainSpec) -> dict:
+    """A ``kubeflow.org/v1`` PyTorchJob running the same worker entrypoint as the local backend."""
+    resources = spec.validate()
+    template = _pod_template(spec, resources)
+    replica = {"restartPolicy": "OnFailure", "template": template}
+    replicas = {"Master": {"replicas": 1, **replica}}
+    if spec.nodes > 1:
+        replicas["Worker"] = {"replicas": spec.nodes - 1, **replica}
+    run_policy: dict = {"cleanPodPolicy": spec.clean_pod_policy, "backoffLimit": spec.backoff_limit,
+                        "schedulingPolicy": {"minAvailable": spec.nodes}}
+    if spec.queue:
+        run_policy["schedulingPolicy"]["queue"] = spec.queue
+    if spec.fairness:
+        run_policy["schedulingPolicy"]["priorityClass"] = spec.priority_class
+    if spec.active_deadline_seconds:
+        run_policy["activeDeadlineSeconds"] = spec.active_deadline_seconds
+    if spec.ttl_seconds_after_finished is not None:
+        run_policy["ttlSecondsAfterFinished"] = spec.ttl_seconds_after_finished
+    body: dict = {"nprocPerNode": str(spec.train.workers // spec.nodes), "runPolicy": run_policy,
+                  "pytorchReplicaSpecs": replicas}
+    if spec.elastic_min_nodes is not None:
+        body["elasticPolicy"] = {"minReplicas": spec.elastic_min_nodes, "maxReplicas": spec.nodes,
+                                 "rdzvBackend": "c10d", "maxRestarts": spec.train.max_restarts}
+    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+            "metadata": {"name": spec.name, "namespace": spec.namespace, "labels": spec.labels()},
+            "spec": body}
+
+
+def to_trainjob(spec: ClusterTrainSpec) -> dict:
+    """A ``trainer.kubeflow.org/v1alpha1`` TrainJob on a ClusterTrainingRuntime (Trainer v2)."""
+    resources = spec.validate()
+    trainer: dict = {
+        "image": spec.image,
+        "command": ["python", "-m", "torch.distributed.run", "-m", WORKER_MODULE],
+        "args": worker_args(spec.train),
+        "env": spec.s3.env() + [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "numNodes": spec.nodes,
+        "numProcPerNode": spec.train.workers // spec.nodes,
+    }
+    if resources:
+        trainer["resourcesPerNode"] = {"requests": dict(resources), "limits": dict(resources)}
+    body: dict = {"runtimeRef": {"name": spec.runtime, "kind": "ClusterTrainingRuntime",
+                                 "apiGroup": "trainer.kubeflow.org"},
+                  "trainer": trainer}
+    if spec.active_deadline_seconds:
+        body["activeDeadlineSeconds"] = spec.active_deadline_seconds
+    return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
+            "metadata": {"name": spec.name, "namespace": spec.namespace, "labels": spec.labels()},
+            "spec": body}
+
+
+@dataclass(frozen=True)
+class ClusterServeSpec:
+    model_uri: str
+    """s3://bucket/prefix/model: KServe's storage initializer copies it to /mnt/models."""
+    model_name: str
+    image: str = ""
+    namespace: str = "kubeflow-user"
+    service_account: str = "kfp-pytorch-s3"
+    """ServiceAccount whose Secret carries the serving.kserve.io/s3-* annotations."""
+    resources: dict = field(default_factory=lambda: {"cpu": 1, "memory": "2Gi"})
+    min_replicas: int = 1
+    max_replicas: int = 1
+    canary_traffic_percent: int | None = None
+    raw_deployment: bool = True
+    """RawDeployment mode (no Knative/Istio needed), the usual on-prem choice."""
+
+    def validate(self) -> dict:
+        problems = []
+        if not self.image:
+            problems.append("image: required (the kfp-pytorch image, which holds the predictor)")
+        if not DNS1123_LABEL.match(self.model_name or "") or len(self.model_name) > 45:
+            problems.append(f"model_name: must be a DNS-1123 label of at most 45 characters, got {self.model_name!r}")
+        if not self.model_uri.startswith(("s3://", "minio://", "pvc://")):
+            problems.append(f"model_uri: must be s3://, minio:// or pvc:// for KServe, got {self.model_uri!r}")
+        if self.canary_traffic_percent is not None and not 0 <= self.canary_traffic_percent <= 100:
+            problems.append(f"canary_traffic_percent: must be in [0, 100], got {self.canary_traffic_percent}")
+        if not 0 <= self.min_replicas <= self.max_replicas:
+            problems.append(f"replicas: need 0 <= min_replicas <= max_replicas, got {self.min_replicas}..{self.max_replicas}")
+        try:
+            res = parse_resources(self.resources)
+        except ConfigError as e:
+            problems += e.problems
+            res = {}
+        if problems:
+            raise ConfigError(problems, title="invalid serving settings")
+        return res
+
+
+def to_inference_service(spec: ClusterServeSpec) -> dict:
+    """A ``serving.kserve.io/v1beta1`` InferenceService running our TorchPredictor (OIP v2)."""
+    resources = spec.validate()
+    uri = "s3://" + spec.model_uri[len("minio://"):] if spec.model_uri.startswith("minio://") else spec.model_uri
+    predictor: dict = {
+        "serviceAccountName": spec.service_account,
+        "minReplicas": spec.min_replicas,
+        "maxReplicas": spec.max_replicas,
+        "containers": [{
+            "name": "kserve-container",
+            "image": spec.image,
+            "command": ["python", "-m", "kfp_pytorch.components.kserve_predictor"],
+            "args": ["--model_name", spec.model_name, "--model_uri", "/mnt/models", "--http_port", "8080",
+                     "--enable_grpc", "false"],
+            # STORAGE_URI on a custom container makes KServe's storage initializer fetch the model.
+            "env": [{"name": "STORAGE_URI", "value": uri}],
+            "ports": [{"containerPort": 8080, "protocol": "TCP"}],
+            "resources": {"requests": dict(resources), "limits": dict(resources)},
+        }],
+    }
+    if spec.canary_traffic_percent is not None:
+        predictor["canaryTrafficPercent"] = spec.canary_traffic_percent
+    meta: dict = {"name": spec.model_name, "namespace": spec.namespace,
+                  "labels": {"app.kubernetes.io/managed-by": "kfp-pytorch"}}
+    if spec.raw_deployment:
+        meta["annotations"] = {"serving.kserve.io/deploymentMode": "RawDeployment"}
+    return {"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService", "metadata": meta,
+            "spec": {"predictor": predictor}}
+
+
+def kserve_s3_secret_and_sa(s3: S3Access, namespace: str, service_account: str = "kfp-pytorch-s3") -> list[dict]:
+    """The annotated Secret (without data: create it with kubectl) and the ServiceAccount that uses it.
+
+    Secret data is never generated: ``kubectl -n NS create secret generic kfp-pytorch-s3
+    --from-literal=AWS_ACCESS_KEY_ID=... --from-literal=AWS_SECRET_ACCESS_KEY=...`` then apply this
+    to annotate it.
+    """
+    from urllib.parse import urlparse
+
+    ep = urlparse(s3.endpoint if "://" in s3.endpoint else f"http://{s3.endpoint}")
+    return [
+        {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+         "metadata": {"name": s3.secret_name, "namespace": namespace, "annotations": {
+             "serving.kserve.io/s3-endpoint": ep.netloc,
+             "serving.kserve.io/s3-usehttps": "1" if ep.scheme == "https" else "0",
+             "serving.kserve.io/s3-verifyssl": "1" if s3.verify_ssl else "0",
+             "serving.kserve.io/s3-region": s3.region}}},
+        {"apiVersion": "v1", "kind": "ServiceAccount",
+         "metadata": {"name": service_account, "namespace": namespace},
+         "secrets": [{"name": s3.secret_name}]},
+    ]
+
+
+def kfp_launcher_configmap(namespace: str, pipeline_root: str = "minio://mlpipeline/v2/artifacts",
+                           s3: S3Access | None = None) -> dict:
+    """The per-namespace ``kfp-launcher`` ConfigMap: MinIO pipeline root and provider credentials."""
+    import yaml
+    from urllib.parse import urlparse
+
+    s3 = s3 or S3Access(endpoint="http://minio-service.kubeflow:9000", secret_name="mlpipeline-minio-artifact",
+                        access_key_key="accesskey", secret_key_key="secretkey", region="minio")
+    if not pipeline_root.startswith(("minio://", "s3://")):
+        raise ConfigError([f"pipeline_root: must be minio://BUCKET/PREFIX or s3://..., got {pipeline_root!r}"],
+                          title="invalid launcher settings")
+    ep = urlparse(s3.endpoint if "://" in s3.endpoint else f"http://{s3.endpoint}")
+    provider = {"default": {"endpoint": ep.netloc, "disableSSL": ep.scheme != "https", "region": s3.region,
+                            "credentials": {"fromEnv": False, "secretRef": {
+                                "secretName": s3.secret_name, "accessKeyKey": s3.access_key_key,
+                                "secretKeyKey": s3.secret_key_key}}}}
+    scheme = pipeline_root.split("://")[0]
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "kfp-launcher", "namespace": namespace},
+            "data": {"defaultPipelineRoot": pipeline_root,
+                     "providers": yaml.safe_dump({scheme: provider}, sort_keys=False)}}

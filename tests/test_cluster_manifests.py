@@ -1,0 +1,147 @@
+"""Cluster manifests: built by pure functions, valid against the upstream CRD schemas."""
+import json
+
+import jsonschema
+import pytest
+
+from kfp_pytorch.components.cluster import (FAIRNESS_GATE, ClusterServeSpec, ClusterTrainSpec, S3Access,
+                                            dns1123_name, kfp_launcher_configmap, kserve_s3_secret_and_sa,
+                                            parse_resources, to_inference_service, to_pytorchjob, to_trainjob)
+from kfp_pytorch.components.errors import ConfigError
+from kfp_pytorch.components.train import TrainSpec
+from k8s_schemas import validate_manifest
+
+IMAGE = "registry.example.com/kfp-pytorch:0.1.0"
+
+
+def spec(**kw):
+    base = dict(train=TrainSpec("s3://data/run1/dataset", "s3://models/run1", workers=4, epochs=3), image=IMAGE,
+                namespace="team-a", run_id="8f14e45f-ceea-467f-a0e6-1a2b3c4d5e6f", task="train-op", user="alice",
+                nodes=2, resources={"cpu": 4, "memory": "16Gi", "gpu": 1})
+    base.update(kw)
+    return ClusterTrainSpec(**base)
+
+
+def test_pytorchjob_is_valid_and_complete():
+    job = to_pytorchjob(spec(fairness=True, queue="gpu", active_deadline_seconds=7200, elastic_min_nodes=1,
+                             node_selector={"nvidia.com/gpu.present": "true"},
+                             tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]))
+    validate_manifest(job)
+    s = job["spec"]
+    assert s["nprocPerNode"] == "2" and s["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+    assert s["runPolicy"] == {"cleanPodPolicy": "Running", "backoffLimit": 3, "activeDeadlineSeconds": 7200,
+                              "ttlSecondsAfterFinished": 86400,
+                              "schedulingPolicy": {"minAvailable": 2, "queue": "gpu", "priorityClass": "kfp-pytorch-default"}}
+    assert s["elasticPolicy"]["rdzvBackend"] == "c10d"
+    pod = s["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["name"] == "pytorch" and c["image"] == IMAGE
+    assert c["command"] == ["python", "-m", "torch.distributed.run", "-m", "kfp_pytorch.components.train_worker"]
+    assert "s3://data/run1/dataset" in c["args"] and "s3://models/run1" in c["args"]
+    assert c["resources"]["limits"] == {"cpu": 4, "memory": "16Gi", "nvidia.com/gpu": 1}
+    env = {e["name"]: e for e in c["env"]}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "kfp-pytorch-s3",
+                                                                        "key": "AWS_SECRET_ACCESS_KEY"}
+    assert "value" not in env["AWS_ACCESS_KEY_ID"]  # never literal
+    assert pod["schedulingGates"] == [{"name": FAIRNESS_GATE}] and pod["priorityClassName"] == "kfp-pytorch-default"
+    labels = job["metadata"]["labels"]
+    assert labels["kfp-pytorch.io/user"] == "alice" and labels["kfp-pytorch.io/task"] == "train-op"
+
+
+def test_single_node_job_has_no_worker_replicas_and_no_gate_by_default():
+    job = to_pytorchjob(spec(nodes=1))
+    validate_manifest(job)
+    assert set(job["spec"]["pytorchReplicaSpecs"]) == {"Master"}
+    assert "schedulingGates" not in job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+
+
+def test_job_name_is_deterministic_and_dns1123():
+    a, b = spec(), spec()
+    assert a.name == b.name and len(a.name) <= 50
+    long = spec(run_id="X" * 80, task="Some_Very/Long Task Name" * 4)
+    validate_manifest(to_pytorchjob(long))
+    assert long.name != spec(run_id="Y" * 80, task="Some_Very/Long Task Name" * 4).name
+
+
+@pytest.mark.parametrize("raw,ok", [("train-op", True), ("Train_Op", False), ("a" * 70, False), ("-x-", False)])
+def test_dns1123_name(raw, ok):
+    name = dns1123_name(raw)
+    assert len(name) <= 63 and name[0].isalnum() and name[-1].isalnum()
+    assert (name == raw) is ok
+
+
+def test_trainjob_is_valid():
+    tj = to_trainjob(spec())
+    validate_manifest(tj)
+    t = tj["spec"]["trainer"]
+    assert t["numNodes"] == 2 and t["numProcPerNode"] == 2 and t["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == 1
+    assert tj["spec"]["runtimeRef"]["name"] == "torch-distributed"
+
+
+def test_inference_service_is_valid():
+    isvc = to_inference_service(ClusterServeSpec("minio://models/run1/model", "digits", IMAGE, canary_traffic_percent=10))
+    validate_manifest(isvc)
+    p = isvc["spec"]["predictor"]
+    assert p["canaryTrafficPercent"] == 10 and p["serviceAccountName"] == "kfp-pytorch-s3"
+    c = p["containers"][0]
+    assert c["env"] == [{"name": "STORAGE_URI", "value": "s3://models/run1/model"}]
+    assert c["command"][-1] == "kfp_pytorch.components.kserve_predictor"
+
+
+def test_kserve_secret_annotations_without_credentials():
+    secret, sa = kserve_s3_secret_and_sa(S3Access(endpoint="https://minio.lab:9000", verify_ssl=False), "team-a")
+    ann = secret["metadata"]["annotations"]
+    assert ann == {"serving.kserve.io/s3-endpoint": "minio.lab:9000", "serving.kserve.io/s3-usehttps": "1",
+                   "serving.kserve.io/s3-verifyssl": "0", "serving.kserve.io/s3-region": "us-east-1"}
+    assert "data" not in secret and "stringData" not in secret and sa["secrets"] == [{"name": "kfp-pytorch-s3"}]
+
+
+def test_kfp_launcher_configmap():
+    import yaml
+
+    cm = kfp_launcher_configmap("team-a")
+    assert cm["data"]["defaultPipelineRoot"] == "minio://mlpipeline/v2/artifacts"
+    prov = yaml.safe_load(cm["data"]["providers"])["minio"]["default"]
+    assert prov["endpoint"] == "minio-service.kubeflow:9000" and prov["disableSSL"] is True
+    assert prov["credentials"] == {"fromEnv": False, "secretRef": {"secretName": "mlpipeline-minio-artifact",
+                                                                   "accessKeyKey": "accesskey", "secretKeyKey": "secretkey"}}
+    with pytest.raises(ConfigError):
+        kfp_launcher_configmap("team-a", "gs://bucket")
+
+
+@pytest.mark.parametrize("res,needle", [
+    ({"gpu": "2 GPUs"}, "resources.gpu: '2 GPUs' is not a Kubernetes quantity"),
+    ({"gpu": "0.5"}, "GPUs must be a whole number"),
+    ({"memory": "16 GB"}, "resources.memory: '16 GB'"),
+    ({"tpu": 1}, "resources.tpu: unknown resource"),
+])
+def test_malformed_resources(res, needle):
+    with pytest.raises(ConfigError) as e:
+        parse_resources(res)
+    assert needle in str(e.value)
+
+
+def test_missing_image_and_more_are_listed_together():
+    with pytest.raises(ConfigError) as e:
+        to_pytorchjob(spec(image="", namespace="Bad NS", nodes=3, resources={"gpu": "2 GPUs"}))
+    text = str(e.value)
+    for needle in ("image: required", "namespace: must be a DNS-1123 label", "multiple of nodes", "2 GPUs"):
+        assert needle in text
+
+
+def test_schema_validation_catches_an_invalid_manifest():
+    job = to_pytorchjob(spec())
+    job["spec"]["runPolicy"]["backoffLimit"] = "three"
+    with pytest.raises(jsonschema.ValidationError):
+        validate_manifest(job)
+    job = to_pytorchjob(spec())
+    job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["bogusField"] = 1
+    with pytest.raises(jsonschema.ValidationError):
+        validate_manifest(job)
+
+
+def test_no_credentials_in_any_manifest(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "super-secret-value")
+    text = json.dumps([to_pytorchjob(spec()), to_trainjob(spec()),
+                       to_inference_service(ClusterServeSpec("s3://m/x", "digits", IMAGE)), kfp_launcher_configmap("a")])
+    assert "super-secret-value" not in text
