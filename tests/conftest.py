@@ -74,3 +74,33 @@ def trained_model(digits_data, tmp_path_factory):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     result = train(TrainSpec(digits_data, str(out), epochs=6, lr=0.005, progress="off"))
     return result
+
+
+@pytest.fixture(scope="session")
+def _fake_k8s_server():
+    from fake_k8s import FakeCluster
+
+    fake = FakeCluster()
+    url = fake.start()
+    yield fake, url
+    fake.stop()
+
+
+@pytest.fixture
+def k8s(_fake_k8s_server):
+    """A clean fake API server per test and an ApiClient of the official client bound to it."""
+    from kubernetes import client
+
+    fake, url = _fake_k8s_server
+    with fake.lock:
+        fake.objects.clear()
+        fake.logs.clear()
+        fake.denied.clear()
+        fake.missing_groups.clear()
+        fake.requests.clear()
+        fake.operator.isvc_ready = True
+    cfg = client.Configuration()
+    cfg.host = url
+    api = client.ApiClient(cfg)
+    yield fake, api
+    api.close()

@@ -1,0 +1,642 @@
+"""A fake Kubernetes API *server* on loopback that speaks the real REST protocol.
+
+The official ``kubernetes`` client talks to it unmodified (no patched methods). It enforces the
+rules our code depends on:
+
+- resourceVersion: every write bumps a global counter; PUT with a stale
+  ``metadata.resourceVersion`` is ``409 Conflict``; POST of an existing name is ``409 AlreadyExists``;
+- ``labelSelector`` (equality and set-based) and ``fieldSelector`` (metadata.name/namespace,
+  spec.nodeName, status.phase);
+- watch from a resourceVersion (``?watch=true``), with ``410 Gone`` when it is older than the
+  retained history, and ``timeoutSeconds``;
+- ``pods/binding`` (refused while the pod has scheduling gates), ``pods/log``;
+- ``spec.priority`` immutable; scheduling gates can only be removed after creation;
+- the status subresource (``/status`` writes only status; main writes never change status);
+- merge, strategic-merge and JSON patches; ``403`` for denied (verb, resource); ``404`` for a CRD
+  group that is not installed.
+
+``FakeCluster.operator`` simulates the Training Operator and KServe: a PyTorchJob gets its pods,
+whose phases the test moves (``set_pod_phase``), and the job's conditions follow; an
+InferenceService becomes Ready.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import re
+import threading
+import time
+import uuid
+from collections import deque
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+CORE = {"pods": True, "events": True, "secrets": True, "configmaps": True, "serviceaccounts": True,
+        "nodes": False, "namespaces": False}  # plural -> namespaced
+KINDS = {"pods": "Pod", "events": "Event", "secrets": "Secret", "configmaps": "ConfigMap",
+         "serviceaccounts": "ServiceAccount", "nodes": "Node", "namespaces": "Namespace", "leases": "Lease",
+         "pytorchjobs": "PyTorchJob", "trainjobs": "TrainJob", "inferenceservices": "InferenceService"}
+GROUPS = {("coordination.k8s.io", "v1"): {"leases"},
+          ("kubeflow.org", "v1"): {"pytorchjobs"},
+          ("trainer.kubeflow.org", "v1alpha1"): {"trainjobs"},
+          ("serving.kserve.io", "v1beta1"): {"inferenceservices"}}
+WITH_STATUS = {"pods", "pytorchjobs", "trainjobs", "inferenceservices", "nodes", "namespaces"}
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class ApiError(Exception):
+    def __init__(self, code: int, reason: str, message: str):
+        self.code, self.reason, self.message = code, reason, message
+
+    def status(self) -> dict:
+        return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                "message": self.message, "reason": self.reason, "code": self.code}
+
+
+# ---- selectors ------------------------------------------------------------------------------------
+def _match_labels(selector: str, labels: dict) -> bool:
+    if not selector:
+        return True
+    for term in re.split(r",(?![^()]*\))", selector):
+        term = term.strip()
+        if not term:
+            continue
+        m = re.fullmatch(r"([\w./-]+)\s+(in|notin)\s+\(([^)]*)\)", term)
+        if m:
+            key, op, vals = m.group(1), m.group(2), {v.strip() for v in m.group(3).split(",")}
+            if (op == "in") != (labels.get(key) in vals if key in labels else False):
+                if op == "in" or key in labels and labels[key] in vals:
+                    return False
+            continue
+        m = re.fullmatch(r"([\w./-]+)\s*(==|=|!=)\s*([\w./-]*)", term)
+        if m:
+            key, op, val = m.groups()
+            if op == "!=":
+                if labels.get(key) == val:
+                    return False
+            elif labels.get(key) != val:
+                return False
+            continue
+        if term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+def _field(obj: dict, path: str):
+    cur = obj
+    for p in path.split("."):
+        if not isinstance(cur, dict):
+            return None
+        cur = cur.get(p)
+    return cur
+
+
+def _match_fields(selector: str, obj: dict) -> bool:
+    if not selector:
+        return True
+    for term in selector.split(","):
+        m = re.fullmatch(r"([\w.]+)\s*(==|=|!=)\s*(.*)", term.strip())
+        if not m:
+            raise ApiError(400, "BadRequest", f"invalid field selector {term!r}")
+        key, op, val = m.groups()
+        if key not in ("metadata.name", "metadata.namespace", "spec.nodeName", "status.phase", "spec.schedulerName"):
+            raise ApiError(400, "BadRequest", f'field label not supported: {key}')
+        got = _field(obj, key) or ""
+        if (op == "!=") == (got == val):
+            return False
+    return True
+
+
+# ---- patches --------------------------------------------------------------------------------------
+def _merge(target, patch):
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = _merge(out.get(k), v)
+    return out
+
+
+def _strategic(target, patch):
+    """Strategic merge: like merge, but lists of named items (containers, env, gates) merge by name."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if k.startswith("$"):
+            continue
+        if v is None:
+            out.pop(k, None)
+        elif isinstance(v, list) and isinstance(out.get(k), list) and all(isinstance(x, dict) and "name" in x for x in v + out[k]):
+            merged = {x["name"]: x for x in out[k]}
+            for x in v:
+                if x.get("$patch") == "delete":
+                    merged.pop(x["name"], None)
+                else:
+                    merged[x["name"]] = _strategic(merged.get(x["name"]), x)
+            out[k] = list(merged.values())
+        else:
+            out[k] = _strategic(out.get(k), v)
+    return out
+
+
+def _json_patch(doc, ops):
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        parts = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].lstrip("/").split("/")] if op["path"] != "" else []
+        parent = doc
+        for p in parts[:-1]:
+            parent = parent[int(p)] if isinstance(parent, list) else parent[p]
+        last = parts[-1] if parts else None
+        kind = op["op"]
+        try:
+            if kind == "test":
+                cur = parent[int(last)] if isinstance(parent, list) else parent[last]
+                if cur != op["value"]:
+                    raise ApiError(422, "Invalid", f"test failed at {op['path']}")
+            elif kind == "remove":
+                if isinstance(parent, list):
+                    parent.pop(int(last))
+                else:
+                    del parent[last]
+            elif kind in ("add", "replace"):
+                if isinstance(parent, list):
+                    if last == "-":
+                        parent.append(op["value"])
+                    elif kind == "add":
+                        parent.insert(int(last), op["value"])
+                    else:
+                        parent[int(last)] = op["value"]
+                else:
+                    if kind == "replace" and last not in parent:
+                        raise ApiError(422, "Invalid", f"replace of missing path {op['path']}")
+                    parent[last] = op["value"]
+            else:
+                raise ApiError(400, "BadRequest", f"unsupported JSON patch op {kind!r}")
+        except (KeyError, IndexError, ValueError, TypeError) as e:
+            raise ApiError(422, "Invalid", f"JSON patch failed at {op['path']}: {e}") from None
+    return doc
+
+
+# ---- the store ------------------------------------------------------------------------------------
+class FakeCluster:
+    def __init__(self, history: int = 1000):
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
+        self.objects: dict[str, dict[tuple, dict]] = {}
+        self.rv = 100
+        self.events: deque = deque(maxlen=history)
+        self.logs: dict[tuple, list[str]] = {}
+        self.denied: set[tuple[str, str]] = set()
+        """(verb, plural) pairs that return 403."""
+        self.missing_groups: set[str] = set()
+        """API groups whose CRDs are 'not installed' (404)."""
+        self.requests: list[tuple[str, str]] = []
+        self.operator = Operator(self)
+        self.server = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> str:
+        cluster = self
+
+        class Handler(_Handler):
+            fake = cluster
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def stop(self) -> None:
+        if self.server:
+            self.server.shutdown()
+            self.server.server_close()
+            with self.cond:
+                self.cond.notify_all()
+
+    # -- generic operations ------------------------------------------------------------------------
+    def _next_rv(self) -> str:
+        self.rv += 1
+        return str(self.rv)
+
+    def _emit(self, plural: str, kind: str, obj: dict) -> None:
+        self.events.append((int(obj["metadata"]["resourceVersion"]), plural, kind, copy.deepcopy(obj)))
+        self.cond.notify_all()
+
+    def create(self, plural: str, ns: str | None, obj: dict, api_version: str) -> dict:
+        with self.lock:
+            obj = copy.deepcopy(obj)
+            meta = obj.setdefault("metadata", {})
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+            name = meta.get("name")
+            if not name or not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", name) or len(name) > 253:
+                raise ApiError(422, "Invalid", f'{KINDS[plural]} "{name}" is invalid: metadata.name: Invalid value')
+            store = self.objects.setdefault(plural, {})
+            if (ns, name) in store:
+                raise ApiError(409, "AlreadyExists", f'{plural} "{name}" already exists')
+            if ns and plural != "namespaces":
+                meta["namespace"] = ns
+            meta.update(uid=str(uuid.uuid4()), resourceVersion=self._next_rv(), creationTimestamp=now_iso())
+            meta.setdefault("labels", {})
+            obj.setdefault("apiVersion", api_version)
+            obj.setdefault("kind", KINDS[plural])
+            if plural in WITH_STATUS:  # the status subresource: status is not settable on create
+                obj["status"] = {"phase": "Pending"} if plural == "pods" else {}
+            if plural == "pods":
+                spec = obj.setdefault("spec", {})
+                if "priority" not in spec:
+                    spec["priority"] = 0
+            store[(ns, name)] = obj
+            self._emit(plural, "ADDED", obj)
+            self.operator.on_event(plural, "ADDED", obj)
+            return copy.deepcopy(obj)
+
+    def get(self, plural: str, ns: str | None, name: str) -> dict:
+        with self.lock:
+            obj = self.objects.get(plural, {}).get((ns, name))
+            if obj is None:
+                raise ApiError(404, "NotFound", f'{plural} "{name}" not found')
+            return copy.deepcopy(obj)
+
+    def list(self, plural: str, ns: str | None, label_selector: str = "", field_selector: str = "") -> list[dict]:
+        with self.lock:
+            out = [copy.deepcopy(o) for (n, _), o in sorted(self.objects.get(plural, {}).items(), key=lambda kv: str(kv[0]))
+                   if (ns is None or n == ns) and _match_labels(label_selector, o["metadata"].get("labels") or {})
+                   and _match_fields(field_selector, o)]
+            return out
+
+    def _check_update(self, plural: str, old: dict, new: dict) -> None:
+        if plural == "pods":
+            if new.get("spec", {}).get("priority") != old.get("spec", {}).get("priority"):
+                raise ApiError(422, "Invalid", "Pod is invalid: spec.priority: Forbidden: field is immutable")
+            old_gates = [g["name"] for g in old.get("spec", {}).get("schedulingGates") or []]
+            new_gates = [g["name"] for g in new.get("spec", {}).get("schedulingGates") or []]
+            if not set(new_gates) <= set(old_gates):
+                raise ApiError(422, "Invalid", "Pod is invalid: spec.schedulingGates: Forbidden: only deletion is "
+                                               "allowed, but found new scheduling gate")
+            if old.get("spec", {}).get("nodeName") and new.get("spec", {}).get("nodeName") != old["spec"]["nodeName"]:
+                raise ApiError(422, "Invalid", "Pod is invalid: spec.nodeName: Forbidden: field is immutable")
+
+    def replace(self, plural: str, ns: str | None, name: str, obj: dict, status_only: bool = False,
+                check_rv: bool = True) -> dict:
+        with self.lock:
+            store = self.objects.get(plural, {})
+            old = store.get((ns, name))
+            if old is None:
+                raise ApiError(404, "NotFound", f'{plural} "{name}" not found')
+            rv = (obj.get("metadata") or {}).get("resourceVersion")
+            if check_rv and rv and rv != old["metadata"]["resourceVersion"]:
+                raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {plural} "{name}": the object has '
+                                                "been modified; please apply your changes to the latest version and try again")
+            new = copy.deepcopy(old)
+            if status_only:
+                new["status"] = copy.deepcopy(obj.get("status", {}))
+            else:
+                for k, v in obj.items():
+                    if k in ("status", "metadata"):
+                        continue
+                    new[k] = copy.deepcopy(v)
+                for k in list(new):
+                    if k not in obj and k not in ("status", "metadata", "apiVersion", "kind"):
+                        del new[k]
+                meta = obj.get("metadata") or {}
+                for k in ("labels", "annotations", "finalizers", "ownerReferences"):
+                    if k in meta:
+                        new["metadata"][k] = copy.deepcopy(meta[k])
+                if plural not in WITH_STATUS and "status" in obj:
+                    new["status"] = copy.deepcopy(obj["status"])
+                self._check_update(plural, old, new)
+            if new == old:
+                return copy.deepcopy(old)
+            new["metadata"]["resourceVersion"] = self._next_rv()
+            store[(ns, name)] = new
+            self._emit(plural, "MODIFIED", new)
+            self.operator.on_event(plural, "MODIFIED", new)
+            return copy.deepcopy(new)
+
+    def patch(self, plural: str, ns: str | None, name: str, patch, content_type: str, status_only: bool = False) -> dict:
+        with self.lock:
+            old = self.get(plural, ns, name)
+            if "json-patch" in content_type:
+                new = _json_patch(old, patch)
+            elif "strategic" in content_type:
+                if plural in ("pytorchjobs", "trainjobs", "inferenceservices"):
+                    raise ApiError(415, "UnsupportedMediaType", "strategic merge patch is not supported for custom resources")
+                new = _strategic(old, patch)
+            else:
+                new = _merge(old, patch)
+            return self.replace(plural, ns, name, new, status_only=status_only, check_rv=False)
+
+    def delete(self, plural: str, ns: str | None, name: str) -> dict:
+        with self.lock:
+            obj = self.objects.get(plural, {}).pop((ns, name), None)
+            if obj is None:
+                raise ApiError(404, "NotFound", f'{plural} "{name}" not found')
+            obj["metadata"]["resourceVersion"] = self._next_rv()
+            self._emit(plural, "DELETED", obj)
+            self.operator.on_event(plural, "DELETED", obj)
+            return obj
+
+    def bind(self, ns: str, name: str, body: dict) -> dict:
+        with self.lock:
+            pod = self.get("pods", ns, name)
+            if pod["spec"].get("schedulingGates"):
+                raise ApiError(409, "Conflict", f'pod {name} has scheduling gates and cannot be bound')
+            if pod["spec"].get("nodeName"):
+                raise ApiError(409, "Conflict", f'pod {name} is already assigned to node "{pod["spec"]["nodeName"]}"')
+            node = (body.get("target") or {}).get("name")
+            if not node:
+                raise ApiError(400, "BadRequest", "binding target name is required")
+            pod["spec"]["nodeName"] = node
+            pod.setdefault("status", {})["conditions"] = [{"type": "PodScheduled", "status": "True"}]
+            self.replace("pods", ns, name, pod, check_rv=False)
+            self.replace("pods", ns, name, pod, status_only=True, check_rv=False)
+            return {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}
+
+    # -- helpers for tests -------------------------------------------------------------------------
+    def set_pod_phase(self, ns: str, name: str, phase: str, reason: str = "", message: str = "") -> None:
+        with self.lock:
+            pod = self.get("pods", ns, name)
+            st = pod.setdefault("status", {})
+            st["phase"] = phase
+            if phase in ("Succeeded", "Failed"):
+                st["containerStatuses"] = [{"name": "pytorch", "ready": False, "restartCount": 0, "image": "x",
+                                            "imageID": "", "state": {"terminated": {
+                                                "exitCode": 0 if phase == "Succeeded" else 1,
+                                                "reason": reason or ("Completed" if phase == "Succeeded" else "Error"),
+                                                "message": message}}}]
+            if phase == "Pending" and reason:
+                st["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": reason, "message": message}]
+            self.replace("pods", ns, name, pod, status_only=True, check_rv=False)
+
+    def append_log(self, ns: str, pod: str, text: str) -> None:
+        with self.cond:
+            self.logs.setdefault((ns, pod), []).extend(text.splitlines(keepends=True))
+            self.cond.notify_all()
+
+
+class Operator:
+    """Training Operator and KServe, simulated just enough: the test moves pods, we follow."""
+
+    def __init__(self, fake: FakeCluster):
+        self.fake = fake
+        self.isvc_ready = True
+
+    def on_event(self, plural: str, kind: str, obj: dict) -> None:
+        f = self.fake
+        ns, name = obj["metadata"].get("namespace"), obj["metadata"]["name"]
+        if plural == "pytorchjobs" and kind == "ADDED":
+            job = obj
+            for rtype, rs in job["spec"]["pytorchReplicaSpecs"].items():
+                for i in range(rs.get("replicas", 1)):
+                    tmpl = copy.deepcopy(rs["template"])
+                    labels = dict(tmpl.get("metadata", {}).get("labels", {}))
+                    labels.update({"training.kubeflow.org/job-name": name,
+                                   "training.kubeflow.org/replica-type": rtype.lower(),
+                                   "training.kubeflow.org/replica-index": str(i)})
+                    pod = {"metadata": {"name": f"{name}-{rtype.lower()}-{i}", "labels": labels,
+                                        "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+                                                             "name": name, "uid": job["metadata"]["uid"]}]},
+                           "spec": tmpl["spec"]}
+                    f.create("pods", ns, pod, "v1")
+            self._set_job(ns, name, "Created", "PyTorchJobCreated", f"PyTorchJob {name} is created.")
+        elif plural == "pods" and kind in ("MODIFIED",):
+            job = (obj["metadata"].get("labels") or {}).get("training.kubeflow.org/job-name")
+            if job:
+                self._reconcile_job(ns, job)
+        elif plural == "pytorchjobs" and kind == "DELETED":
+            for pod in f.list("pods", ns, f"training.kubeflow.org/job-name={name}"):
+                f.delete("pods", ns, pod["metadata"]["name"])
+        elif plural == "inferenceservices" and kind == "ADDED" and self.isvc_ready:
+            threading.Timer(0.05, self._isvc_ready, args=(ns, name)).start()
+
+    def _isvc_ready(self, ns, name) -> None:
+        f = self.fake
+        try:
+            isvc = f.get("inferenceservices", ns, name)
+        except ApiError:
+            return
+        isvc["status"] = {"url": f"http://{name}.{ns}.svc.cluster.local",
+                          "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now_iso()},
+                                         {"type": "PredictorReady", "status": "True", "lastTransitionTime": now_iso()}]}
+        f.replace("inferenceservices", ns, name, isvc, status_only=True, check_rv=False)
+
+    def _set_job(self, ns, name, ctype, reason, message) -> None:
+        f = self.fake
+        try:
+            job = f.get("pytorchjobs", ns, name)
+        except ApiError:
+            return
+        st = job.setdefault("status", {})
+        conds = st.setdefault("conditions", [])
+        if conds and conds[-1]["type"] == ctype:
+            return
+        for c in conds:
+            c["status"] = "False"
+        conds.append({"type": ctype, "status": "True", "reason": reason, "message": message,
+                      "lastUpdateTime": now_iso(), "lastTransitionTime": now_iso()})
+        f.replace("pytorchjobs", ns, name, job, status_only=True, check_rv=False)
+
+    def _reconcile_job(self, ns, name) -> None:
+        f = self.fake
+        pods = f.list("pods", ns, f"training.kubeflow.org/job-name={name}")
+        phases = {p["metadata"]["name"]: p.get("status", {}).get("phase") for p in pods}
+        master = [p for p in pods if p["metadata"]["labels"]["training.kubeflow.org/replica-type"] == "master"]
+        failed = [p for p in pods if p.get("status", {}).get("phase") == "Failed"]
+        if failed:
+            p = failed[0]
+            term = (p["status"].get("containerStatuses") or [{}])[0].get("state", {}).get("terminated", {})
+            rtype = p["metadata"]["labels"]["training.kubeflow.org/replica-type"]
+            self._set_job(ns, name, "Failed", "PyTorchJobFailed",
+                          f"PyTorchJob {name} is failed because 1 {rtype.capitalize()} replica(s) failed. "
+                          f"{p['metadata']['name']}: {term.get('reason', 'Error')}")
+        elif master and master[0].get("status", {}).get("phase") == "Succeeded":
+            self._set_job(ns, name, "Succeeded", "PyTorchJobSucceeded", f"PyTorchJob {name} is successfully completed.")
+        elif pods and all(ph == "Running" for ph in phases.values()):
+            self._set_job(ns, name, "Running", "PyTorchJobRunning", f"PyTorchJob {name} is running.")
+
+
+# ---- HTTP ------------------------------------------------------------------------------------------
+_PATH = re.compile(r"^/(?:api/(?P<core>v1)|apis/(?P<group>[^/]+)/(?P<version>[^/]+))"
+                   r"(?:/namespaces/(?P<ns>[^/]+))?/(?P<plural>[^/]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>[^/]+))?$")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    fake: FakeCluster
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):  # quiet
+        pass
+
+    def _send(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        return json.loads(self.rfile.read(n) or b"{}") if n else {}
+
+    def _route(self, verb: str):
+        url = urlparse(self.path)
+        q = {k: v[0] for k, v in parse_qs(url.query).items()}
+        path = url.path.rstrip("/")
+        if path in ("/api", "/apis", "/version"):
+            return self._send(200, {"kind": "APIVersions", "versions": ["v1"]} if path == "/api" else
+                              {"major": "1", "minor": "31", "gitVersion": "v1.31.0-fake"})
+        m = _PATH.match(path)
+        if not m:
+            return self._send(404, ApiError(404, "NotFound", "the server could not find the requested resource").status())
+        g = m.groupdict()
+        group, version = (g["group"], g["version"]) if g["group"] else ("", "v1")
+        plural, ns, name, sub = g["plural"], g["ns"], g["name"], g["sub"]
+        api_version = f"{group}/{version}" if group else "v1"
+        f = self.fake
+        if group and (group in f.missing_groups or (group, version) not in GROUPS or plural not in GROUPS[(group, version)]):
+            return self._send(404, ApiError(404, "NotFound", "the server could not find the requested resource").status())
+        if not group and plural not in CORE:
+            return self._send(404, ApiError(404, "NotFound", "the server could not find the requested resource").status())
+        watch = str(q.get("watch", "")).lower() in ("true", "1")
+        kverb = {"GET": "watch" if watch else ("get" if name else "list"), "POST": "create", "PUT": "update",
+                 "PATCH": "patch", "DELETE": "delete"}[verb]
+        resource = f"{plural}/{sub}" if sub else plural
+        f.requests.append((kverb, resource))
+        if (kverb, resource) in f.denied or (kverb, plural) in f.denied:
+            msg = (f'{resource} is forbidden: User "system:serviceaccount:{ns or "default"}:pipeline-runner" cannot '
+                   f'{kverb} resource "{plural}" in API group "{group}"'
+                   + (f' in the namespace "{ns}"' if ns else ""))
+            return self._send(403, ApiError(403, "Forbidden", msg).status())
+        try:
+            if verb == "GET":
+                if sub == "log":
+                    return self._logs(ns, name, q)
+                if name:
+                    return self._send(200, f.get(plural, ns, name))
+                if watch:
+                    return self._watch(plural, ns, q)
+                items = f.list(plural, ns, q.get("labelSelector", ""), q.get("fieldSelector", ""))
+                return self._send(200, {"kind": KINDS[plural] + "List", "apiVersion": api_version,
+                                        "metadata": {"resourceVersion": str(f.rv)}, "items": items})
+            if verb == "POST":
+                body = self._body()
+                if sub == "binding":
+                    return self._send(201, f.bind(ns, name, body))
+                return self._send(201, f.create(plural, ns, body, api_version))
+            if verb == "PUT":
+                return self._send(200, f.replace(plural, ns, name, self._body(), status_only=sub == "status"))
+            if verb == "PATCH":
+                return self._send(200, f.patch(plural, ns, name, self._body(), self.headers.get("Content-Type", ""),
+                                               status_only=sub == "status"))
+            if verb == "DELETE":
+                return self._send(200, f.delete(plural, ns, name))
+        except ApiError as e:
+            return self._send(e.code, e.status())
+        except (ValueError, KeyError, TypeError) as e:
+            return self._send(400, ApiError(400, "BadRequest", f"bad request: {e}").status())
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+    def _watch(self, plural: str, ns: str | None, q: dict) -> None:
+        f = self.fake
+        since = int(q.get("resourceVersion") or 0)
+        timeout = float(q.get("timeoutSeconds") or 300)
+        sel, fsel = q.get("labelSelector", ""), q.get("fieldSelector", "")
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        deadline = time.monotonic() + timeout
+        with f.cond:
+            if since and f.events and since < f.events[0][0] - 1:
+                self._chunk(json.dumps({"type": "ERROR", "object": ApiError(
+                    410, "Expired", f"too old resource version: {since} ({f.events[0][0]})").status()}).encode() + b"\n")
+                self._chunk(b"")
+                return
+            if not since:  # a watch without RV starts with the current state, as ADDED events
+                for obj in f.list(plural, ns, sel, fsel):
+                    self._chunk(json.dumps({"type": "ADDED", "object": obj}).encode() + b"\n")
+                since = f.rv
+            try:
+                while time.monotonic() < deadline and f.server is not None:
+                    pending = [e for e in f.events if e[0] > since and e[1] == plural]
+                    for rv, _, kind, obj in pending:
+                        since = rv
+                        if ns and obj["metadata"].get("namespace") != ns:
+                            continue
+                        if not (_match_labels(sel, obj["metadata"].get("labels") or {}) and _match_fields(fsel, obj)):
+                            continue
+                        self._chunk(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
+                    if pending:
+                        since = max(since, pending[-1][0])
+                    f.cond.wait(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+                self._chunk(b"")
+            except (BrokenPipeError, ConnectionResetError):
+                return
+
+    def _logs(self, ns: str, name: str, q: dict) -> None:
+        f = self.fake
+        f.get("pods", ns, name)
+        follow = str(q.get("follow", "")).lower() in ("true", "1")
+        tail = int(q["tailLines"]) if "tailLines" in q else None
+        if not follow:
+            lines = f.logs.get((ns, name), [])
+            text = "".join(lines[-tail:] if tail else lines).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(text)))
+            self.end_headers()
+            self.wfile.write(text)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        sent = 0
+        try:
+            with f.cond:
+                while f.server is not None:
+                    lines = f.logs.get((ns, name), [])
+                    for line in lines[sent:]:
+                        self._chunk(line.encode())
+                    sent = len(lines)
+                    try:
+                        phase = f.get("pods", ns, name).get("status", {}).get("phase")
+                    except ApiError:
+                        break
+                    if phase in ("Succeeded", "Failed"):
+                        break
+                    f.cond.wait(timeout=0.5)
+            self._chunk(b"")
+        except (BrokenPipeError, ConnectionResetError):
+            return
+
+    def do_GET(self):
+        self._route("GET")
+
+    def do_POST(self):
+        self._route("POST")
+
+    def do_PUT(self):
+        self._route("PUT")
+
+    def do_PATCH(self):
+        self._route("PATCH")
+
+    def do_DELETE(self):
+        self._route("DELETE")

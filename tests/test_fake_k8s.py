@@ -1,0 +1,170 @@
+"""The fake API server enforces the rules we rely on, through the official client, unmodified."""
+import threading
+
+import pytest
+from kubernetes import client, watch
+from kubernetes.client.rest import ApiException
+
+
+def pod(name, labels=None, gates=None, priority=None):
+    spec = {"containers": [{"name": "c", "image": "busybox"}]}
+    if gates:
+        spec["schedulingGates"] = [{"name": g} for g in gates]
+    if priority is not None:
+        spec["priority"] = priority
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels or {}}, "spec": spec}
+
+
+def test_create_get_list_with_selectors(k8s):
+    fake, api = k8s
+    core = client.CoreV1Api(api)
+    core.create_namespaced_pod("a", pod("p1", {"app": "x", "tier": "gpu"}))
+    core.create_namespaced_pod("a", pod("p2", {"app": "y"}))
+    core.create_namespaced_pod("b", pod("p3", {"app": "x"}))
+    assert core.read_namespaced_pod("p1", "a").metadata.labels["tier"] == "gpu"
+    names = lambda r: sorted(p.metadata.name for p in r.items)  # noqa: E731
+    assert names(core.list_namespaced_pod("a", label_selector="app=x")) == ["p1"]
+    assert names(core.list_pod_for_all_namespaces(label_selector="app in (x)")) == ["p1", "p3"]
+    assert names(core.list_namespaced_pod("a", label_selector="app!=x")) == ["p2"]
+    assert names(core.list_namespaced_pod("a", label_selector="tier")) == ["p1"]
+    assert names(core.list_namespaced_pod("a", label_selector="!tier")) == ["p2"]
+    assert names(core.list_pod_for_all_namespaces(field_selector="metadata.namespace=b")) == ["p3"]
+    assert names(core.list_namespaced_pod("a", field_selector="status.phase=Pending,metadata.name!=p1")) == ["p2"]
+    with pytest.raises(ApiException) as e:
+        core.create_namespaced_pod("a", pod("p1"))
+    assert e.value.status == 409
+
+
+def test_stale_update_conflicts(k8s):
+    _, api = k8s
+    core = client.CoreV1Api(api)
+    cm = core.create_namespaced_config_map("a", {"metadata": {"name": "c"}, "data": {"k": "1"}})
+    cm.data["k"] = "2"
+    core.replace_namespaced_config_map("c", "a", cm)
+    cm.data["k"] = "3"  # still carries the old resourceVersion
+    with pytest.raises(ApiException) as e:
+        core.replace_namespaced_config_map("c", "a", cm)
+    assert e.value.status == 409
+    assert core.read_namespaced_config_map("c", "a").data["k"] == "2"
+
+
+def test_patches_merge_strategic_json(k8s):
+    _, api = k8s
+    core = client.CoreV1Api(api)
+    core.create_namespaced_pod("a", pod("p", {"a": "1"}))
+    core.patch_namespaced_pod("p", "a", {"metadata": {"labels": {"b": "2"}}})  # strategic by default
+    p = core.read_namespaced_pod("p", "a")
+    assert p.metadata.labels == {"a": "1", "b": "2"}
+    api.call_api("/api/v1/namespaces/a/pods/p", "PATCH", header_params={"Content-Type": "application/json-patch+json"},
+                 body=[{"op": "remove", "path": "/metadata/labels/a"}], response_type="object", _return_http_data_only=True)
+    assert core.read_namespaced_pod("p", "a").metadata.labels == {"b": "2"}
+    api.call_api("/api/v1/namespaces/a/pods/p", "PATCH", header_params={"Content-Type": "application/merge-patch+json"},
+                 body={"metadata": {"labels": {"b": None, "c": "3"}}}, response_type="object", _return_http_data_only=True)
+    assert core.read_namespaced_pod("p", "a").metadata.labels == {"c": "3"}
+
+
+def test_priority_immutable_and_gates_only_removable(k8s):
+    _, api = k8s
+    core = client.CoreV1Api(api)
+    core.create_namespaced_pod("a", pod("p", gates=["g1", "g2"], priority=5))
+    with pytest.raises(ApiException) as e:
+        core.patch_namespaced_pod("p", "a", {"spec": {"priority": 10}})
+    assert e.value.status == 422 and "immutable" in e.value.body
+    with pytest.raises(ApiException) as e:
+        core.patch_namespaced_pod("p", "a", {"spec": {"schedulingGates": [{"name": "g3"}]}})
+    assert e.value.status == 422 and "only deletion" in e.value.body
+    api.call_api("/api/v1/namespaces/a/pods/p", "PATCH", header_params={"Content-Type": "application/json-patch+json"},
+                 body=[{"op": "remove", "path": "/spec/schedulingGates/0"}], response_type="object",
+                 _return_http_data_only=True)
+    assert [g.name for g in core.read_namespaced_pod("p", "a").spec.scheduling_gates] == ["g2"]
+
+
+def test_binding_refused_while_gated_then_binds(k8s):
+    _, api = k8s
+    core = client.CoreV1Api(api)
+    core.create_namespaced_pod("a", pod("p", gates=["g"]))
+    body = client.V1Binding(metadata=client.V1ObjectMeta(name="p"), target=client.V1ObjectReference(kind="Node", name="n1"))
+    with pytest.raises(ApiException) as e:
+        core.create_namespaced_pod_binding("p", "a", body, _preload_content=False)
+    assert e.value.status == 409
+    core.patch_namespaced_pod("p", "a", {"spec": {"schedulingGates": None}})
+    core.create_namespaced_pod_binding("p", "a", body, _preload_content=False)
+    assert core.read_namespaced_pod("p", "a").spec.node_name == "n1"
+
+
+def test_status_subresource(k8s):
+    _, api = k8s
+    co = client.CustomObjectsApi(api)
+    job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "j"},
+           "spec": {"pytorchReplicaSpecs": {}}, "status": {"conditions": [{"type": "Hacked"}]}}
+    co.create_namespaced_custom_object("kubeflow.org", "v1", "a", "pytorchjobs", job)
+    got = co.get_namespaced_custom_object("kubeflow.org", "v1", "a", "pytorchjobs", "j")
+    assert all(c["type"] != "Hacked" for c in got.get("status", {}).get("conditions", []))
+    got["status"] = {"conditions": [{"type": "Running", "status": "True"}]}
+    got["spec"]["runPolicy"] = {"backoffLimit": 9}
+    co.replace_namespaced_custom_object_status("kubeflow.org", "v1", "a", "pytorchjobs", "j", got)
+    after = co.get_namespaced_custom_object("kubeflow.org", "v1", "a", "pytorchjobs", "j")
+    assert after["status"]["conditions"][-1]["type"] == "Running" and "runPolicy" not in after["spec"]
+
+
+def test_watch_from_resource_version_and_410(k8s):
+    fake, api = k8s
+    core = client.CoreV1Api(api)
+    first = core.create_namespaced_config_map("a", {"metadata": {"name": "c0"}})
+    rv = first.metadata.resource_version
+    seen = []
+
+    def watcher():
+        for ev in watch.Watch().stream(core.list_namespaced_config_map, "a", resource_version=rv, timeout_seconds=3):
+            seen.append((ev["type"], ev["object"].metadata.name))
+            if len(seen) == 2:
+                break
+
+    t = threading.Thread(target=watcher)
+    t.start()
+    core.create_namespaced_config_map("a", {"metadata": {"name": "c1"}})
+    core.delete_namespaced_config_map("c1", "a")
+    t.join(10)
+    assert seen == [("ADDED", "c1"), ("DELETED", "c1")]
+    with fake.lock:  # age the history: the old RV falls out of the retained window
+        for i in range(fake.events.maxlen + 5):
+            fake.create("configmaps", "z", {"metadata": {"name": f"f{i}"}}, "v1")
+    with pytest.raises(ApiException) as e:
+        for _ in watch.Watch().stream(core.list_namespaced_config_map, "a", resource_version=rv, timeout_seconds=2):
+            pass
+    assert e.value.status == 410
+
+
+def test_forbidden_and_missing_crd(k8s):
+    fake, api = k8s
+    fake.denied.add(("list", "pods"))
+    with pytest.raises(ApiException) as e:
+        client.CoreV1Api(api).list_namespaced_pod("a")
+    import json
+
+    assert e.value.status == 403 and 'cannot list resource "pods"' in json.loads(e.value.body)["message"]
+    fake.missing_groups.add("kubeflow.org")
+    with pytest.raises(ApiException) as e:
+        client.CustomObjectsApi(api).list_namespaced_custom_object("kubeflow.org", "v1", "a", "pytorchjobs")
+    assert e.value.status == 404
+
+
+def test_operator_simulation_and_logs(k8s):
+    fake, api = k8s
+    co = client.CustomObjectsApi(api)
+    job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "j"},
+           "spec": {"pytorchReplicaSpecs": {
+               "Master": {"replicas": 1, "template": {"spec": {"containers": [{"name": "pytorch", "image": "x"}]}}},
+               "Worker": {"replicas": 2, "template": {"spec": {"containers": [{"name": "pytorch", "image": "x"}]}}}}}}
+    co.create_namespaced_custom_object("kubeflow.org", "v1", "a", "pytorchjobs", job)
+    core = client.CoreV1Api(api)
+    pods = core.list_namespaced_pod("a", label_selector="training.kubeflow.org/job-name=j").items
+    assert sorted(p.metadata.name for p in pods) == ["j-master-0", "j-worker-0", "j-worker-1"]
+    for p in pods:
+        fake.set_pod_phase("a", p.metadata.name, "Running")
+    cond = lambda: co.get_namespaced_custom_object("kubeflow.org", "v1", "a", "pytorchjobs", "j")["status"]["conditions"][-1]  # noqa: E731
+    assert cond()["type"] == "Running"
+    fake.append_log("a", "j-master-0", "epoch 1\nepoch 2\n")
+    assert core.read_namespaced_pod_log("j-master-0", "a", tail_lines=1) == "epoch 2\n"
+    fake.set_pod_phase("a", "j-worker-1", "Failed", reason="OOMKilled")
+    assert cond()["type"] == "Failed" and "OOMKilled" in cond()["message"]
