@@ -81,3 +81,19 @@ class PortInUseError(ServingError):
 
 class RegistryError(KfpPytorchError):
     """The MLflow tracking server or registry failed."""
+
+
+class KubernetesError(KfpPytorchError):
+    """The Kubernetes API refused or failed a request."""
+
+
+class KubernetesForbidden(KubernetesError):
+    """RBAC denied a verb on a resource; the message names both."""
+
+    exit_code = 3
+
+
+class CrdNotInstalled(KubernetesError):
+    """The API group of a CRD (Training Operator, Trainer, KServe) is not served by the cluster."""
+
+    exit_code = 3

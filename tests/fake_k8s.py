@@ -488,10 +488,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _body(self):
-        n = int(self.headers.get("Content-Length") or 0)
-        return json.loads(self.rfile.read(n) or b"{}") if n else {}
+        return json.loads(self._raw or b"{}") if self._raw else {}
 
     def _route(self, verb: str):
+        # Always consume the request body first: an early error reply must not leave bytes on a
+        # keep-alive connection for the next request to trip over.
+        n = int(self.headers.get("Content-Length") or 0)
+        self._raw = self.rfile.read(n) if n else b""
         url = urlparse(self.path)
         q = {k: v[0] for k, v in parse_qs(url.query).items()}
         path = url.path.rstrip("/")

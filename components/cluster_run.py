@@ -1,0 +1,228 @@
+"""Submit and follow cluster jobs: PyTorchJob / TrainJob training, KServe InferenceService serving.
+
+Reads state through one watch per job (O(status changes) API calls, not O(time)); streams the
+master's log into ours; enforces a timeout; deletes or keeps the job by policy; deletes it when
+the run is terminated (SIGTERM). A gang whose pods cannot all be placed fails at the timeout with
+"gang could not be placed" and the pods' scheduling reasons, instead of hanging.
+"""
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from .cluster import LABEL_PREFIX, ClusterServeSpec, ClusterTrainSpec, to_inference_service, to_pytorchjob, to_trainjob
+from .errors import ConfigError, ServingError, TrainingError
+from .k8s import Expired, Kube
+
+TERMINAL = {"Succeeded", "Failed"}
+CONDITION_STATE = {"Created": "Created", "Running": "Running", "Restarting": "Restarting", "Succeeded": "Succeeded",
+                   "Failed": "Failed", "Complete": "Succeeded", "Suspended": "Suspended"}
+
+
+def job_state(obj: dict) -> str:
+    """The job's state from its conditions: the last condition whose status is True."""
+    state = "Pending"
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("status") == "True" and c.get("type") in CONDITION_STATE:
+            state = CONDITION_STATE[c["type"]]
+    return state
+
+
+def _condition_message(obj: dict, state: str) -> str:
+    for c in reversed((obj.get("status") or {}).get("conditions") or []):
+        if CONDITION_STATE.get(c.get("type")) == state:
+            return c.get("message", "")
+    return ""
+
+
+@dataclass
+class ClusterRunResult:
+    name: str
+    namespace: str
+    kind: str
+    state: str
+    adopted: bool
+    api_calls: int
+    seconds_to_running: float | None
+    deleted: bool
+
+
+class ClusterTrainer:
+    """Runs a ClusterTrainSpec as a PyTorchJob (default) or TrainJob and follows it to the end."""
+
+    def __init__(self, kube: Kube, kind: str = "PyTorchJob", delete_policy: str = "on-success",
+                 out=None, poll_pods: bool = True):
+        if kind not in ("PyTorchJob", "TrainJob"):
+            raise ConfigError([f"kind: must be PyTorchJob or TrainJob, got {kind!r}"])
+        if delete_policy not in ("on-success", "always", "never"):
+            raise ConfigError([f"delete_policy: must be on-success, always or never, got {delete_policy!r}"])
+        self.kube, self.kind, self.delete_policy = kube, kind, delete_policy
+        self.out = out or sys.stdout
+        self.poll_pods = poll_pods
+
+    def manifest(self, spec: ClusterTrainSpec) -> dict:
+        return to_pytorchjob(spec) if self.kind == "PyTorchJob" else to_trainjob(spec)
+
+    def _selector(self, name: str) -> str:
+        return (f"training.kubeflow.org/job-name={name}" if self.kind == "PyTorchJob"
+                else f"jobset.sigs.k8s.io/jobset-name={name}")
+
+    def _say(self, text: str) -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def run(self, spec: ClusterTrainSpec, timeout_s: float = 3600.0) -> ClusterRunResult:
+        kube = self.kube
+        calls0 = kube.calls
+        obj = self.manifest(spec)
+        group, version, plural = kube.gvp(obj)
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        labels = {k: v for k, v in obj["metadata"]["labels"].items() if k.startswith(LABEL_PREFIX)}
+        t0 = time.monotonic()
+        current, adopted = kube.create_or_adopt(obj, labels)
+        self._say(f"[kfp-pytorch] {'adopted existing' if adopted else 'created'} {self.kind} {ns}/{name}")
+        state, running_at, log_thread = job_state(current), None, None
+        rv = current["metadata"]["resourceVersion"]
+        prev = None
+        in_main = threading.current_thread() is threading.main_thread()
+        if in_main:
+            def _on_term(signum, frame):
+                raise KeyboardInterrupt("run terminated")
+            prev = signal.signal(signal.SIGTERM, _on_term)
+        deleted = False
+        try:
+            deadline = t0 + timeout_s
+            while state not in TERMINAL and time.monotonic() < deadline:
+                try:
+                    for _, o in kube.watch(group, version, plural, ns, name, rv, deadline - time.monotonic()):
+                        rv = o["metadata"]["resourceVersion"]
+                        new = job_state(o)
+                        if new != state:
+                            state = new
+                            self._say(f"[kfp-pytorch] {self.kind} {name}: {state}")
+                            current = o
+                        if state == "Running" and running_at is None:
+                            running_at = time.monotonic() - t0
+                            log_thread = self._start_log_stream(ns, name)
+                        if state in TERMINAL or time.monotonic() >= deadline:
+                            current = o
+                            break
+                except Expired:  # our RV fell out of the server's history: re-read, re-watch
+                    current = kube.get(group, version, plural, ns, name)
+                    rv, state = current["metadata"]["resourceVersion"], job_state(current)
+            if state == "Succeeded":
+                if self.delete_policy in ("on-success", "always"):
+                    kube.delete(group, version, plural, ns, name)
+                    deleted = True
+                return ClusterRunResult(name, ns, self.kind, state, adopted, kube.calls - calls0, running_at, deleted)
+            if state == "Failed":
+                error = self._failure(ns, name, current)
+            else:
+                error = self._timeout(ns, name, timeout_s)
+            if self.delete_policy == "always" or (state != "Failed" and self.delete_policy != "never"):
+                kube.delete(group, version, plural, ns, name)
+            raise error
+        except KeyboardInterrupt:  # SIGTERM (run terminated in KFP) or Ctrl-C: take the job down too
+            kube.delete(group, version, plural, ns, name)
+            self._say(f"[kfp-pytorch] run terminated: deleted {self.kind} {ns}/{name}")
+            raise
+        finally:
+            if in_main and prev is not None:
+                signal.signal(signal.SIGTERM, prev)
+            if log_thread is not None:
+                log_thread.join(timeout=2)
+
+    def _start_log_stream(self, ns: str, name: str):
+        pods = self.kube.pods(ns, self._selector(name))
+        master = [p for p in pods if (p.metadata.labels or {}).get("training.kubeflow.org/replica-type") in ("master", None)]
+        if not master:
+            return None
+        pod = master[0].metadata.name
+
+        def pump():
+            try:
+                for line in self.kube.follow_log(ns, pod):
+                    self._say(f"[{pod}] {line}")
+            except Exception as e:  # log streaming is best effort; the watch decides the outcome
+                self._say(f"[kfp-pytorch] log stream of {pod} ended: {type(e).__name__}")
+
+        t = threading.Thread(target=pump, daemon=True)
+        t.start()
+        return t
+
+    def _failure(self, ns: str, name: str, job: dict) -> TrainingError:
+        pods = self.kube.pods(ns, self._selector(name))
+        failed = [p for p in pods if p.status and p.status.phase == "Failed"]
+        detail = _condition_message(job, "Failed")
+        if failed:
+            p = failed[0]
+            reason = "Error"
+            for cs in p.status.container_statuses or []:
+                if cs.state and cs.state.terminated:
+                    reason = cs.state.terminated.reason or reason
+            rtype = (p.metadata.labels or {}).get("training.kubeflow.org/replica-type", "replica")
+            tail = self.kube.log_tail(ns, p.metadata.name, 20)
+            lines = "\n".join(f"    {line}" for line in tail.splitlines()[-20:])
+            return TrainingError(f"{self.kind} {ns}/{name} failed: {rtype} replica {p.metadata.name} ended with "
+                                 f"{reason}. {detail}\n  last lines of its log:\n{lines}",
+                                 "fix the cause above; a retry of this task adopts or recreates the job and resumes "
+                                 "from the last checkpoint")
+        return TrainingError(f"{self.kind} {ns}/{name} failed: {detail}")
+
+    def _timeout(self, ns: str, name: str, timeout_s: float) -> TrainingError:
+        pods = self.kube.pods(ns, self._selector(name))
+        pending = [p for p in pods if not p.status or p.status.phase == "Pending"]
+        if pending:
+            reasons = sorted({f"{c.reason}: {c.message}" for p in pending for c in (p.status.conditions or [])
+                              if c.type == "PodScheduled" and c.status == "False" and c.reason} if pending else set())
+            return TrainingError(
+                f"{self.kind} {ns}/{name}: gang could not be placed within {timeout_s:g}s: {len(pending)} of "
+                f"{len(pods)} pods still pending" + (f" ({'; '.join(reasons)})" if reasons else ""),
+                "reduce nodes/resources, or wait for capacity (raise the timeout); "
+                "`kubectl describe pod` shows the scheduler's reasons")
+        return TrainingError(f"{self.kind} {ns}/{name} did not finish within {timeout_s:g}s",
+                             "raise the timeout or reduce epochs")
+
+
+class ClusterServer:
+    """Creates (or updates, for a canary) a KServe InferenceService and waits until it is Ready."""
+
+    def __init__(self, kube: Kube, out=None):
+        self.kube = kube
+        self.out = out or sys.stdout
+
+    def run(self, spec: ClusterServeSpec, timeout_s: float = 600.0) -> dict:
+        kube = self.kube
+        obj = to_inference_service(spec)
+        group, version, plural = kube.gvp(obj)
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        current, existed = kube.create_or_adopt(obj, {"app.kubernetes.io/managed-by": "kfp-pytorch"})
+        if existed:  # a new model version: update in place; canaryTrafficPercent splits traffic
+            current = kube.patch(group, version, plural, ns, name, {"spec": obj["spec"]})
+        rv = current["metadata"]["resourceVersion"]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if _isvc_ready(current):
+                url = (current.get("status") or {}).get("url", "")
+                self.out.write(f"[kfp-pytorch] InferenceService {ns}/{name} ready at {url}\n")
+                return {"name": name, "namespace": ns, "url": url,
+                        "infer_url": f"{url}/v2/models/{spec.model_name}/infer", "updated": existed}
+            try:
+                for _, o in kube.watch(group, version, plural, ns, name, rv, deadline - time.monotonic()):
+                    rv, current = o["metadata"]["resourceVersion"], o
+                    if _isvc_ready(o) or time.monotonic() >= deadline:
+                        break
+            except Expired:
+                current = kube.get(group, version, plural, ns, name)
+                rv = current["metadata"]["resourceVersion"]
+        reasons = [f"{c.get('type')}: {c.get('reason', '')} {c.get('message', '')}".strip()
+                   for c in (current.get("status") or {}).get("conditions") or [] if c.get("status") != "True"]
+        raise ServingError(f"InferenceService {ns}/{name} not Ready within {timeout_s:g}s"
+                           + (f" ({'; '.join(reasons)})" if reasons else ""),
+                           "kubectl describe inferenceservice shows why (image pull, storage initializer, S3 secret)")
+
+
+def _isvc_ready(obj: dict) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (obj.get("status") or {}).get("conditions") or [])

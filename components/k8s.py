@@ -1,0 +1,175 @@
+"""The one edge to Kubernetes: the official ``kubernetes`` client, and our typed errors.
+
+- 403 -> :class:`KubernetesForbidden` naming the verb, resource and API group to grant.
+- 404 on a CRD's group -> :class:`CrdNotInstalled` ("Training Operator is not installed", how to install).
+- 409 on create -> adopt the existing object if it carries our run/task labels (idempotent retries).
+
+Everything else about jobs (what to build, what a condition means) lives in pure modules.
+"""
+import json
+import threading
+
+from .errors import CrdNotInstalled, KubernetesError, KubernetesForbidden
+
+INSTALL_HINTS = {
+    "kubeflow.org": ("the Kubeflow Training Operator (PyTorchJob, kubeflow.org/v1)",
+                     'kubectl apply --server-side -k "github.com/kubeflow/trainer.git/manifests/overlays/standalone?ref=v1.9.4"'),
+    "trainer.kubeflow.org": ("Kubeflow Trainer v2 (TrainJob, trainer.kubeflow.org/v1alpha1)",
+                             'kubectl apply --server-side -k "github.com/kubeflow/trainer.git/manifests/overlays/manager?ref=v2.3.0"'),
+    "serving.kserve.io": ("KServe (InferenceService, serving.kserve.io/v1beta1)",
+                          "install KServe v0.20 (RawDeployment mode): see kserve.github.io/website, 'Quickstart'"),
+}
+PLURALS = {"PyTorchJob": "pytorchjobs", "TrainJob": "trainjobs", "InferenceService": "inferenceservices"}
+
+
+def _message(e) -> str:
+    try:
+        return json.loads(e.body).get("message", "") if e.body else str(e.reason)
+    except (ValueError, TypeError):
+        return str(e.body or e.reason)
+
+
+def map_api_error(e, verb: str, resource: str, group: str = "", namespace: str | None = None):
+    """ApiException -> our typed error (or the exception itself when nothing better applies)."""
+    status = getattr(e, "status", None)
+    where = f" in namespace {namespace!r}" if namespace else ""
+    if status == 403:
+        return KubernetesForbidden(
+            f"forbidden: cannot {verb} {resource}{where} ({_message(e)})",
+            f"grant the pipeline's service account a Role with apiGroups: [\"{group}\"], resources: [\"{resource}\"], "
+            f"verbs: [\"{verb}\"] (kustomize/ has one), or ask your cluster admin")
+    if status == 404 and group in INSTALL_HINTS and verb in ("create", "list", "watch"):
+        what, how = INSTALL_HINTS[group]
+        name = what.split(" (")[0]
+        return CrdNotInstalled(f"{name} is not installed: the cluster does not serve {group} ({what})", f"install it: {how}")
+    if status == 401:
+        return KubernetesError("the Kubernetes API rejected the credentials (401)",
+                               "check the kubeconfig context or the pod's service-account token")
+    return KubernetesError(f"Kubernetes API error on {verb} {resource}{where}: {status} {_message(e)}")
+
+
+class Kube:
+    """Thin facade over the official client; counts API calls (for the watcher benchmark)."""
+
+    def __init__(self, api_client=None):
+        from kubernetes import client, config
+
+        if api_client is None:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                try:
+                    config.load_kube_config()
+                except (config.ConfigException, FileNotFoundError) as e:
+                    raise KubernetesError("no Kubernetes configuration found",
+                                          "run inside a cluster, or set KUBECONFIG / ~/.kube/config") from e
+            api_client = client.ApiClient()
+        self.api = api_client
+        self.core = client.CoreV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def _count(self) -> None:
+        with self._lock:
+            self.calls += 1
+
+    def _call(self, verb, resource, group, namespace, fn, *args, **kw):
+        from kubernetes.client.rest import ApiException
+
+        self._count()
+        try:
+            return fn(*args, **kw)
+        except ApiException as e:
+            raise map_api_error(e, verb, resource, group, namespace) from e
+
+    # -- custom objects --------------------------------------------------------------------------
+    @staticmethod
+    def gvp(obj: dict) -> tuple[str, str, str]:
+        group, version = obj["apiVersion"].split("/")
+        return group, version, PLURALS[obj["kind"]]
+
+    def create_or_adopt(self, obj: dict, match_labels: dict) -> tuple[dict, bool]:
+        """Create; if it exists and carries ``match_labels``, adopt it (a retried task), else refuse."""
+        from kubernetes.client.rest import ApiException
+
+        group, version, plural = self.gvp(obj)
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        self._count()
+        try:
+            return self.custom.create_namespaced_custom_object(group, version, ns, plural, obj), False
+        except ApiException as e:
+            if e.status != 409:
+                raise map_api_error(e, "create", plural, group, ns) from e
+        existing = self.get(group, version, plural, ns, name)
+        labels = existing["metadata"].get("labels") or {}
+        if any(labels.get(k) != v for k, v in match_labels.items()):
+            raise KubernetesError(f"{obj['kind']} {ns}/{name} exists but belongs to another run or task",
+                                  "delete it, or use another run")
+        return existing, True
+
+    def get(self, group, version, plural, ns, name) -> dict:
+        return self._call("get", plural, group, ns, self.custom.get_namespaced_custom_object, group, version, ns, plural, name)
+
+    def delete(self, group, version, plural, ns, name) -> None:
+        from kubernetes.client.rest import ApiException
+
+        self._count()
+        try:
+            self.custom.delete_namespaced_custom_object(group, version, ns, plural, name)
+        except ApiException as e:
+            if e.status != 404:
+                raise map_api_error(e, "delete", plural, group, ns) from e
+
+    def patch(self, group, version, plural, ns, name, body: dict) -> dict:
+        return self._call("patch", plural, group, ns, self.custom.patch_namespaced_custom_object,
+                          group, version, ns, plural, name, body)
+
+    def watch(self, group, version, plural, ns, name, resource_version: str, timeout: float):
+        """Yield (type, object) for one object from ``resource_version``; raises 410 as ``Expired``."""
+        from kubernetes import watch
+        from kubernetes.client.rest import ApiException
+
+        self._count()
+        w = watch.Watch()
+        try:
+            for ev in w.stream(self.custom.list_namespaced_custom_object, group, version, ns, plural,
+                               field_selector=f"metadata.name={name}", resource_version=resource_version,
+                               timeout_seconds=max(1, int(timeout))):
+                yield ev["type"], ev["object"]
+        except ApiException as e:
+            if e.status == 410:
+                raise Expired() from e
+            raise map_api_error(e, "watch", plural, group, ns) from e
+        finally:
+            w.stop()
+
+    # -- pods ------------------------------------------------------------------------------------
+    def pods(self, ns: str, selector: str) -> list:
+        return self._call("list", "pods", "", ns, self.core.list_namespaced_pod, ns, label_selector=selector).items
+
+    def log_tail(self, ns: str, pod: str, lines: int = 20) -> str:
+        try:
+            return self._call("get", "pods/log", "", ns, self.core.read_namespaced_pod_log, pod, ns, tail_lines=lines)
+        except KubernetesError:
+            return ""
+
+    def follow_log(self, ns: str, pod: str):
+        """Yield the pod's log lines as they come (until the container ends)."""
+        self._count()
+        resp = self.core.read_namespaced_pod_log(pod, ns, follow=True, _preload_content=False)
+        try:
+            buf = b""
+            for chunk in resp.stream(1024):
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    yield line.decode(errors="replace")
+            if buf:
+                yield buf.decode(errors="replace")
+        finally:
+            resp.release_conn()
+
+
+class Expired(Exception):
+    """A watch's resourceVersion fell out of the server's history (410 Gone): re-list, re-watch."""
