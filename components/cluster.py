@@ -344,3 +344,62 @@ def kfp_launcher_configmap(namespace: str, pipeline_root: str = "minio://mlpipel
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "kfp-launcher", "namespace": namespace},
             "data": {"defaultPipelineRoot": pipeline_root,
                      "providers": yaml.safe_dump({scheme: provider}, sort_keys=False)}}
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Infrastructure settings of the cluster backends, from the step's environment (never from
+    pipeline parameters): set them once per namespace, e.g. with a PodDefault or the kfp-launcher."""
+
+    image: str = ""
+    namespace: str = "default"
+    user: str = ""
+    s3: S3Access = field(default_factory=S3Access)
+    cpu_per_node: str = ""
+    memory_per_node: str = ""
+    fairness: bool = False
+    train_kind: str = "PyTorchJob"
+    delete_policy: str = "on-success"
+    service_account: str = "kfp-pytorch-s3"
+
+    @classmethod
+    def from_env(cls, env: dict | None = None) -> "ClusterConfig":
+        import os
+        from pathlib import Path
+
+        env = dict(os.environ if env is None else env)
+        ns = env.get("KFP_PYTORCH_NAMESPACE")
+        sa_ns = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+        if not ns and sa_ns.exists():
+            ns = sa_ns.read_text().strip()
+        return cls(
+            image=env.get("KFP_PYTORCH_IMAGE", ""),
+            namespace=ns or "default",
+            user=env.get("KFP_PYTORCH_USER", "") or (ns or ""),
+            s3=S3Access(endpoint=env.get("AWS_ENDPOINT_URL", S3Access.endpoint),
+                        secret_name=env.get("KFP_PYTORCH_S3_SECRET", S3Access.secret_name),
+                        region=env.get("AWS_REGION", S3Access.region),
+                        verify_ssl=env.get("S3_VERIFY_SSL", "1") not in ("0", "false")),
+            cpu_per_node=env.get("KFP_PYTORCH_CPU_PER_NODE", ""),
+            memory_per_node=env.get("KFP_PYTORCH_MEMORY_PER_NODE", ""),
+            fairness=env.get("KFP_PYTORCH_FAIRNESS", "0") in ("1", "true", "yes"),
+            train_kind=env.get("KFP_PYTORCH_TRAIN_KIND", "PyTorchJob"),
+            delete_policy=env.get("KFP_PYTORCH_DELETE_POLICY", "on-success"),
+            service_account=env.get("KFP_PYTORCH_SERVICE_ACCOUNT", "kfp-pytorch-s3"),
+        )
+
+    def train_spec(self, train: "TrainSpec") -> ClusterTrainSpec:
+        resources: dict = {}
+        if self.cpu_per_node:
+            resources["cpu"] = self.cpu_per_node
+        if self.memory_per_node:
+            resources["memory"] = self.memory_per_node
+        if train.gpus_per_node:
+            resources["gpu"] = train.gpus_per_node
+        return ClusterTrainSpec(train=train, image=self.image, namespace=self.namespace, run_id=train.run_id or "run",
+                                task=train.task, user=self.user, nodes=train.nodes, resources=resources, s3=self.s3,
+                                fairness=self.fairness)
+
+    def serve_spec(self, model_uri: str, model_name: str, canary_traffic_percent: int | None = None) -> ClusterServeSpec:
+        return ClusterServeSpec(model_uri, model_name, self.image, self.namespace, self.service_account,
+                                canary_traffic_percent=canary_traffic_percent)

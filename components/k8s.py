@@ -59,7 +59,10 @@ class Kube:
                 config.load_incluster_config()
             except config.ConfigException:
                 try:
-                    config.load_kube_config()
+                    import os
+
+                    # Read KUBECONFIG now: the client library reads it once, at import time.
+                    config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None)
                 except (config.ConfigException, FileNotFoundError) as e:
                     raise KubernetesError("no Kubernetes configuration found",
                                           "run inside a cluster, or set KUBECONFIG / ~/.kube/config") from e

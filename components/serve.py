@@ -39,6 +39,8 @@ class ServeSpec:
     port: int = 0
     """0 picks a free port."""
     startup_timeout_s: float = 120.0
+    canary_traffic_percent: int = -1
+    """Cluster backend: share of traffic for the new version (-1: all of it)."""
 
     def validate(self) -> None:
         import re
@@ -52,6 +54,9 @@ class ServeSpec:
             problems.append(f"backend: must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if not self.model_uri:
             problems.append("model_uri: must be set")
+        if self.backend == "cluster" and not self.model_uri.startswith(("s3://", "minio://")):
+            problems.append(f"model_uri: the cluster backend needs s3:// or minio://, got {self.model_uri!r}; "
+                            "set storage_root")
         if problems:
             raise ConfigError(problems, title="invalid serve settings")
 
@@ -151,7 +156,22 @@ class LocalServeBackend:
                            "raise startup_timeout_s or read the log")
 
 
-BACKENDS = {"local": LocalServeBackend}
+class ClusterServeBackend:
+    """A KServe InferenceService running the same TorchPredictor; see :mod:`.cluster_run`."""
+
+    def start(self, spec: ServeSpec) -> Endpoint:
+        from .cluster import ClusterConfig
+        from .cluster_run import ClusterServer
+        from .k8s import Kube
+
+        cfg = ClusterConfig.from_env()
+        canary = spec.canary_traffic_percent if spec.canary_traffic_percent >= 0 else None
+        res = ClusterServer(Kube()).run(cfg.serve_spec(spec.model_uri, spec.model_name, canary),
+                                        timeout_s=spec.startup_timeout_s)
+        return Endpoint(spec.model_name, res["url"], res["infer_url"], None, spec.model_uri)
+
+
+BACKENDS = {"local": LocalServeBackend, "cluster": ClusterServeBackend}
 
 
 def _pidfile(name: str) -> Path:
@@ -202,6 +222,8 @@ def list_servers() -> list[dict]:
 
 def stop_server(name: str) -> bool:
     info = read_server(name)
+    if info is not None and info.get("pid") is None:
+        return False
     if info is None:
         return False
     _terminate(info["pid"])

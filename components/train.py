@@ -56,6 +56,13 @@ class TrainSpec:
     """``auto`` (cuda when available, nccl), ``cpu`` (gloo) or ``cuda``."""
     timeout_s: float = 3600.0
     progress: str = "auto"
+    nodes: int = 1
+    """Pods of the job (cluster backend); ``workers`` processes are spread over them."""
+    gpus_per_node: int = 0
+    """GPUs each pod requests (cluster backend)."""
+    run_id: str = ""
+    """KFP run id (cluster backend): with ``task`` it names the job, so a retried task adopts it."""
+    task: str = "train"
 
     def validate(self) -> None:
         problems = []
@@ -76,6 +83,13 @@ class TrainSpec:
             problems.append(f"device: must be auto, cpu or cuda, got {self.device!r}")
         if not self.timeout_s > 0:
             problems.append(f"timeout_s: must be > 0, got {self.timeout_s}")
+        if self.nodes < 1 or (self.workers % self.nodes if self.nodes >= 1 else 0):
+            problems.append(f"nodes: must be >= 1 and divide workers ({self.workers}), got {self.nodes}")
+        if self.gpus_per_node < 0:
+            problems.append(f"gpus_per_node: must be >= 0, got {self.gpus_per_node}")
+        if self.backend == "cluster" and not self.output_uri.startswith(("s3://", "minio://")):
+            problems.append("output_uri: the cluster backend needs s3:// or minio:// (pods cannot see this "
+                            f"machine's disk), got {self.output_uri!r}; set storage_root")
         if self.model not in ZOO and ":" not in self.model:
             problems.append(f"model: must be one of {', '.join(ZOO)} or 'package.module:function', got {self.model!r}")
         if problems:
@@ -200,7 +214,20 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-BACKENDS: dict[str, type] = {"local": LocalBackend}
+class ClusterBackend:
+    """A PyTorchJob (or TrainJob) in the cluster this step runs in; see :mod:`.cluster_run`."""
+
+    def run(self, spec: TrainSpec) -> None:
+        from .cluster import ClusterConfig
+        from .cluster_run import ClusterTrainer
+        from .k8s import Kube
+
+        cfg = ClusterConfig.from_env()
+        ClusterTrainer(Kube(), kind=cfg.train_kind, delete_policy=cfg.delete_policy).run(
+            cfg.train_spec(spec), timeout_s=spec.timeout_s)
+
+
+BACKENDS: dict[str, type] = {"local": LocalBackend, "cluster": ClusterBackend}
 
 
 def train(spec: TrainSpec, storage: Storage | None = None) -> TrainResult:

@@ -23,12 +23,14 @@ from kfp_pytorch.components.ops.train import train_op
 def train_and_serve(dataset_uri: str = "sample://digits", model_name: str = "digits", model_arch: str = "mlp",
                     epochs: int = 8, batch_size: int = 64, lr: float = 0.005, seed: int = 42, workers: int = 2,
                     threshold: float = 0.9, storage_root: str = "", tracking_uri: str = "",
-                    train_backend: str = "local", serve_backend: str = "local", serve_port: int = 0):
+                    train_backend: str = "local", serve_backend: str = "local", serve_port: int = 0,
+                    nodes: int = 1, gpus_per_node: int = 0, canary_traffic_percent: int = -1):
     prep = prepare_data_op(dataset_uri=dataset_uri, seed=seed, storage_root=storage_root)
     prep.set_display_name("prepare data")
     tr = train_op(dataset=prep.outputs["dataset"], model_arch=model_arch, epochs=epochs, batch_size=batch_size,
                   lr=lr, seed=seed, workers=workers, backend=train_backend, storage_root=storage_root,
-                  tracking_uri=tracking_uri)
+                  tracking_uri=tracking_uri, nodes=nodes, gpus_per_node=gpus_per_node,
+                  run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER)
     tr.set_display_name("train (PyTorchJob)")
     ev = evaluate_op(dataset=prep.outputs["dataset"], model=tr.outputs["model"], threshold=threshold)
     ev.set_display_name("evaluate")
@@ -36,7 +38,8 @@ def train_and_serve(dataset_uri: str = "sample://digits", model_name: str = "dig
         reg = register_op(model=tr.outputs["model"], metrics=ev.outputs["metrics"], model_name=model_name,
                           gate_passed=ev.outputs["Output"], tracking_uri=tracking_uri)
         reg.set_display_name("register (MLflow)")
-        sv = serve_op(model=tr.outputs["model"], model_name=model_name, port=serve_port, backend=serve_backend)
+        sv = serve_op(model=tr.outputs["model"], model_name=model_name, port=serve_port, backend=serve_backend,
+                      canary_traffic_percent=canary_traffic_percent)
         sv.set_display_name("serve (KServe v2)")
         sv.after(reg)
 
@@ -64,6 +67,14 @@ def validate_params(p: dict) -> list[str]:
     for k in ("train_backend", "serve_backend"):
         if p[k] not in ("local", "cluster"):
             problems.append(f"{k}: must be local or cluster, got {p[k]!r}")
+        elif p[k] == "cluster" and not p["storage_root"]:
+            problems.append(f"{k}: cluster needs storage_root=s3://BUCKET/PREFIX (pods read and write MinIO)")
+    if p["nodes"] < 1 or p["workers"] % max(p["nodes"], 1):
+        problems.append(f"nodes: must be >= 1 and divide workers ({p['workers']}), got {p['nodes']}")
+    if p["gpus_per_node"] < 0:
+        problems.append(f"gpus_per_node: must be >= 0, got {p['gpus_per_node']}")
+    if not (p["canary_traffic_percent"] == -1 or 0 <= p["canary_traffic_percent"] <= 100):
+        problems.append(f"canary_traffic_percent: -1 (all traffic) or 0..100, got {p['canary_traffic_percent']}")
     return problems
 
 
@@ -89,4 +100,7 @@ train_and_serve.pipeline_func.param_docs = {
     "train_backend": "local (torchrun here) or cluster (PyTorchJob)",
     "serve_backend": "local (model server here) or cluster (KServe InferenceService)",
     "serve_port": "local model server port (0: a free one)",
+    "nodes": "pods of the PyTorchJob (cluster backend); workers are spread over them",
+    "gpus_per_node": "GPUs per pod (cluster backend)",
+    "canary_traffic_percent": "KServe canary share for the new version (-1: all traffic)",
 }

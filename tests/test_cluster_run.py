@@ -142,3 +142,54 @@ def test_inference_service_not_ready_times_out(k8s):
     with pytest.raises(ServingError, match="not Ready within 1s"):
         ClusterServer(Kube(api), out=io.StringIO()).run(
             ClusterServeSpec("s3://m/x", "stuck", "reg/kfp-pytorch:0.1.0", namespace=NS), 1)
+
+
+def _kubeconfig(tmp_path, url):
+    import yaml
+
+    cfg = {"apiVersion": "v1", "kind": "Config", "current-context": "fake",
+           "clusters": [{"name": "fake", "cluster": {"server": url}}],
+           "users": [{"name": "u", "user": {"token": "fake-token"}}],
+           "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u", "namespace": NS}}]}
+    p = tmp_path / "kubeconfig"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def test_train_runtime_uses_the_cluster_backend(k8s, _fake_k8s_server, s3, bucket, tmp_path, monkeypatch):
+    """train(backend='cluster') submits a PyTorchJob through a kubeconfig, and reads the result from S3."""
+    import json
+
+    from kfp_pytorch.components.train import train
+
+    fake, _ = k8s
+    monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path, _fake_k8s_server[1])))
+    monkeypatch.setenv("KFP_PYTORCH_IMAGE", "reg/kfp-pytorch:0.1.0")
+    monkeypatch.setenv("KFP_PYTORCH_NAMESPACE", NS)
+    out = f"s3://{bucket}/run"
+    ts = TrainSpec(f"s3://{bucket}/data", out, workers=2, nodes=2, gpus_per_node=1, backend="cluster",
+                   run_id="8f14e45f", task="train-op", timeout_s=20)
+
+    def kubelet():  # the pods "run" the worker: they write the history, then succeed
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(fake.list("pods", NS)) < 2:
+            time.sleep(0.02)
+        pods = [p["metadata"]["name"] for p in fake.list("pods", NS)]
+        for p in pods:
+            fake.set_pod_phase(NS, p, "Running")
+        s3.write_bytes(f"{out}/history.json", json.dumps([{"epoch": 1, "loss": 0.3, "seconds": 1.0}]).encode())
+        fake.set_pod_phase(NS, [p for p in pods if "master" in p][0], "Succeeded")
+
+    threading.Thread(target=kubelet, daemon=True).start()
+    result = train(ts)
+    assert result.history[0]["loss"] == 0.3 and result.model_uri == f"{out}/model"
+    created = [r for r in fake.requests if r == ("create", "pytorchjobs")]
+    assert created == [("create", "pytorchjobs")]
+
+
+def test_cluster_backend_needs_object_storage():
+    from kfp_pytorch.components.errors import ConfigError
+    from kfp_pytorch.components.train import train
+
+    with pytest.raises(ConfigError, match="cluster backend needs s3://"):
+        train(TrainSpec("/local/data", "/local/out", backend="cluster"))

@@ -11,7 +11,8 @@ from .._kfp import COMPONENT_KW
 def train_op(dataset: Input[Dataset], model: Output[Model], metrics: Output[Metrics], model_arch: str = "mlp",
              epochs: int = 8, batch_size: int = 64, lr: float = 0.005, seed: int = 42, workers: int = 2,
              max_restarts: int = 3, backend: str = "local", storage_root: str = "",
-             tracking_uri: str = "") -> NamedTuple("Outputs", [("mlflow_run_id", str), ("samples_per_second", float)]):
+             tracking_uri: str = "", nodes: int = 1, gpus_per_node: int = 0, run_id: str = "",
+             task_name: str = "train") -> NamedTuple("Outputs", [("mlflow_run_id", str), ("samples_per_second", float)]):
     """Distributed training as a PyTorchJob-shaped job; logs per-epoch metrics to KFP and MLflow."""
     from collections import namedtuple
 
@@ -22,7 +23,8 @@ def train_op(dataset: Input[Dataset], model: Output[Model], metrics: Output[Metr
     out = artifact_store_uri(model, storage_root)
     spec = TrainSpec(dataset_uri=dataset.metadata.get("uri", dataset.path), output_uri=out, model=model_arch,
                      epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, workers=workers,
-                     max_restarts=max_restarts, backend=backend)
+                     max_restarts=max_restarts, backend=backend, nodes=nodes, gpus_per_node=gpus_per_node,
+                     run_id=run_id, task=task_name)
     result = train(spec)
     for h in result.history:
         for k in ("loss", "accuracy", "val_accuracy", "samples_per_second"):
