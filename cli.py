@@ -179,6 +179,130 @@ def storage_ls(uri):
         click.echo(u)
 
 
+def _kfp_options(f):
+    f = click.option("--token", envvar="KF_PIPELINES_TOKEN", default=None, help="Bearer token (or KF_PIPELINES_TOKEN).")(f)
+    f = click.option("--experiment", default="kfp-pytorch", show_default=True)(f)
+    f = click.option("--namespace", default=None, help="Kubeflow profile namespace (multi-user).")(f)
+    f = click.option("--host", required=True, envvar="KFP_HOST", help="KFP API URL (or KFP_HOST).")(f)
+    return f
+
+
+@cli.command("submit")
+@click.argument("pipeline")
+@_kfp_options
+@click.option("--param", "params", multiple=True, metavar="KEY=VALUE")
+@click.option("--run-name", default=None)
+@click.option("--wait/--no-wait", default=True, help="Follow the run until it ends.")
+def submit_cmd(pipeline, host, namespace, experiment, token, params, run_name, wait):
+    """Upload PIPELINE to a KFP server, start a run and follow it."""
+    from kfp_pytorch.pipelines import get_pipeline
+    from kfp_pytorch.pipelines.kfp_api import KfpApi
+
+    entry = get_pipeline(pipeline)
+    values = entry.resolve(_parse_params(params))
+    api = KfpApi(host, namespace, token)
+    run_id = api.submit(entry, values, experiment, run_name)
+    click.echo(f"run {run_id} created: {host.rstrip('/')}/#/runs/details/{run_id}")
+    if wait:
+        state = api.follow(run_id)
+        click.echo(f"run {run_id}: {state}")
+        if state != "SUCCEEDED":
+            sys.exit(1)
+
+
+@cli.command("schedule")
+@click.argument("pipeline")
+@_kfp_options
+@click.option("--cron", required=True, help='6 fields, seconds first: "0 0 3 * * *" is 03:00 daily.')
+@click.option("--param", "params", multiple=True, metavar="KEY=VALUE")
+@click.option("--name", default=None, help="Recurring run name.")
+@click.option("--max-concurrency", default=1, show_default=True, type=int)
+def schedule_cmd(pipeline, host, namespace, experiment, token, cron, params, name, max_concurrency):
+    """Create a recurring run of PIPELINE (e.g. nightly retraining)."""
+    from kfp_pytorch.pipelines import get_pipeline
+    from kfp_pytorch.pipelines.kfp_api import KfpApi
+    from kfp_pytorch.pipelines.schedule import validate_cron
+
+    cron = validate_cron(cron)
+    entry = get_pipeline(pipeline)
+    values = entry.resolve(_parse_params(params))
+    rr = KfpApi(host, namespace, token).schedule(entry, values, cron, experiment, name, max_concurrency)
+    click.echo(f"recurring run {rr} created: {pipeline} at '{cron}'")
+
+
+@cli.command("runs")
+@_kfp_options
+@click.option("--json", "as_json", is_flag=True)
+def runs_cmd(host, namespace, experiment, token, as_json):
+    """List runs and their status."""
+    from kfp_pytorch.pipelines.kfp_api import KfpApi
+
+    runs = KfpApi(host, namespace, token).runs(experiment)
+    rows = [{"run_id": r.run_id, "name": r.display_name, "state": str(r.state), "created_at": str(r.created_at)}
+            for r in runs]
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    if not rows:
+        click.echo("no runs")
+    for r in rows:
+        click.echo(f"{r['run_id']}  {r['state']:<10} {r['created_at']:<26} {r['name']}")
+
+
+@cli.command("manifest")
+@click.argument("kind", type=click.Choice(["pytorchjob", "trainjob", "inferenceservice", "launcher-config", "s3-secret"]))
+@click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
+              help="train_and_serve parameters (epochs, workers, nodes, gpus_per_node, storage_root, model_name...).")
+@click.option("--namespace", default="kubeflow-user", show_default=True)
+@click.option("--image", envvar="KFP_PYTORCH_IMAGE", default="", help="The kfp-pytorch image (or KFP_PYTORCH_IMAGE).")
+@click.option("--run-id", default="dry-run", show_default=True)
+@click.option("--fairness/--no-fairness", default=False, help="Add the fairness scheduler's gate.")
+def manifest_cmd(kind, params, namespace, image, run_id, fairness):
+    """Dry run: print the Kubernetes manifest a cluster step would create (nothing is submitted)."""
+    import dataclasses
+
+    from kfp_pytorch.components.cluster import (ClusterConfig, S3Access, dump_yaml, kfp_launcher_configmap,
+                                                kserve_s3_secret_and_sa, to_inference_service, to_pytorchjob,
+                                                to_trainjob)
+    from kfp_pytorch.components.storage import join
+    from kfp_pytorch.components.train import TrainSpec
+    from kfp_pytorch.pipelines import get_pipeline
+
+    cfg = dataclasses.replace(ClusterConfig.from_env(), image=image, namespace=namespace, fairness=fairness)
+    if kind == "launcher-config":
+        docs = [kfp_launcher_configmap(namespace, s3=None)]
+    elif kind == "s3-secret":
+        docs = kserve_s3_secret_and_sa(cfg.s3 or S3Access(), namespace)
+    else:
+        v = get_pipeline("train_and_serve").resolve(_parse_params(params))
+        root = v["storage_root"] or "s3://kfp-pytorch/runs"
+        if kind == "inferenceservice":
+            docs = [to_inference_service(cfg.serve_spec(join(root, run_id, "model"), v["model_name"],
+                                                        None if v["canary_traffic_percent"] < 0 else v["canary_traffic_percent"]))]
+        else:
+            ts = TrainSpec(join(root, run_id, "dataset"), join(root, run_id, "train"), model=v["model_arch"],
+                           epochs=v["epochs"], batch_size=v["batch_size"], lr=v["lr"], seed=v["seed"],
+                           workers=v["workers"], nodes=v["nodes"], gpus_per_node=v["gpus_per_node"], run_id=run_id,
+                           task="train-op")
+            cs = cfg.train_spec(ts)
+            docs = [to_pytorchjob(cs) if kind == "pytorchjob" else to_trainjob(cs)]
+    click.echo(dump_yaml(docs), nl=False)
+
+
+@storage_grp.command("check")
+@click.argument("uri", default="")
+def storage_check(uri):
+    """Check the S3 endpoint, credentials, bucket, and read/write permission under URI."""
+    from kfp_pytorch.components.storage import check_access
+
+    ok = True
+    for line, good in check_access(uri):
+        ok &= good
+        click.secho(("ok    " if good else "FAIL  ") + line, fg="green" if good else "red")
+    if not ok:
+        sys.exit(1)
+
+
 @cli.command("simulate")
 @click.option("--trace", "trace", required=True, type=click.Path(dir_okay=False), help="Trace CSV (itp-2021 format).")
 @click.option("--policies", default="all", show_default=True, help="all, or a comma-separated list.")

@@ -186,10 +186,12 @@ def to_pytorchjob(spec: ClusterTrainSpec) -> dict:
     """A ``kubeflow.org/v1`` PyTorchJob running the same worker entrypoint as the local backend."""
     resources = spec.validate()
     template = _pod_template(spec, resources)
-    replica = {"restartPolicy": "OnFailure", "template": template}
-    replicas = {"Master": {"replicas": 1, **replica}}
+    import copy
+
+    replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": template}}
     if spec.nodes > 1:
-        replicas["Worker"] = {"replicas": spec.nodes - 1, **replica}
+        replicas["Worker"] = {"replicas": spec.nodes - 1, "restartPolicy": "OnFailure",
+                              "template": copy.deepcopy(template)}
     run_policy: dict = {"cleanPodPolicy": spec.clean_pod_policy, "backoffLimit": spec.backoff_limit,
                         "schedulingPolicy": {"minAvailable": spec.nodes}}
     if spec.queue:
@@ -403,3 +405,19 @@ class ClusterConfig:
     def serve_spec(self, model_uri: str, model_name: str, canary_traffic_percent: int | None = None) -> ClusterServeSpec:
         return ClusterServeSpec(model_uri, model_name, self.image, self.namespace, self.service_account,
                                 canary_traffic_percent=canary_traffic_percent)
+
+
+def dump_yaml(docs: list[dict]) -> str:
+    """Multi-document YAML as kubectl users expect: no anchors, multi-line strings as blocks."""
+    import yaml
+
+    class _Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data):
+            return True
+
+    def _str(dumper, value):
+        style = "|" if "\n" in value else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+    _Dumper.add_representer(str, _str)
+    return yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False)

@@ -352,3 +352,51 @@ def _atomic_write_local(path: Path, data: bytes) -> None:
 
 def open_binary(data: bytes) -> BinaryIO:
     return io.BytesIO(data)
+
+
+def check_access(uri: str = "", storage: "Storage | None" = None) -> list[tuple[str, bool]]:
+    """Step-by-step diagnosis of S3 access for ``kfp-pytorch storage check``: each line with a fix."""
+    import uuid
+
+    results: list[tuple[str, bool]] = []
+    try:
+        storage = storage or Storage()
+        cfg = storage.config
+    except StorageError as e:
+        return [(str(e), False)]
+    if not cfg.endpoint:
+        return [("no endpoint configured: set AWS_ENDPOINT_URL=http://HOST:PORT or ~/.config/kfp-pytorch/storage.yaml",
+                 False)]
+    results.append((f"endpoint {'https' if cfg.secure else 'http'}://{cfg.endpoint} configured "
+                    f"(access key {'set' if cfg.access_key else 'MISSING: set AWS_ACCESS_KEY_ID'})", bool(cfg.access_key)))
+    try:
+        buckets = [b.name for b in storage.client.list_buckets()]
+        results.append((f"credentials accepted; {len(buckets)} bucket(s) visible", True))
+    except Exception as e:
+        err = storage._map_error(e, Location("s3", "", ""), "list buckets")
+        return results + [(str(err), False)]
+    if not uri:
+        return results
+    loc = parse_uri(uri)
+    if not loc.is_s3:
+        return results + [(f"{uri} is not an s3:// or minio:// URI", False)]
+    if loc.bucket not in buckets:
+        return results + [(f"bucket {loc.bucket!r} does not exist: create it (mc mb / the MinIO console) or "
+                           "let kfp-pytorch create it on first write", False)]
+    results.append((f"bucket {loc.bucket!r} exists", True))
+    probe = join(uri, f".kfp-pytorch-check-{uuid.uuid4().hex[:8]}")
+    try:
+        storage.write_bytes(probe, b"ok")
+        results.append((f"write permission under {uri}", True))
+    except StorageError as e:
+        return results + [(f"cannot write under {uri}: {e.message} (grant s3:PutObject on the prefix)", False)]
+    try:
+        good = storage.read_bytes(probe) == b"ok"
+        results.append((f"read permission under {uri}", good))
+    except StorageError as e:
+        results.append((f"cannot read under {uri}: {e.message} (grant s3:GetObject)", False))
+    try:
+        storage.delete_prefix(probe)
+    except StorageError:
+        results.append((f"note: could not delete the probe object {probe} (no s3:DeleteObject)", True))
+    return results

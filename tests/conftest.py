@@ -104,3 +104,20 @@ def k8s(_fake_k8s_server):
     api = client.ApiClient(cfg)
     yield fake, api
     api.close()
+
+
+@pytest.fixture(scope="session")
+def _fake_kfp_server():
+    from fake_kfp import FakeKfp
+
+    fake = FakeKfp()
+    url = fake.start()
+    yield fake, url
+    fake.stop()
+
+
+@pytest.fixture
+def kfp_server(_fake_kfp_server):
+    fake, url = _fake_kfp_server
+    fake.reset()
+    return fake, url

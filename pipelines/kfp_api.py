@@ -1,0 +1,124 @@
+"""The one edge to the KFP API (``kfp.Client``): upload, run, follow, schedule, list.
+
+Reachability and authentication are checked first with one short request, so an unreachable
+or auth-protected host gets a clear error in seconds (``kfp.Client`` itself retries for ~25 s).
+"""
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+from kfp_pytorch.components.errors import KfpPytorchError
+
+from .registry import PipelineEntry
+
+TERMINAL = {"SUCCEEDED", "FAILED", "SKIPPED", "CANCELED", "CANCELING"}
+
+
+class KfpApiError(KfpPytorchError):
+    exit_code = 3
+
+
+def _check_host(host: str, token: str | None) -> None:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        r = requests.get(f"{host.rstrip('/')}/apis/v2beta1/healthz", headers=headers, timeout=5, allow_redirects=False)
+    except requests.RequestException as e:
+        raise KfpApiError(f"cannot reach the KFP API at {host} ({type(e).__name__})",
+                          "check --host (e.g. kubectl -n kubeflow port-forward svc/ml-pipeline-ui 8080:80, then "
+                          "--host http://127.0.0.1:8080)") from e
+    if r.status_code in (401, 403) or (300 <= r.status_code < 400 and "oauth" in r.headers.get("Location", "") + r.text):
+        raise KfpApiError(f"the KFP API at {host} requires authentication (HTTP {r.status_code})",
+                          "pass --token or set KF_PIPELINES_TOKEN (a service-account token with access to the namespace)")
+
+
+class KfpApi:
+    def __init__(self, host: str, namespace: str | None = None, token: str | None = None):
+        import kfp
+
+        _check_host(host, token)
+        self.host = host
+        self.namespace = namespace
+        self.client = kfp.Client(host=host, namespace=namespace or "", existing_token=token)
+
+    def _call(self, what: str, fn, *a, **kw):
+        import kfp_server_api
+
+        try:
+            return fn(*a, **kw)
+        except kfp_server_api.ApiException as e:
+            if e.status in (401, 403):
+                raise KfpApiError(f"{what}: the KFP API refused the request (HTTP {e.status})",
+                                  "pass --token or set KF_PIPELINES_TOKEN; check your access to the namespace") from e
+            msg = e.body.decode() if isinstance(e.body, bytes) else (e.body or e.reason)
+            raise KfpApiError(f"{what} failed: HTTP {e.status}: {msg}") from e
+
+    def upload(self, entry: PipelineEntry) -> tuple[str, str]:
+        """Upload the compiled pipeline (a new version if it exists); returns (pipeline_id, version_id)."""
+        from kfp import compiler
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = str(Path(tmp) / f"{entry.name}.yaml")
+            compiler.Compiler().compile(entry.func, package_path=path)
+            name = entry.func.pipeline_spec.pipeline_info.name
+            pid = self._call("look up pipeline", self.client.get_pipeline_id, name)
+            if pid is None:
+                p = self._call("upload pipeline", self.client.upload_pipeline, path, pipeline_name=name,
+                               namespace=self.namespace)
+                pid = p.pipeline_id
+                versions = self._call("list versions", self.client.list_pipeline_versions, pid)
+                vid = versions.pipeline_versions[0].pipeline_version_id
+            else:
+                v = self._call("upload pipeline version", self.client.upload_pipeline_version, path,
+                               pipeline_version_name=f"{name}-{time.strftime('%Y%m%d-%H%M%S')}", pipeline_id=pid)
+                vid = v.pipeline_version_id
+        return pid, vid
+
+    def experiment_id(self, name: str) -> str:
+        import kfp_server_api
+
+        try:
+            exp = self.client.get_experiment(experiment_name=name, namespace=self.namespace)
+        except (ValueError, kfp_server_api.ApiException):
+            exp = self._call("create experiment", self.client.create_experiment, name, namespace=self.namespace)
+        return exp.experiment_id
+
+    def submit(self, entry: PipelineEntry, params: dict, experiment: str, run_name: str | None = None) -> str:
+        pid, vid = self.upload(entry)
+        eid = self.experiment_id(experiment)
+        run = self._call("create run", self.client.run_pipeline, experiment_id=eid,
+                         job_name=run_name or f"{entry.name}-{time.strftime('%Y%m%d-%H%M%S')}",
+                         pipeline_id=pid, version_id=vid, params=params)
+        return run.run_id
+
+    def follow(self, run_id: str, timeout_s: float = 24 * 3600, interval: float = 2.0, out=None) -> str:
+        """Show the run's state as it changes, until it ends; returns the final state."""
+        out = out or sys.stderr
+        t0, last = time.monotonic(), None
+        while True:
+            run = self._call("get run", self.client.get_run, run_id)
+            state = str(run.state)
+            if state != last:
+                out.write(f"[{time.monotonic() - t0:7.1f}s] run {run_id}: {state}\n")
+                out.flush()
+                last = state
+            if state in TERMINAL or time.monotonic() - t0 > timeout_s:
+                return state
+            time.sleep(interval)
+
+    def schedule(self, entry: PipelineEntry, params: dict, cron: str, experiment: str, name: str | None = None,
+                 max_concurrency: int = 1) -> str:
+        pid, vid = self.upload(entry)
+        eid = self.experiment_id(experiment)
+        rr = self._call("create recurring run", self.client.create_recurring_run, experiment_id=eid,
+                        job_name=name or f"{entry.name}-schedule", cron_expression=cron, pipeline_id=pid,
+                        version_id=vid, params=params, max_concurrency=max_concurrency, no_catchup=True)
+        return rr.recurring_run_id
+
+    def runs(self, experiment: str | None = None, page_size: int = 50) -> list:
+        eid = self.experiment_id(experiment) if experiment else None
+        resp = self._call("list runs", self.client.list_runs, experiment_id=eid, namespace=self.namespace,
+                          page_size=page_size, sort_by="created_at desc")
+        return resp.runs or []

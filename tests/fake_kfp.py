@@ -1,0 +1,260 @@
+"""A fake of the KFP v2beta1 REST API that ``kfp.Client`` uses, on loopback. It validates bodies.
+
+Endpoints: healthz; pipelines upload / upload_version / list / versions; experiments create / list;
+runs create / get / list; recurringruns create / list. Validation mirrors the server: a run needs
+a display name and an existing pipeline version (or an inline spec), parameters must be declared
+inputs of the pipeline, a cron must have 6 fields, an upload must be a parsable PipelineSpec.
+``require_token`` makes every call without ``Authorization: Bearer <token>`` a 401.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import uuid
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+import yaml
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class KfpError(Exception):
+    def __init__(self, code: int, message: str):
+        self.code, self.message = code, message
+
+
+class FakeKfp:
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.pipelines: dict[str, dict] = {}
+        self.versions: dict[str, dict] = {}
+        self.experiments: dict[str, dict] = {}
+        self.runs: dict[str, dict] = {}
+        self.recurring: dict[str, dict] = {}
+        self.require_token: str | None = None
+        self.run_states = ["PENDING", "RUNNING", "SUCCEEDED"]
+        """States a run walks through, one per GET."""
+        self.server = None
+        self.requests: list[tuple[str, str]] = []
+
+    def start(self) -> str:
+        fake = self
+
+        class H(_Handler):
+            kfp = fake
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def stop(self) -> None:
+        if self.server:
+            self.server.shutdown()
+            self.server.server_close()
+
+    def reset(self) -> None:
+        with self.lock:
+            for d in (self.pipelines, self.versions, self.experiments, self.runs, self.recurring):
+                d.clear()
+            self.require_token = None
+            self.requests.clear()
+            self.run_states = ["PENDING", "RUNNING", "SUCCEEDED"]
+
+    # -- behaviour -----------------------------------------------------------------------------------
+    def _spec_inputs(self, spec: dict) -> dict:
+        return ((spec.get("root") or {}).get("inputDefinitions") or {}).get("parameters") or {}
+
+    def upload(self, name: str, data: bytes, pipeline_id: str | None = None) -> dict:
+        try:
+            spec = yaml.safe_load(data)
+            assert isinstance(spec, dict) and "pipelineInfo" in spec and "root" in spec
+        except Exception:
+            raise KfpError(400, "Failed to upload pipeline: the file is not a valid pipeline spec") from None
+        with self.lock:
+            if pipeline_id is None:
+                if any(p["display_name"] == name for p in self.pipelines.values()):
+                    raise KfpError(409, f"Failed to upload pipeline: pipeline with name {name} already exists")
+                pid = str(uuid.uuid4())
+                self.pipelines[pid] = {"pipeline_id": pid, "display_name": name, "created_at": _now()}
+            else:
+                if pipeline_id not in self.pipelines:
+                    raise KfpError(404, f"pipeline {pipeline_id} not found")
+                pid = pipeline_id
+            vid = str(uuid.uuid4())
+            self.versions[vid] = {"pipeline_id": pid, "pipeline_version_id": vid, "display_name": name,
+                                  "created_at": _now(), "pipeline_spec": spec}
+            return self.pipelines[pid] if pipeline_id is None else self.versions[vid]
+
+    def _check_run_body(self, body: dict, kind: str) -> dict:
+        problems = []
+        if not body.get("display_name"):
+            problems.append("display_name is required")
+        ref = body.get("pipeline_version_reference") or {}
+        spec = body.get("pipeline_spec")
+        if spec is None:
+            v = self.versions.get(ref.get("pipeline_version_id", ""))
+            if not ref or v is None or v["pipeline_id"] != ref.get("pipeline_id"):
+                problems.append("pipeline_version_reference must name an existing pipeline and version")
+            else:
+                spec = v["pipeline_spec"]
+        if body.get("experiment_id") and body["experiment_id"] not in self.experiments:
+            problems.append(f"experiment {body['experiment_id']} not found")
+        params = ((body.get("runtime_config") or {}).get("parameters")) or {}
+        declared = self._spec_inputs(spec or {})
+        for k in params:
+            if k not in declared:
+                problems.append(f"parameter {k!r} is not an input of the pipeline")
+        if kind == "recurring":
+            cron = ((body.get("trigger") or {}).get("cron_schedule") or {}).get("cron")
+            if cron is not None and len(cron.split()) != 6:
+                problems.append(f"invalid cron {cron!r}: KFP expects 6 fields (seconds first)")
+        if problems:
+            raise KfpError(400, "Invalid input error: " + "; ".join(problems))
+        return spec
+
+    def create_run(self, body: dict) -> dict:
+        with self.lock:
+            self._check_run_body(body, "run")
+            rid = str(uuid.uuid4())
+            run = dict(body, run_id=rid, state="PENDING", created_at=_now(), _step=0,
+                       storage_state="AVAILABLE")
+            self.runs[rid] = run
+            return self._public(run)
+
+    def get_run(self, rid: str) -> dict:
+        with self.lock:
+            run = self.runs.get(rid)
+            if run is None:
+                raise KfpError(404, f"run {rid} not found")
+            run["_step"] = min(run["_step"] + 1, len(self.run_states) - 1)
+            run["state"] = self.run_states[run["_step"]]
+            if run["state"] in ("SUCCEEDED", "FAILED"):
+                run["finished_at"] = _now()
+            return self._public(run)
+
+    @staticmethod
+    def _public(run: dict) -> dict:
+        return {k: v for k, v in run.items() if not k.startswith("_") and k != "pipeline_spec"}
+
+    def create_recurring(self, body: dict) -> dict:
+        with self.lock:
+            self._check_run_body(body, "recurring")
+            rid = str(uuid.uuid4())
+            rr = dict(body, recurring_run_id=rid, status="ENABLED", created_at=_now())
+            self.recurring[rid] = rr
+            return rr
+
+
+class _Handler(BaseHTTPRequestHandler):
+    kfp: FakeKfp
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, code: int, message: str) -> None:
+        self._send(code, {"error_message": message, "code": {400: 3, 401: 16, 403: 7, 404: 5, 409: 6}.get(code, 2),
+                          "message": message})
+
+    def _handle(self, verb: str) -> None:
+        k = self.kfp
+        n = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(n) if n else b""
+        url = urlparse(self.path)
+        q = {a: b[0] for a, b in parse_qs(url.query).items()}
+        path = url.path.rstrip("/")
+        k.requests.append((verb, path))
+        if k.require_token and self.headers.get("Authorization") != f"Bearer {k.require_token}":
+            return self._error(401, "Unauthenticated: request is missing a valid bearer token")
+        try:
+            if path == "/apis/v2beta1/healthz":
+                return self._send(200, {"multi_user": False})
+            if path == "/apis/v2beta1/pipelines/upload" and verb == "POST":
+                data = self._file(raw)
+                return self._send(200, k.upload(q.get("name") or "pipeline", data))
+            if path == "/apis/v2beta1/pipelines/upload_version" and verb == "POST":
+                data = self._file(raw)
+                return self._send(200, k.upload(q.get("name") or "version", data, q.get("pipelineid")))
+            if path == "/apis/v2beta1/pipelines" and verb == "GET":
+                items = list(k.pipelines.values())
+                flt = q.get("filter")
+                if flt:
+                    want = json.loads(flt)["predicates"][0]
+                    items = [p for p in items if p["display_name"] == (want.get("string_value") or want.get("stringValue"))]
+                return self._send(200, {"pipelines": items, "total_size": len(items)})
+            m = re.fullmatch(r"/apis/v2beta1/pipelines/([^/]+)/versions", path)
+            if m and verb == "GET":
+                items = [dict((a, b) for a, b in v.items() if a != "pipeline_spec") for v in k.versions.values()
+                         if v["pipeline_id"] == m.group(1)]
+                items.sort(key=lambda v: v["created_at"], reverse=True)
+                return self._send(200, {"pipeline_versions": items, "total_size": len(items)})
+            if path == "/apis/v2beta1/experiments":
+                if verb == "POST":
+                    body = json.loads(raw or b"{}")
+                    if not body.get("display_name"):
+                        return self._error(400, "Invalid input error: experiment display_name is required")
+                    eid = str(uuid.uuid4())
+                    k.experiments[eid] = dict(body, experiment_id=eid, created_at=_now(), storage_state="AVAILABLE")
+                    return self._send(200, k.experiments[eid])
+                items = list(k.experiments.values())
+                flt = q.get("filter")
+                if flt:
+                    want = json.loads(flt)["predicates"][0]
+                    items = [e for e in items if e["display_name"] == (want.get("string_value") or want.get("stringValue"))]
+                return self._send(200, {"experiments": items, "total_size": len(items)})
+            m = re.fullmatch(r"/apis/v2beta1/experiments/([^/]+)", path)
+            if m:
+                e = k.experiments.get(m.group(1))
+                return self._send(200, e) if e else self._error(404, "experiment not found")
+            if path == "/apis/v2beta1/runs":
+                if verb == "POST":
+                    return self._send(200, k.create_run(json.loads(raw or b"{}")))
+                items = [FakeKfp._public(r) for r in k.runs.values()
+                         if not q.get("experiment_id") or r.get("experiment_id") == q["experiment_id"]]
+                return self._send(200, {"runs": items, "total_size": len(items)})
+            m = re.fullmatch(r"/apis/v2beta1/runs/([^/:]+)", path)
+            if m and verb == "GET":
+                return self._send(200, k.get_run(m.group(1)))
+            if path == "/apis/v2beta1/recurringruns":
+                if verb == "POST":
+                    return self._send(200, k.create_recurring(json.loads(raw or b"{}")))
+                return self._send(200, {"recurringRuns": list(k.recurring.values()), "total_size": len(k.recurring)})
+            return self._error(404, f"no route {verb} {path}")
+        except KfpError as e:
+            return self._error(e.code, e.message)
+
+    def _file(self, raw: bytes) -> bytes:
+        ctype = self.headers.get("Content-Type", "")
+        if "multipart/form-data" not in ctype:
+            raise KfpError(400, "upload must be multipart/form-data with an uploadfile field")
+        from email.parser import BytesParser
+        from email.policy import HTTP
+
+        msg = BytesParser(policy=HTTP).parsebytes(b"Content-Type: " + ctype.encode() + b"\r\n\r\n" + raw)
+        for part in msg.iter_parts():
+            if part.get_param("name", header="content-disposition") == "uploadfile":
+                return part.get_payload(decode=True)
+        raise KfpError(400, "upload is missing the uploadfile field")
+
+    def do_GET(self):
+        self._handle("GET")
+
+    def do_POST(self):
+        self._handle("POST")
+
+    def do_DELETE(self):
+        self._handle("DELETE")

@@ -1,0 +1,112 @@
+"""submit / schedule / runs through kfp.Client against a fake KFP v2beta1 server; storage check;
+manifest dry runs; cron validation."""
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from kfp_pytorch.components.errors import ConfigError
+from kfp_pytorch.pipelines.schedule import validate_cron
+from servers import free_port
+
+CLI = [sys.executable, "-m", "kfp_pytorch.cli"]
+
+
+def cli(*args, env=None):
+    import os
+
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+def test_submit_uploads_runs_and_follows(kfp_server):
+    fake, url = kfp_server
+    r = cli("submit", "train_and_serve", "--host", url, "--experiment", "nightly", "--param", "epochs=3")
+    assert r.returncode == 0, r.stderr
+    assert "SUCCEEDED" in r.stdout and "RUNNING" in r.stderr  # the progress display shows each state
+    [run] = fake.runs.values()
+    assert run["runtime_config"]["parameters"]["epochs"] == 3
+    assert run["experiment_id"] in fake.experiments and len(fake.pipelines) == 1
+    # A second submit uploads a new version of the same pipeline, in the same experiment.
+    r = cli("submit", "train_and_serve", "--host", url, "--experiment", "nightly", "--no-wait")
+    assert r.returncode == 0, r.stderr
+    assert len(fake.pipelines) == 1 and len(fake.versions) == 2 and len(fake.experiments) == 1
+
+
+def test_schedule_with_six_field_cron(kfp_server):
+    fake, url = kfp_server
+    r = cli("schedule", "train_and_serve", "--host", url, "--cron", "0 0 3 * * *", "--param", "threshold=0.95")
+    assert r.returncode == 0, r.stderr
+    [rr] = fake.recurring.values()
+    assert rr["trigger"]["cron_schedule"]["cron"] == "0 0 3 * * *" and int(rr["max_concurrency"]) == 1
+    assert rr["runtime_config"]["parameters"]["threshold"] == 0.95
+
+
+def test_five_field_cron_shows_the_six_field_form(kfp_server):
+    _, url = kfp_server
+    r = cli("schedule", "train_and_serve", "--host", url, "--cron", "0 3 * * *")
+    assert r.returncode == 2 and 'did you mean --cron "0 0 3 * * *"' in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("expr,ok", [("0 0 3 * * *", True), ("*/30 * * * * ?", True), ("0 0 3 * * MON-FRI", True),
+                                     ("0 61 * * * *", False), ("0 0 3 * *", False), ("daily", False)])
+def test_validate_cron(expr, ok):
+    if ok:
+        assert validate_cron(expr) == expr
+    else:
+        with pytest.raises(ConfigError):
+            validate_cron(expr)
+
+
+def test_runs_lists_status(kfp_server):
+    fake, url = kfp_server
+    cli("submit", "train_and_serve", "--host", url, "--no-wait")
+    r = cli("runs", "--host", url, "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert len(rows) == 1 and rows[0]["state"] in ("PENDING", "RUNNING", "SUCCEEDED")
+
+
+def test_unreachable_host_and_auth(kfp_server):
+    fake, url = kfp_server
+    r = cli("runs", "--host", f"http://127.0.0.1:{free_port()}")
+    assert r.returncode == 3 and "cannot reach the KFP API" in r.stderr and "port-forward" in r.stderr
+    fake.require_token = "s3cr3t-token"
+    r = cli("runs", "--host", url)
+    assert r.returncode == 3 and "requires authentication" in r.stderr
+    r = cli("runs", "--host", url, "--token", "s3cr3t-token", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "s3cr3t-token" not in r.stdout + r.stderr
+
+
+def test_bad_parameters_are_rejected_before_any_request(kfp_server):
+    fake, url = kfp_server
+    r = cli("submit", "train_and_serve", "--host", url, "--param", "epochz=3")
+    assert r.returncode == 2 and "did you mean 'epochs'" in r.stderr
+    assert not fake.requests
+
+
+def test_storage_check(s3_server, bucket):
+    ok = cli("storage", "check", f"s3://{bucket}/runs", env=s3_server.env)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "credentials accepted" in ok.stdout and "write permission" in ok.stdout and "read permission" in ok.stdout
+    bad = cli("storage", "check", env={**s3_server.env, "AWS_SECRET_ACCESS_KEY": "nope-nope"})
+    assert bad.returncode == 1 and "refused the credentials" in bad.stdout and "nope-nope" not in bad.stdout
+    missing = cli("storage", "check", "s3://no-such-bucket-x/p", env=s3_server.env)
+    assert missing.returncode == 1 and "does not exist" in missing.stdout
+    dead = cli("storage", "check", env={**s3_server.env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"})
+    assert dead.returncode == 1 and "cannot reach the S3 endpoint" in dead.stdout
+
+
+def test_manifest_dry_runs_are_valid():
+    from k8s_schemas import validate_manifest
+
+    for kind in ("pytorchjob", "trainjob", "inferenceservice"):
+        r = cli("manifest", kind, "--image", "reg/kfp-pytorch:0.1.0", "--param", "nodes=2", "--param", "workers=4",
+                "--param", "gpus_per_node=1", "--fairness")
+        assert r.returncode == 0, r.stderr
+        for doc in yaml.safe_load_all(r.stdout):
+            validate_manifest(doc)
+    r = cli("manifest", "pytorchjob")
+    assert r.returncode == 2 and "image: required" in r.stderr
