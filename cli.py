@@ -56,14 +56,25 @@ def pipelines_cmd(as_json):
 @cli.command("compile")
 @click.argument("pipeline")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="KFP IR YAML file to write.")
-def compile_cmd(pipeline, output):
+@click.option("--platform", "platform_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="YAML of Kubernetes settings for every step (S3 Secret, labels, GPU node selector/tolerations).")
+def compile_cmd(pipeline, output, platform_file):
     """Compile PIPELINE to KFP IR YAML (upload it in the KFP UI or with `kfp-pytorch submit`)."""
+    import yaml
     from kfp import compiler
 
     from kfp_pytorch.pipelines import get_pipeline
+    from kfp_pytorch.pipelines.platform import load_platform
 
     entry = get_pipeline(pipeline)
-    compiler.Compiler().compile(entry.func, package_path=output)
+    func = entry.func
+    if platform_file:
+        if entry.build is None:
+            from kfp_pytorch.components.errors import ConfigError
+
+            raise ConfigError([f"pipeline {entry.name} takes no platform settings"])
+        func = entry.build(load_platform(yaml.safe_load(open(platform_file))))
+    compiler.Compiler().compile(func, package_path=output)
     click.echo(f"wrote {output}")
 
 

@@ -279,6 +279,10 @@ def to_inference_service(spec: ClusterServeSpec) -> dict:
     uri = "s3://" + spec.model_uri[len("minio://"):] if spec.model_uri.startswith("minio://") else spec.model_uri
     predictor: dict = {
         "serviceAccountName": spec.service_account,
+        # KServe's storage initializer copies the model from MinIO (credentials: the service
+        # account's annotated Secret) to /mnt/models before the predictor starts. On KServe older
+        # than storageUris, set STORAGE_URI on the container instead.
+        "storageUris": [{"uri": uri, "mountPath": "/mnt/models"}],
         "minReplicas": spec.min_replicas,
         "maxReplicas": spec.max_replicas,
         "containers": [{
@@ -287,8 +291,7 @@ def to_inference_service(spec: ClusterServeSpec) -> dict:
             "command": ["python", "-m", "kfp_pytorch.components.kserve_predictor"],
             "args": ["--model_name", spec.model_name, "--model_uri", "/mnt/models", "--http_port", "8080",
                      "--enable_grpc", "false"],
-            # STORAGE_URI on a custom container makes KServe's storage initializer fetch the model.
-            "env": [{"name": "STORAGE_URI", "value": uri}],
+            "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
             "ports": [{"containerPort": 8080, "protocol": "TCP"}],
             "resources": {"requests": dict(resources), "limits": dict(resources)},
         }],

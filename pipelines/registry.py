@@ -26,6 +26,8 @@ class PipelineEntry:
     """The ``@dsl.pipeline`` object."""
     validate: Callable[[dict], None]
     summary: str
+    build: Callable | None = None
+    """Builds the pipeline with Kubernetes platform settings (``build(platform)``), if supported."""
 
     @property
     def params(self) -> list[Param]:
@@ -90,7 +92,8 @@ def parse_value(value: Any, typ: type) -> Any:
 
 PIPELINES: dict[str, PipelineEntry] = {
     "train_and_serve": PipelineEntry("train_and_serve", _tas.train_and_serve, _tas.check,
-                                     "prepare -> train (DDP / PyTorchJob) -> evaluate -> register -> serve"),
+                                     "prepare -> train (DDP / PyTorchJob) -> evaluate -> register -> serve",
+                                     _tas.build),
 }
 
 

@@ -16,32 +16,45 @@ from kfp_pytorch.components.ops.register import register_op
 from kfp_pytorch.components.ops.serve import serve_op
 from kfp_pytorch.components.ops.train import train_op
 
+from .platform import Platform, apply_platform
 
-@dsl.pipeline(name="train-and-serve",
-              description="Prepare a dataset, train a PyTorch model with DDP, evaluate it, and if it passes the "
-                          "gate register it in MLflow and serve it over the Open Inference Protocol v2.")
-def train_and_serve(dataset_uri: str = "sample://digits", model_name: str = "digits", model_arch: str = "mlp",
-                    epochs: int = 8, batch_size: int = 64, lr: float = 0.005, seed: int = 42, workers: int = 2,
-                    threshold: float = 0.9, storage_root: str = "", tracking_uri: str = "",
-                    train_backend: str = "local", serve_backend: str = "local", serve_port: int = 0,
-                    nodes: int = 1, gpus_per_node: int = 0, canary_traffic_percent: int = -1):
-    prep = prepare_data_op(dataset_uri=dataset_uri, seed=seed, storage_root=storage_root)
-    prep.set_display_name("prepare data")
-    tr = train_op(dataset=prep.outputs["dataset"], model_arch=model_arch, epochs=epochs, batch_size=batch_size,
-                  lr=lr, seed=seed, workers=workers, backend=train_backend, storage_root=storage_root,
-                  tracking_uri=tracking_uri, nodes=nodes, gpus_per_node=gpus_per_node,
-                  run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER)
-    tr.set_display_name("train (PyTorchJob)")
-    ev = evaluate_op(dataset=prep.outputs["dataset"], model=tr.outputs["model"], threshold=threshold)
-    ev.set_display_name("evaluate")
-    with dsl.If(ev.outputs["Output"] == True, name="gate-passed"):  # noqa: E712 (KFP condition syntax)
-        reg = register_op(model=tr.outputs["model"], metrics=ev.outputs["metrics"], model_name=model_name,
-                          gate_passed=ev.outputs["Output"], tracking_uri=tracking_uri)
-        reg.set_display_name("register (MLflow)")
-        sv = serve_op(model=tr.outputs["model"], model_name=model_name, port=serve_port, backend=serve_backend,
-                      canary_traffic_percent=canary_traffic_percent)
-        sv.set_display_name("serve (KServe v2)")
-        sv.after(reg)
+
+def build(platform: Platform | None = None):
+    """The pipeline; with ``platform`` every step gets its Kubernetes settings (see platform.py)."""
+
+    @dsl.pipeline(name="train-and-serve",
+                  description="Prepare a dataset, train a PyTorch model with DDP, evaluate it, and if it passes the "
+                              "gate register it in MLflow and serve it over the Open Inference Protocol v2.")
+    def train_and_serve(dataset_uri: str = "sample://digits", model_name: str = "digits", model_arch: str = "mlp",
+                        epochs: int = 8, batch_size: int = 64, lr: float = 0.005, seed: int = 42, workers: int = 2,
+                        threshold: float = 0.9, storage_root: str = "", tracking_uri: str = "",
+                        train_backend: str = "local", serve_backend: str = "local", serve_port: int = 0,
+                        nodes: int = 1, gpus_per_node: int = 0, canary_traffic_percent: int = -1):
+        prep = prepare_data_op(dataset_uri=dataset_uri, seed=seed, storage_root=storage_root)
+        prep.set_display_name("prepare data")
+        apply_platform(prep, platform)
+        tr = train_op(dataset=prep.outputs["dataset"], model_arch=model_arch, epochs=epochs, batch_size=batch_size,
+                      lr=lr, seed=seed, workers=workers, backend=train_backend, storage_root=storage_root,
+                      tracking_uri=tracking_uri, nodes=nodes, gpus_per_node=gpus_per_node,
+                      run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER)
+        tr.set_display_name("train (PyTorchJob)")
+        apply_platform(tr, platform, gpu=True)  # with the local backend the workers run in this pod
+        ev = evaluate_op(dataset=prep.outputs["dataset"], model=tr.outputs["model"], threshold=threshold)
+        ev.set_display_name("evaluate")
+        apply_platform(ev, platform)
+        with dsl.If(ev.outputs["Output"] == True, name="gate-passed"):  # noqa: E712 (KFP condition syntax)
+            reg = register_op(model=tr.outputs["model"], metrics=ev.outputs["metrics"], model_name=model_name,
+                              gate_passed=ev.outputs["Output"], tracking_uri=tracking_uri)
+            reg.set_display_name("register (MLflow)")
+            apply_platform(reg, platform)
+            sv = serve_op(model=tr.outputs["model"], model_name=model_name, port=serve_port, backend=serve_backend,
+                          canary_traffic_percent=canary_traffic_percent)
+            sv.set_display_name("serve (KServe v2)")
+            apply_platform(sv, platform)
+            sv.after(reg)
+
+    train_and_serve.pipeline_func.param_docs = PARAM_DOCS
+    return train_and_serve
 
 
 def validate_params(p: dict) -> list[str]:
@@ -85,7 +98,7 @@ def check(p: dict) -> None:
                           title="invalid parameters for pipeline train_and_serve")
 
 
-train_and_serve.pipeline_func.param_docs = {
+PARAM_DOCS = {
     "dataset_uri": "CSV/Parquet table: local path, s3://bucket/key, minio://bucket/key, or sample://digits",
     "model_name": "registered model and endpoint name (DNS-1123 label)",
     "model_arch": "mlp, cnn, or a factory package.module:function",
@@ -104,3 +117,6 @@ train_and_serve.pipeline_func.param_docs = {
     "gpus_per_node": "GPUs per pod (cluster backend)",
     "canary_traffic_percent": "KServe canary share for the new version (-1: all traffic)",
 }
+
+
+train_and_serve = build()

@@ -84,7 +84,8 @@ def test_inference_service_is_valid():
     p = isvc["spec"]["predictor"]
     assert p["canaryTrafficPercent"] == 10 and p["serviceAccountName"] == "kfp-pytorch-s3"
     c = p["containers"][0]
-    assert c["env"] == [{"name": "STORAGE_URI", "value": "s3://models/run1/model"}]
+    assert p["storageUris"] == [{"uri": "s3://models/run1/model", "mountPath": "/mnt/models"}]
+    assert "--model_uri" in c["args"] and "/mnt/models" in c["args"]
     assert c["command"][-1] == "kfp_pytorch.components.kserve_predictor"
 
 

@@ -133,7 +133,7 @@ def test_inference_service_ready_and_canary_update(k8s):
                                          canary_traffic_percent=20), 10)
     isvc = fake.get("inferenceservices", NS, "digits")
     assert second["updated"] and isvc["spec"]["predictor"]["canaryTrafficPercent"] == 20
-    assert isvc["spec"]["predictor"]["containers"][0]["env"][0]["value"] == "s3://m/run2/model"
+    assert isvc["spec"]["predictor"]["storageUris"][0]["uri"] == "s3://m/run2/model"
 
 
 def test_inference_service_not_ready_times_out(k8s):

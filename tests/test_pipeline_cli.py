@@ -156,3 +156,32 @@ def test_port_in_use_is_rejected_before_any_step():
 def test_serve_stop_unknown_name():
     r = run_cli("serve", "stop", "nobody")
     assert r.returncode == 1 and "no local model server named 'nobody'" in r.stderr
+
+
+def test_compile_with_platform_settings(tmp_path):
+    plat = tmp_path / "platform.yaml"
+    plat.write_text("s3_secret: minio-creds\nlabels: {kfp-pytorch.io/user: alice}\n"
+                    "gpu_node_selector: {nvidia.com/gpu.present: 'true'}\n"
+                    "gpu_tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]\n")
+    out = tmp_path / "p.yaml"
+    r = run_cli("compile", "train_and_serve", "-o", str(out), "--platform", str(plat))
+    assert r.returncode == 0, r.stderr
+    pipeline, platform = list(yaml.safe_load_all(out.read_text()))
+    json_format.ParseDict(pipeline, pipeline_spec_pb2.PipelineSpec())
+    execs = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert set(execs) == {"exec-prepare-data-op", "exec-train-op", "exec-evaluate-op", "exec-register-op",
+                          "exec-serve-op"}
+    for name, ex in execs.items():
+        assert ex["secretAsEnv"][0]["secretName"] == "minio-creds"
+        assert ex["podMetadata"]["labels"] == {"kfp-pytorch.io/user": "alice"}
+    assert execs["exec-train-op"]["nodeSelector"]["labels"] == {"nvidia.com/gpu.present": "true"}
+    assert execs["exec-train-op"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert "nodeSelector" not in execs["exec-evaluate-op"]
+
+
+def test_bad_platform_file_is_reported(tmp_path):
+    plat = tmp_path / "platform.yaml"
+    plat.write_text("labels: {'bad key!': x}\ngpu_tolerations: [{operator: Maybe}]\nextra: 1\n")
+    r = run_cli("compile", "train_and_serve", "-o", str(tmp_path / "p.yaml"), "--platform", str(plat))
+    assert r.returncode == 2 and "labels.bad key!" in r.stderr and "gpu_tolerations[0].operator" in r.stderr
+    assert "extra: unknown field" in r.stderr

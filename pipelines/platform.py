@@ -1,0 +1,74 @@
+"""Kubernetes platform settings of pipeline steps, applied with ``kfp-kubernetes`` at compile time.
+
+Each step gets S3 credentials from a Secret (``use_secret_as_env``, never literal values), the
+fairness labels (``add_pod_label``); GPU steps get node selectors and tolerations
+(``add_node_selector``, ``add_toleration``). Loaded from YAML, validated once::
+
+    s3_secret: kfp-pytorch-s3
+    s3_endpoint: http://minio-service.kubeflow:9000
+    labels: {kfp-pytorch.io/user: alice, kfp-pytorch.io/team: vision}
+    gpu_node_selector: {nvidia.com/gpu.present: "true"}
+    gpu_tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]
+"""
+import re
+from dataclasses import dataclass, field
+
+from kfp_pytorch.components.errors import ConfigError
+
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class Platform:
+    s3_secret: str = "kfp-pytorch-s3"
+    s3_keys: dict = field(default_factory=lambda: {"AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID",
+                                                   "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"})
+    """Secret key -> environment variable."""
+    s3_endpoint: str = ""
+    labels: dict = field(default_factory=dict)
+    gpu_node_selector: dict = field(default_factory=dict)
+    gpu_tolerations: list = field(default_factory=list)
+
+
+def load_platform(data: dict | None) -> Platform:
+    data = dict(data or {})
+    problems = []
+    known = {"s3_secret", "s3_keys", "s3_endpoint", "labels", "gpu_node_selector", "gpu_tolerations"}
+    for k in data:
+        if k not in known:
+            problems.append(f"{k}: unknown field (known: {', '.join(sorted(known))})")
+    for where in ("labels", "gpu_node_selector"):
+        for k, v in (data.get(where) or {}).items():
+            if not _LABEL_KEY.match(str(k)):
+                problems.append(f"{where}.{k}: not a valid label key")
+            if not isinstance(v, str) or not _LABEL_VALUE.match(v) or len(v) > 63:
+                problems.append(f"{where}.{k}: {v!r} is not a valid label value (quote \"true\")")
+    for i, t in enumerate(data.get("gpu_tolerations") or []):
+        if not isinstance(t, dict) or t.get("operator", "Equal") not in ("Equal", "Exists"):
+            problems.append(f"gpu_tolerations[{i}].operator: must be Equal or Exists")
+        elif t.get("effect") not in (None, "NoSchedule", "PreferNoSchedule", "NoExecute"):
+            problems.append(f"gpu_tolerations[{i}].effect: must be NoSchedule, PreferNoSchedule or NoExecute")
+    if problems:
+        raise ConfigError(problems, "fix the platform file", title="invalid platform settings")
+    return Platform(**{k: v for k, v in data.items() if v is not None})
+
+
+def apply_platform(task, platform: Platform | None, gpu: bool = False):
+    """Attach the platform settings to one pipeline task (returns it, like kfp.kubernetes does)."""
+    if platform is None:
+        return task
+    from kfp import kubernetes
+
+    kubernetes.use_secret_as_env(task, platform.s3_secret, dict(platform.s3_keys))
+    if platform.s3_endpoint:
+        task.set_env_variable("AWS_ENDPOINT_URL", platform.s3_endpoint)
+    for k, v in platform.labels.items():
+        kubernetes.add_pod_label(task, k, v)
+    if gpu:
+        for k, v in platform.gpu_node_selector.items():
+            kubernetes.add_node_selector(task, k, v)
+        for t in platform.gpu_tolerations:
+            kubernetes.add_toleration(task, key=t.get("key"), operator=t.get("operator", "Equal"), value=t.get("value"),
+                                      effect=t.get("effect"), toleration_seconds=t.get("tolerationSeconds"))
+    return task
