@@ -168,3 +168,29 @@ def test_operator_simulation_and_logs(k8s):
     assert core.read_namespaced_pod_log("j-master-0", "a", tail_lines=1) == "epoch 2\n"
     fake.set_pod_phase("a", "j-worker-1", "Failed", reason="OOMKilled")
     assert cond()["type"] == "Failed" and "OOMKilled" in cond()["message"]
+
+
+def test_cluster_scoped_resources_and_leases(k8s):
+    fake, api = k8s
+    core = client.CoreV1Api(api)
+    core.create_namespace({"metadata": {"name": "team-a"}})
+    core.create_node({"metadata": {"name": "gpu-1", "labels": {"nvidia.com/gpu.present": "true"}},
+                      "status": {"allocatable": {"nvidia.com/gpu": "8"}}})
+    assert [n.metadata.name for n in core.list_node(label_selector="nvidia.com/gpu.present=true").items] == ["gpu-1"]
+    assert core.read_namespace("team-a").metadata.name == "team-a"
+    coord = client.CoordinationV1Api(api)
+    lease = coord.create_namespaced_lease("team-a", {"metadata": {"name": "fairshare-leader"},
+                                                     "spec": {"holderIdentity": "a", "leaseDurationSeconds": 15}})
+    lease.spec.holder_identity = "b"
+    coord.replace_namespaced_lease("fairshare-leader", "team-a", lease)
+    lease.spec.holder_identity = "c"  # stale: a second leader must not win the race
+    with pytest.raises(ApiException) as e:
+        coord.replace_namespaced_lease("fairshare-leader", "team-a", lease)
+    assert e.value.status == 409
+    assert coord.read_namespaced_lease("fairshare-leader", "team-a").spec.holder_identity == "b"
+    core.create_namespaced_event("team-a", {"metadata": {"name": "e1"}, "involvedObject": {"kind": "Pod", "name": "p"},
+                                            "reason": "FairShareWaiting", "message": "behind 3 gangs"})
+    assert core.list_namespaced_event("team-a").items[0].reason == "FairShareWaiting"
+    core.create_namespaced_secret("team-a", {"metadata": {"name": "s"}, "stringData": {"k": "v"}})
+    core.create_namespaced_service_account("team-a", {"metadata": {"name": "sa"}})
+    assert core.read_namespaced_service_account("sa", "team-a").metadata.name == "sa"
