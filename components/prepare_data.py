@@ -18,7 +18,7 @@ metadata so the predictor normalises raw requests the same way.
 import hashlib
 import io
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 import numpy as np
@@ -225,6 +225,3 @@ def load_split(data_uri: str, split: str, storage: Storage | None = None, meta: 
             ys.append(z["y"])
     return np.concatenate(xs), np.concatenate(ys)
 
-
-def spec_to_dict(spec: PrepareSpec) -> dict:
-    return asdict(spec)

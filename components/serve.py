@@ -237,7 +237,6 @@ def serve(spec: ServeSpec, sample_row: list[float] | None = None) -> Endpoint:
     ep = BACKENDS[spec.backend]().start(spec)
     try:
         if sample_row is None:
-            from .predictor import ModelRunner  # noqa: F401 (metadata only)
             from .storage import Storage, join
 
             meta = json.loads(Storage().read_bytes(join(spec.model_uri, "metadata.json")))

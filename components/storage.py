@@ -28,7 +28,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import Iterator
 from urllib.parse import urlparse
 
 from .errors import StorageAuthError, StorageError, StorageNotFound, StorageUnreachable
@@ -349,9 +349,6 @@ def _atomic_write_local(path: Path, data: bytes) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
 
-
-def open_binary(data: bytes) -> BinaryIO:
-    return io.BytesIO(data)
 
 
 def check_access(uri: str = "", storage: "Storage | None" = None) -> list[tuple[str, bool]]:

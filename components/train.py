@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from .errors import ConfigError, TrainingError
@@ -243,6 +243,3 @@ def train(spec: TrainSpec, storage: Storage | None = None) -> TrainResult:
                        wall_seconds=time.perf_counter() - t0,
                        train_seconds=sum(h["seconds"] for h in history))
 
-
-def result_to_dict(r: TrainResult) -> dict:
-    return asdict(r)

@@ -26,7 +26,6 @@ import sys
 import time
 from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn

@@ -26,7 +26,6 @@ users by U/S and maps rank to [0, 1] (Slurm Fair Tree).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from .config import FairShareConfig
@@ -284,6 +283,3 @@ def make_policy(name: str, cfg: FairShareConfig | None = None) -> Policy:
         raise SchedulerConfigError([f"policy: unknown policy {name!r}; known: {', '.join(POLICIES)}"])
     return FairShare(cfg) if name == "fairshare" else POLICIES[name]()
 
-
-def is_finite(x: float) -> bool:
-    return not (math.isnan(x) or math.isinf(x))

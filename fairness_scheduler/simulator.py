@@ -109,7 +109,6 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
     runtimes: dict[str, list] = {}
     all_rt = [0.0, 0]
     queued_sizes: dict[float, int] = {}
-    min_single = math.inf
     k_penalty = getattr(policy, "penalty_seconds", 0.0)
     tw = TypicalWait(fs_cfg.typical_wait_half_life)
 
