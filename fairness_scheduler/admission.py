@@ -188,12 +188,8 @@ class PendingQueue:
         self.by_user: dict[str, set[tuple]] = {}
         self.size = 0
 
-    @staticmethod
-    def shape(w: Workload) -> tuple:
-        return (w.user, w.total.gpu, len(w.pods), w.total.cpu, w.total.memory_gb)
-
     def push(self, w: Workload) -> None:
-        k = self.shape(w)
+        k = w.shape
         q = self.queues.get(k)
         if q is None:
             q = self.queues[k] = deque()
@@ -211,7 +207,7 @@ class PendingQueue:
         return w
 
     def remove(self, w: Workload) -> None:
-        k = self.shape(w)
+        k = w.shape
         self.queues[k].remove(w)
         if not self.queues[k]:
             del self.queues[k]

@@ -47,12 +47,15 @@ class Workload:
     seq: int = 0
     """Arrival sequence number: the final, total tie-break of every ordering."""
     total: Resources = field(init=False)
+    shape: tuple = field(init=False, repr=False)
+    """(user, GPUs, pods, CPUs, memory): workloads of one shape queue together, FIFO."""
 
     def __post_init__(self):
         t = Resources()
         for p in self.pods:
             t = t + p
         self.total = t
+        self.shape = (self.user, t.gpu, len(self.pods), t.cpu, t.memory_gb)
 
     @property
     def gpus(self) -> float:

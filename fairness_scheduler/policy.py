@@ -240,6 +240,7 @@ class FairShare(Policy):
     def prepare(self, ctx):
         self._prepare(ctx)
         self.threshold = self.starvation_threshold()
+        self.cap_norm = ctx.norm(ctx.capacity)
 
     def key(self, w, now):
         c = self.cfg
@@ -267,9 +268,9 @@ class FairShare(Policy):
         return True
 
     def is_starving(self, w, now):
-        if self.ctx.norm(w.total) < self.cfg.reserve_min_fraction * self.ctx.norm(self.ctx.capacity):
-            return False
-        return now - w.submit_time >= self.threshold
+        # Wait first: it is the cheap test, and almost every head fails it.
+        return (now - w.submit_time >= self.threshold
+                and self.ctx.norm(w.total) >= self.cfg.reserve_min_fraction * self.cap_norm)
 
 
 POLICIES = {"fifo": Fifo, "static-priority": StaticPriority, "drf": Drf, "slurm-fairshare": SlurmFairShare,
