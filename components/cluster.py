@@ -40,6 +40,18 @@ def dns1123_name(*parts: str, max_len: int = 63) -> str:
     return name
 
 
+def _finish_validation(problems: list[str], resources: dict, title: str) -> dict:
+    """Add the resources' problems to ``problems``; raise them all together, or return the resources."""
+    try:
+        res = parse_resources(resources)
+    except ConfigError as e:
+        problems = problems + e.problems
+        res = {}
+    if problems:
+        raise ConfigError(problems, title=title)
+    return res
+
+
 def parse_resources(res: dict | None, path: str = "resources") -> dict:
     """``{"cpu": "4", "memory": "16Gi", "gpu": 1}`` -> requests/limits; every bad value listed."""
     res = dict(res or {})
@@ -143,14 +155,7 @@ class ClusterTrainSpec:
             problems.append(f"backoff_limit: must be >= 0, got {self.backoff_limit}")
         if self.elastic_min_nodes is not None and not 1 <= self.elastic_min_nodes <= self.nodes:
             problems.append(f"elastic_min_nodes: must be in [1, nodes], got {self.elastic_min_nodes}")
-        try:
-            res = parse_resources(self.resources)
-        except ConfigError as e:
-            problems += e.problems
-            res = {}
-        if problems:
-            raise ConfigError(problems, title="invalid cluster training settings")
-        return res
+        return _finish_validation(problems, self.resources, "invalid cluster training settings")
 
     def labels(self) -> dict:
         out = {"app.kubernetes.io/managed-by": "kfp-pytorch", f"{LABEL_PREFIX}/pipeline": dns1123_name(self.pipeline),
@@ -263,14 +268,7 @@ class ClusterServeSpec:
             problems.append(f"canary_traffic_percent: must be in [0, 100], got {self.canary_traffic_percent}")
         if not 0 <= self.min_replicas <= self.max_replicas:
             problems.append(f"replicas: need 0 <= min_replicas <= max_replicas, got {self.min_replicas}..{self.max_replicas}")
-        try:
-            res = parse_resources(self.resources)
-        except ConfigError as e:
-            problems += e.problems
-            res = {}
-        if problems:
-            raise ConfigError(problems, title="invalid serving settings")
-        return res
+        return _finish_validation(problems, self.resources, "invalid serving settings")
 
 
 def to_inference_service(spec: ClusterServeSpec) -> dict:

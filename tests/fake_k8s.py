@@ -29,8 +29,10 @@ import time
 import uuid
 from collections import deque
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, urlparse
+
+from servers import serve_in_thread, stop_http
 
 CORE = {"pods": True, "events": True, "secrets": True, "configmaps": True, "serviceaccounts": True,
         "nodes": False, "namespaces": False}  # plural -> namespaced
@@ -212,17 +214,13 @@ class FakeCluster:
         class Handler(_Handler):
             fake = cluster
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server, url = serve_in_thread(Handler)
+        return url
 
     def stop(self) -> None:
-        if self.server:
-            self.server.shutdown()
-            self.server.server_close()
-            with self.cond:
-                self.cond.notify_all()
+        stop_http(self.server)
+        with self.cond:
+            self.cond.notify_all()
 
     # -- generic operations ------------------------------------------------------------------------
     def _next_rv(self) -> str:

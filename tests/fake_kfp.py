@@ -13,10 +13,12 @@ import re
 import threading
 import uuid
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, urlparse
 
 import yaml
+
+from servers import serve_in_thread, stop_http
 
 
 def _now() -> str:
@@ -48,15 +50,11 @@ class FakeKfp:
         class H(_Handler):
             kfp = fake
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server, url = serve_in_thread(H)
+        return url
 
     def stop(self) -> None:
-        if self.server:
-            self.server.shutdown()
-            self.server.server_close()
+        stop_http(self.server)
 
     def reset(self) -> None:
         with self.lock:

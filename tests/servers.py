@@ -125,3 +125,20 @@ def start_mlflow(workdir: Path, s3: Server, bucket: str = "mlflow") -> Server:
     url = f"http://127.0.0.1:{port}"
     server = Server("mlflow", url, proc, log, {"MLFLOW_TRACKING_URI": url})
     return _wait(server, lambda: requests.get(f"{url}/health", timeout=2).status_code == 200, 120)
+
+
+def serve_in_thread(handler_cls) -> tuple["object", str]:
+    """Start a stdlib ThreadingHTTPServer for ``handler_cls`` on 127.0.0.1 (a free port) in a daemon thread."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler_cls)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def stop_http(server) -> None:
+    if server is not None:
+        server.shutdown()
+        server.server_close()
