@@ -175,7 +175,7 @@ class ClusterTrainer:
         pending = [p for p in pods if not p.status or p.status.phase == "Pending"]
         if pending:
             reasons = sorted({f"{c.reason}: {c.message}" for p in pending for c in (p.status.conditions or [])
-                              if c.type == "PodScheduled" and c.status == "False" and c.reason} if pending else set())
+                              if c.type == "PodScheduled" and c.status == "False" and c.reason})
             return TrainingError(
                 f"{self.kind} {ns}/{name}: gang could not be placed within {timeout_s:g}s: {len(pending)} of "
                 f"{len(pods)} pods still pending" + (f" ({'; '.join(reasons)})" if reasons else ""),

@@ -7,6 +7,7 @@ says (MinIO in a cluster). MLflow and HTTP exceptions become :class:`RegistryErr
 from __future__ import annotations
 
 import os
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -73,7 +74,8 @@ class Tracker:
             run = self.client.create_run(self.experiment_id, run_name=run_name,
                                          tags={"kfp_pytorch.component": "train"})
             rid = run.info.run_id
-            metrics = [Metric(k, float(h[k]), int(h.get("ts", 0)), h["epoch"])
+            now_ms = int(time.time() * 1000)
+            metrics = [Metric(k, float(h[k]), now_ms, h["epoch"])
                        for h in history for k in ("loss", "accuracy", "val_loss", "val_accuracy", "samples_per_second")]
             self.client.log_batch(rid, metrics=metrics,
                                   params=[Param(k, str(v)[:500]) for k, v in params.items()])

@@ -170,9 +170,6 @@ class NodePool:
             self.held[i] = shadow
         return chosen
 
-    def free_gpus(self) -> float:
-        return sum(f.gpu for f in self.free)
-
     def largest_free_gpu(self) -> int:
         for level in range(self.max_gpu, 0, -1):
             if any(i not in self.held for i in self.levels[level]):
@@ -206,20 +203,8 @@ class PendingQueue:
         self.size -= 1
         return w
 
-    def remove(self, w: Workload) -> None:
-        k = w.shape
-        self.queues[k].remove(w)
-        if not self.queues[k]:
-            del self.queues[k]
-            self.by_user[k[0]].discard(k)
-        self.size -= 1
-
     def __len__(self) -> int:
         return self.size
-
-    def __iter__(self):
-        for q in self.queues.values():
-            yield from q
 
 
 @dataclass

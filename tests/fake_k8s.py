@@ -70,9 +70,8 @@ def _match_labels(selector: str, labels: dict) -> bool:
         m = re.fullmatch(r"([\w./-]+)\s+(in|notin)\s+\(([^)]*)\)", term)
         if m:
             key, op, vals = m.group(1), m.group(2), {v.strip() for v in m.group(3).split(",")}
-            if (op == "in") != (labels.get(key) in vals if key in labels else False):
-                if op == "in" or key in labels and labels[key] in vals:
-                    return False
+            if (op == "in") != (key in labels and labels[key] in vals):
+                return False
             continue
         m = re.fullmatch(r"([\w./-]+)\s*(==|=|!=)\s*([\w./-]*)", term)
         if m:

@@ -149,6 +149,15 @@ class FakeKfp:
             return rr
 
 
+def _by_name(items: list[dict], flt: str | None) -> list[dict]:
+    """The KFP list filter kfp.Client sends: one EQUALS predicate on display_name."""
+    if not flt:
+        return items
+    want = json.loads(flt)["predicates"][0]
+    name = want.get("string_value") or want.get("stringValue")
+    return [x for x in items if x["display_name"] == name]
+
+
 class _Handler(BaseHTTPRequestHandler):
     kfp: FakeKfp
     protocol_version = "HTTP/1.1"
@@ -188,11 +197,7 @@ class _Handler(BaseHTTPRequestHandler):
                 data = self._file(raw)
                 return self._send(200, k.upload(q.get("name") or "version", data, q.get("pipelineid")))
             if path == "/apis/v2beta1/pipelines" and verb == "GET":
-                items = list(k.pipelines.values())
-                flt = q.get("filter")
-                if flt:
-                    want = json.loads(flt)["predicates"][0]
-                    items = [p for p in items if p["display_name"] == (want.get("string_value") or want.get("stringValue"))]
+                items = _by_name(list(k.pipelines.values()), q.get("filter"))
                 return self._send(200, {"pipelines": items, "total_size": len(items)})
             m = re.fullmatch(r"/apis/v2beta1/pipelines/([^/]+)/versions", path)
             if m and verb == "GET":
@@ -208,11 +213,7 @@ class _Handler(BaseHTTPRequestHandler):
                     eid = str(uuid.uuid4())
                     k.experiments[eid] = dict(body, experiment_id=eid, created_at=_now(), storage_state="AVAILABLE")
                     return self._send(200, k.experiments[eid])
-                items = list(k.experiments.values())
-                flt = q.get("filter")
-                if flt:
-                    want = json.loads(flt)["predicates"][0]
-                    items = [e for e in items if e["display_name"] == (want.get("string_value") or want.get("stringValue"))]
+                items = _by_name(list(k.experiments.values()), q.get("filter"))
                 return self._send(200, {"experiments": items, "total_size": len(items)})
             m = re.fullmatch(r"/apis/v2beta1/experiments/([^/]+)", path)
             if m:
