@@ -3,25 +3,29 @@
 Pure: no clock, no client. The simulator and the Kubernetes controller both call :func:`admit`
 with a :class:`PendingQueue`, a :class:`NodePool` and a prepared policy.
 
-Algorithm (one cycle):
+Pending workloads sit in FIFO queues per (user, shape); a policy never ranks a younger workload
+of the same user and shape above an older one, so only queue heads compete. One cycle:
 
-1. Pending workloads sit in FIFO queues per (user, shape); a policy never ranks a younger
-   workload of the same user and shape above an older one, so only queue heads compete.
-2. A heap holds the heads by policy key. Pop the best head:
-   - it fits: place it (best fit for pods below a node's size, whole free nodes for pods of a
-     node's size or more), start it, and push the queue's next head. If the policy's user keys
-     changed (DRF, Kueue's entry penalty, our current-allocation term), that user's heads are
-     re-pushed with fresh keys; stale entries are skipped by version.
-   - it does not fit: it waits. Capacity only shrinks within a cycle, so its queue is set aside
-     for the rest of the cycle (greedy backfill: everything that fits in key order starts).
-     Starving workloads (the policy decides: ours, large gangs waiting several times the typical
-     wait) are handled first, oldest first: they start if they fit, else get a *reservation*:
-     the nodes closest to fitting them (most free GPUs) are held, with a shadow time estimated
-     from the running workloads' user histories. Only workloads estimated to end before the
-     shadow time may still use held nodes (EASY backfilling, with history instead of user-given
-     limits). Reservations are capped (count and ``reserve_cap`` of the GPUs) and re-derived
-     every cycle from the pool, so they need no extra state and survive a controller restart.
-3. Every workload that did not start gets a reason (``pending_reasons``).
+1. **Starving heads** (the policy decides; ours: large gangs that waited several typical waits)
+   start if they fit, else get a *reservation*: the nodes closest to fitting them (most free
+   GPUs) are held, with a shadow time estimated from the running workloads' run-time history.
+   Only workloads estimated to end before the shadow time may still use held nodes (EASY
+   backfilling, with history instead of user-given limits). Hard-starving heads go first; for
+   the others, the work of *protected* users (ours: below their share) that fits starts first,
+   so a drain is paid for by the users above their share. Reservations are capped (count and
+   ``reserve_cap`` of the GPUs).
+2. **Defragmentation** (``defrag_reservations``): whole-node gangs the policy names, blocked
+   only because the free GPUs are scattered, get the nodes closest to free held the same way.
+3. **Greedy backfill**: a heap holds the heads by policy key. Pop the best: if it fits, place
+   it (best fit for pods below a node's size, whole free nodes for pods of a node's size or
+   more), start it and push its queue's next head; if the policy's user keys changed (DRF,
+   Kueue's entry penalty, our current-allocation term), that user's heads are re-pushed and
+   stale entries skipped by version. If it does not fit, its queue is set aside for the rest of
+   the cycle (capacity only shrinks within a cycle).
+4. Every workload that did not start gets a reason (``pending_reasons``).
+
+Reservations are re-derived every cycle from the pool and the queue, so they need no extra state
+and survive a controller restart.
 
 Edge cases, decided here: a workload that cannot fit even an empty cluster is *unschedulable*
 and is reported once at enqueue, never queued (no endless loop); quota is checked before
@@ -216,31 +220,29 @@ class CycleResult:
 
 
 def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext, reserve_cap: float = 0.5,
-          quotas: dict[str, float] | None = None, explain: bool = True, max_reservations: int = 1) -> CycleResult:
+          quotas: dict[str, float] | None = None, explain: bool = True, max_reservations: int = 1,
+          defrag_reservations: int = 0) -> CycleResult:
     """One admission cycle; mutates ``queue`` (started workloads leave) and ``pool`` (allocations)."""
     now = ctx.now
     res = CycleResult()
     policy.prepare(ctx)
     version: dict[str, int] = {}
-    heap: list = []
     blocked: set[tuple] = set()
     held_gpu = {u: s.held.gpu for u, s in ctx.users.items()}
     reserved_gpu = 0.0
     cap = reserve_cap * pool.total.gpu
     pool.held.clear()
 
-    def push(k: tuple) -> None:
-        w = queue.queues[k][0]
-        heapq.heappush(heap, (policy.key(w, now), version.get(w.user, 0), k))
-
     def estimate(w: Workload) -> float | None:
-        st = ctx.users.get(w.user)
-        est = st.estimated_runtime if st is not None else None
-        return est if est is not None else ctx.default_runtime
+        return ctx.runtimes.estimate(w.user, w.gpus)
 
     def end_of(x: Workload, started: float) -> float:
         est = estimate(x)
         return math.inf if est is None else max(started + est, now + 60.0)
+
+    def over_quota(w: Workload) -> float | None:
+        quota = quotas.get(w.user) if quotas else None
+        return quota if quota is not None and held_gpu.get(w.user, 0.0) + w.gpus > quota + 1e-9 else None
 
     def start(k: tuple, w: Workload, placement: list[int]) -> None:
         pool.allocate(w, placement, now)
@@ -250,17 +252,14 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
         if policy.on_admit(w, ctx):
             version[w.user] = version.get(w.user, 0) + 1
 
-    # Pass 1: starving heads, in key order, start or get a reservation before anything else may
-    # take the capacity they are draining for.
-    if policy.reserves:
-        starving = sorted(((q[0].submit_time, q[0].seq), k) for k, q in queue.queues.items()
-                          if policy.is_starving(q[0], now))
-        for _, k in starving:
+    def handle_starving(heads: list[tuple]) -> None:
+        """Starving heads, oldest first: start if they fit, else reserve the nodes to drain."""
+        nonlocal reserved_gpu
+        for k in heads:
             if len(res.reservations) >= max_reservations:
                 break
             w = queue.queues[k][0]
-            quota = quotas.get(w.user) if quotas else None
-            if quota is not None and held_gpu.get(w.user, 0.0) + w.gpus > quota + 1e-9:
+            if over_quota(w) is not None:
                 continue
             placement = pool.place(w)
             if placement is not None:
@@ -277,48 +276,97 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
                     res.pending_reasons[w.name] = (f"starving: nodes {[pool.nodes[i].name for i in nodes]} "
                                                    "are reserved and draining for this gang")
 
-    # Pass 2: greedy backfill of everything else, in key order, around the reservations.
-    heap = [(policy.key(q[0], now), version.get(q[0].user, 0), k) for k, q in queue.queues.items()
-            if k not in blocked]
-    heapq.heapify(heap)
-    largest = pool.largest_free_gpu()
-    whole = len(pool.whole - pool.held.keys())
-    while heap:
-        key, ver, k = heapq.heappop(heap)
-        if k in blocked or k not in queue.queues or ver != version.get(k[0], 0):
-            continue
-        w = queue.queues[k][0]
-        quota = quotas.get(w.user) if quotas else None
-        if quota is not None and held_gpu.get(w.user, 0.0) + w.gpus > quota + 1e-9:
+    def backfill(keys: list[tuple]) -> None:
+        """Greedy: every head among ``keys`` that fits, in key order, around the reservations."""
+        allowed = set(keys)
+        heap = [(policy.key(queue.queues[k][0], now), version.get(k[0], 0), k) for k in keys
+                if k not in blocked and k in queue.queues]
+        heapq.heapify(heap)
+        largest = pool.largest_free_gpu()
+        whole = len(pool.whole - pool.held.keys())
+        while heap:
+            _, ver, k = heapq.heappop(heap)
+            if k in blocked or k not in queue.queues or ver != version.get(k[0], 0):
+                continue
+            w = queue.queues[k][0]
+            quota = over_quota(w)
+            if quota is not None:
+                blocked.add(k)
+                if explain:
+                    res.pending_reasons[w.name] = (f"user {w.user} is at its GPU quota "
+                                                   f"({held_gpu.get(w.user, 0.0):g}/{quota:g} held)")
+                continue
+            # Cheap infeasibility test before a placement search (most cycles end here).
+            single = len(w.pods) == 1 and w.pods[0].gpu < pool.max_gpu
+            est = estimate(w) if pool.held else None
+            ends_by = now + est if est is not None else None
+            fits_now = ends_by is not None or ((w.pods[0].gpu <= largest) if single else (len(w.pods) <= whole))
+            placement = pool.place(w, ends_by) if fits_now else None
+            if placement is None:
+                blocked.add(k)
+                if explain:
+                    res.pending_reasons[w.name] = (
+                        f"waiting for {w.gpus:g} GPUs on one node (largest free: {largest})" if single else
+                        f"gang of {len(w.pods)} pods needs {len(w.pods)} free nodes (free now: {whole})")
+                continue
+            before = version.get(w.user, 0)
+            start(k, w, placement)
+            largest, whole = pool.largest_free_gpu(), len(pool.whole - pool.held.keys())
+            if version.get(w.user, 0) != before:  # the user's keys changed: re-rank its heads
+                for k2 in queue.by_user.get(w.user, ()):
+                    if k2 not in blocked and k2 in allowed:
+                        heapq.heappush(heap, (policy.key(queue.queues[k2][0], now), version[w.user], k2))
+            elif k in queue.queues:
+                heapq.heappush(heap, (policy.key(queue.queues[k][0], now), version.get(k[0], 0), k))
+            if largest == 0 and whole == 0:
+                break
+
+    # Pass 1: starving heads start, or get a reservation, before anything else may take the
+    # capacity they are draining for. Hard-starving heads go first of all; merely starving ones
+    # let protected (light) users' work that fits start first, so light users do not pay for
+    # the drain.
+    if policy.reserves:
+        starving = [k for _, k in sorted(((q[0].submit_time, q[0].seq), k) for k, q in queue.queues.items()
+                                         if policy.is_starving(q[0], now))]
+        hard = [k for k in starving if policy.is_hard_starving(queue.queues[k][0], now)]
+        handle_starving(hard)
+        hard_set = set(hard)
+        soft = [k for k in starving if k not in hard_set and k in queue.queues]
+        if soft:
+            protected = {u for u in queue.by_user if policy.is_protected(u)}
+            if protected:
+                backfill([k for k in queue.queues if k[0] in protected])
+            handle_starving([k for k in soft if k in queue.queues])
+
+    # Pass 2: defragmentation. The best whole-node gangs that do not fit only because the free
+    # GPUs are scattered over nodes get the nodes closest to free held for them (EASY again).
+    if defrag_reservations:
+        free_gpu = sum(f.gpu for i, f in enumerate(pool.free) if i not in pool.held)
+        wanting = sorted((policy.key(q[0], now), k) for k, q in queue.queues.items()
+                         if k not in blocked and q[0].pods[0].gpu >= pool.max_gpu and q[0].gpus <= free_gpu
+                         and policy.wants_defrag(q[0], now))
+        held_for = 0
+        for _, k in wanting:
+            w = queue.queues[k][0]
+            if held_for >= defrag_reservations:
+                break
+            if w.gpus > free_gpu:
+                continue
+            if pool.place(w) is not None:
+                continue  # fits as it is: pass 3 starts it in key order
+            nodes = pool.reserve_for(w, end_of)
+            if nodes is None:
+                break
+            held_for += 1
+            free_gpu -= sum(pool.free[i].gpu for i in nodes)
+            res.reservations.append((w, nodes))
             blocked.add(k)
             if explain:
-                res.pending_reasons[w.name] = (f"user {w.user} is at its GPU quota "
-                                               f"({held_gpu.get(w.user, 0.0):g}/{quota:g} held)")
-            continue
-        # Cheap infeasibility test before a placement search (most cycles end here).
-        single = len(w.pods) == 1 and w.pods[0].gpu < pool.max_gpu
-        est = estimate(w) if pool.held else None
-        ends_by = now + est if est is not None else None
-        fits_now = ends_by is not None or ((w.pods[0].gpu <= largest) if single else (len(w.pods) <= whole))
-        placement = pool.place(w, ends_by) if fits_now else None
-        if placement is None:
-            blocked.add(k)
-            reason = (f"waiting for {w.gpus:g} GPUs on one node (largest free: {largest})" if single else
-                      f"gang of {len(w.pods)} pods needs {len(w.pods)} free nodes (free now: {whole})")
-            if explain:
-                res.pending_reasons[w.name] = reason
-            continue
-        before = version.get(w.user, 0)
-        start(k, w, placement)
-        largest, whole = pool.largest_free_gpu(), len(pool.whole - pool.held.keys())
-        if version.get(w.user, 0) != before:
-            for k2 in queue.by_user.get(w.user, ()):
-                if k2 not in blocked:
-                    push(k2)
-        elif k in queue.queues:
-            push(k)
-        if largest == 0 and whole == 0:
-            break
+                res.pending_reasons[w.name] = (f"defragmenting: nodes {[pool.nodes[i].name for i in nodes]} "
+                                               "are held so whole nodes free up for this gang")
+
+    # Pass 3: greedy backfill of everything else, around the reservations.
+    backfill(list(queue.queues))
     if explain:
         for k, q in queue.queues.items():
             w = q[0]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .errors import LedgerError
 from .model import Resources
-from .usage import LN2
+from .usage import LN2, RuntimeHistory
 
 
 @dataclass(frozen=True)
@@ -175,6 +175,14 @@ class UsageLedger:
         with self.engine.connect() as conn:
             return [Interval(r.workload, r.user, Resources(r.gpu, r.cpu, r.memory_gb), r.start, r.end)
                     for r in conn.execute(select(self.intervals).order_by(self.intervals.c.id)).all()]
+
+    def runtime_history(self) -> RuntimeHistory:
+        """Run-time estimates (by user and gang size) from the intervals not yet compacted: what
+        admission's EASY backfilling and reservations estimate with after a controller restart."""
+        h = RuntimeHistory()
+        for iv in self.all_intervals():
+            h.record(iv.user, iv.resources.gpu, iv.end - iv.start)
+        return h
 
     def close(self) -> None:
         self.engine.dispose()

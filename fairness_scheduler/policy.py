@@ -21,8 +21,8 @@ Policies:
 - ``fairshare`` (ours): see :class:`FairShare`.
 
 Fair-share factor alternatives (documented; ``fairshare_mode`` in config): ``classic`` is Slurm's
-``2^(-U/S)``; ``ratio`` is ``S / (S + U)`` (Kueue-like, never saturates), ``fair-tree`` ranks
-users by U/S and maps rank to [0, 1] (Slurm Fair Tree).
+``2^(-U/S)``; ``ratio`` is ``S / (S + U)`` (Kueue-like, never saturates). Not implemented:
+Slurm's Fair Tree, which ranks users by U/S and maps rank to [0, 1].
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from .config import FairShareConfig
 from .model import Resources, UserConfig, Workload
+from .usage import RuntimeHistory
 
 WEEK = 7 * 86400.0
 
@@ -45,8 +46,6 @@ class UserState:
     """Resources currently held by the user's running workloads."""
     penalty: float = 0.0
     """Kueue entry penalty (capacity-normalised), decays like usage."""
-    estimated_runtime: float | None = None
-    """Mean run time of the user's finished workloads (a real scheduler's estimate)."""
 
 
 @dataclass
@@ -57,8 +56,8 @@ class CycleContext:
     users: dict[str, UserState]
     capacity: Resources
     """Total allocatable resources of the cluster (normalises usage and shares)."""
-    default_runtime: float | None = None
-    """Run-time estimate for users without history (mean over all finished workloads)."""
+    runtimes: RuntimeHistory = field(default_factory=RuntimeHistory)
+    """Run-time estimates from finished workloads (by user and gang size)."""
     typical_wait: float = 0.0
     """Decayed mean wait of recently started workloads (seconds): the current regime's normal
     wait, against which a starving workload is recognised."""
@@ -99,6 +98,19 @@ class Policy:
         return False
 
     def is_starving(self, w: Workload, now: float) -> bool:
+        """Start first, or reserve nodes for, this (queue-head) workload."""
+        return False
+
+    def is_hard_starving(self, w: Workload, now: float) -> bool:
+        """A starving workload that goes before everything, protected users included."""
+        return True
+
+    def is_protected(self, user: str) -> bool:
+        """Users whose work may still start before a starving (not hard-starving) gang."""
+        return False
+
+    def wants_defrag(self, w: Workload, now: float) -> bool:
+        """May this blocked whole-node workload have nodes held for it to defragment?"""
         return False
 
 
@@ -185,21 +197,28 @@ class KueueAfs(Policy):
 
 
 class FairShare(Policy):
-    """Ours: a weighted sum of factors in [0, 1], plus starvation-proof reservations.
+    """Ours: a weighted sum of factors in [0, 1], and a starvation guarantee that light users
+    do not pay for.
 
-    ``P = w_fs * F + w_age * A + w_prio * T + w_size * Z``, highest first, where
+    Ordering: ``P = w_fs * F + w_age * A + w_prio * T + w_size * Z``, highest first, where
 
-    - ``F`` is the fair-share factor of the user's *effective usage*: a blend of the decayed
-      history (the thesis: who used a lot lately yields) and the user's current allocation
-      (so a user whose many jobs are running right now yields at once, as DRF does);
+    - ``F`` is the fair-share factor of the user's *effective usage*: the decayed history (the
+      thesis: who used a lot lately yields), optionally blended with the current allocation
+      (``current_weight``: a user who just flooded the cluster yields before history catches up);
     - ``A = min(wait / age_cap, 1)`` grows with the workload's own wait;
     - ``T`` maps the user's static tier onto [0, 1];
-    - ``Z = 1 - size / capacity`` optionally favours small gangs.
+    - ``Z = 1 - size / capacity`` optionally favours small gangs (off by default).
 
-    Starvation: a workload that has waited ``starvation_after`` seconds and still does not fit is
-    given a reservation (see :func:`.admission.admit`): the nodes closest to fitting it stop taking
-    new work until it starts, while the rest of the cluster keeps backfilling. This is what lets
-    large gangs finish waiting without "stop everything until the head fits".
+    Starvation (carried out by :func:`.admission.admit`): greedy backfill never leaves many nodes
+    empty at once, so a large gang may wait for ever. A large gang that has waited ``threshold``
+    (a multiple of the current typical wait, at least ``starvation_after``) is *starving*: it
+    starts first if it fits, else the nodes closest to fitting it are reserved and drain (EASY
+    backfilling with history estimates). Until it is *hard*-starving (``hard_starvation_factor``
+    thresholds), *protected* users (effective usage below ``protect_below_share`` of their share:
+    the light users) still start work before it, so the drain is paid for by the heavy users.
+
+    Defragmentation: a whole-node gang that has waited ``defrag_after`` typical waits while the
+    free GPUs are scattered gets the nodes closest to free held for it, so whole nodes appear.
     """
 
     name = "fairshare"
@@ -208,62 +227,40 @@ class FairShare(Policy):
     def __init__(self, cfg: FairShareConfig | None = None):
         self.cfg = cfg or FairShareConfig()
 
-    def _prepare(self, ctx):
-        Policy.prepare(self, ctx)
+    def prepare(self, ctx):
+        super().prepare(ctx)
         c = self.cfg
-        usage, shares = _usage_shares(ctx)
+        self.usage_hist, self.shares = _usage_shares(ctx)
         tiers = [s.config.priority for s in ctx.users.values()] or [1]
         lo, hi = min(tiers), max(tiers)
-        self.base = {}
-        self.shares = shares
-        self.usage_hist = usage
-        for u, s in ctx.users.items():
-            tier = (s.config.priority - lo) / (hi - lo) if hi > lo else 0.0
-            self.base[u] = c.weight_priority * tier
-        self.held = {u: ctx.norm(s.held) / max(ctx.norm(ctx.capacity), 1e-12) for u, s in ctx.users.items()}
+        self.base = {u: c.weight_priority * ((s.config.priority - lo) / (hi - lo) if hi > lo else 0.0)
+                     for u, s in ctx.users.items()}
+        self.cap_norm = max(ctx.norm(ctx.capacity), 1e-12)
+        self.held = {u: ctx.norm(s.held) / self.cap_norm for u, s in ctx.users.items()}
         self.f = {u: self._factor(u) for u in ctx.users}
+        self.threshold = max(c.starvation_after, c.starvation_factor * ctx.typical_wait)
+
+    def effective_usage(self, u: str) -> float:
+        c = self.cfg
+        return (1.0 - c.current_weight) * self.usage_hist[u] + c.current_weight * self.held[u]
 
     def _factor(self, u: str) -> float:
         c = self.cfg
-        eff = (1.0 - c.current_weight) * self.usage_hist[u] + c.current_weight * self.held[u]
-        s = self.shares[u]
-        if c.fairshare_mode == "ratio":
-            f = s / (s + eff)
-        else:  # classic
-            f = 2.0 ** (-eff / s)
+        eff, s = self.effective_usage(u), self.shares[u]
+        f = s / (s + eff) if c.fairshare_mode == "ratio" else 2.0 ** (-eff / s)
         return c.weight_fairshare * f + self.base[u]
-
-    def starvation_threshold(self) -> float:
-        c = self.cfg
-        return max(c.starvation_after, c.starvation_factor * self.ctx.typical_wait)
-
-    def prepare(self, ctx):
-        self._prepare(ctx)
-        self.threshold = self.starvation_threshold()
-        self.cap_norm = ctx.norm(ctx.capacity)
 
     def key(self, w, now):
         c = self.cfg
-        wait = now - w.submit_time
-        if c.starvation_first and wait >= self.threshold:
-            # Starving workloads go first, oldest first: this bounds the worst wait.
-            return (0, 0.0, w.submit_time, w.seq)
-        if c.age_mode == "tail":
-            # Zero for normal waits; ramps from the starvation threshold to 1 at twice it, so
-            # fair-share alone orders the bulk and age only rescues the tail.
-            t = max(self.threshold, 1.0)
-            age = min(max(wait - t, 0.0) / t, 1.0)
-        else:
-            age = min(max(wait, 0.0) / c.age_cap, 1.0)
-        p = self.f[w.user] + c.weight_age * age
+        p = self.f[w.user] + c.weight_age * min(max(now - w.submit_time, 0.0) / c.age_cap, 1.0)
         if c.weight_size:
-            p += c.weight_size * (1.0 - self.ctx.norm(w.total) / max(self.ctx.norm(self.ctx.capacity), 1e-12))
-        return (1, -p, w.submit_time, w.seq)
+            p += c.weight_size * (1.0 - self.ctx.norm(w.total) / self.cap_norm)
+        return (-p, w.submit_time, w.seq)
 
     def on_admit(self, w, ctx):
         if not self.cfg.current_weight:
             return False
-        self.held[w.user] += ctx.norm(w.total) / max(ctx.norm(ctx.capacity), 1e-12)
+        self.held[w.user] += ctx.norm(w.total) / self.cap_norm
         self.f[w.user] = self._factor(w.user)
         return True
 
@@ -271,6 +268,15 @@ class FairShare(Policy):
         # Wait first: it is the cheap test, and almost every head fails it.
         return (now - w.submit_time >= self.threshold
                 and self.ctx.norm(w.total) >= self.cfg.reserve_min_fraction * self.cap_norm)
+
+    def is_hard_starving(self, w, now):
+        return now - w.submit_time >= self.cfg.hard_starvation_factor * self.threshold
+
+    def is_protected(self, user):
+        return self.effective_usage(user) < self.cfg.protect_below_share * self.shares[user]
+
+    def wants_defrag(self, w, now):
+        return self.cfg.defrag_reservations > 0 and now - w.submit_time >= self.cfg.defrag_after * self.ctx.typical_wait
 
 
 POLICIES = {"fifo": Fifo, "static-priority": StaticPriority, "drf": Drf, "slurm-fairshare": SlurmFairShare,

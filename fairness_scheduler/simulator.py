@@ -106,8 +106,6 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
     fair_int = np.zeros(len(users))
     fair = np.zeros(len(users))
     running: list = []  # (end, seq, workload, placement)
-    runtimes: dict[str, list] = {}
-    all_rt = [0.0, 0]
     queued_sizes: dict[float, int] = {}
     k_penalty = getattr(policy, "penalty_seconds", 0.0)
     tw = TypicalWait(fs_cfg.typical_wait_half_life)
@@ -141,13 +139,7 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
             u = uidx[w.user]
             held[u] -= w.gpus
             demand[u] -= w.gpus
-            rt = runtimes.setdefault(w.user, [0.0, 0])
-            rt[0] += e - start[pos[id(w)]]
-            rt[1] += 1
-            states[w.user].estimated_runtime = rt[0] / rt[1]  # a real scheduler's estimate: history
-            all_rt[0] += e - start[pos[id(w)]]
-            all_rt[1] += 1
-            ctx.default_runtime = all_rt[0] / all_rt[1]
+            ctx.runtimes.record(w.user, w.gpus, e - start[pos[id(w)]])  # a real scheduler's estimate: history
             demand_dirty = True
         while ai < n and workloads[order[ai]].submit_time <= t:
             w = workloads[order[ai]]
@@ -172,7 +164,8 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
             ctx.now = t
             ctx.typical_wait = tw.value(t)
             result = admit(queue, pool, policy, ctx, fs_cfg.reserve_cap, quotas, explain=False,
-                           max_reservations=fs_cfg.max_reservations)
+                           max_reservations=fs_cfg.max_reservations,
+                           defrag_reservations=fs_cfg.defrag_reservations if policy.reserves else 0)
             for w, placement in result.started:
                 i = pos[id(w)]
                 start[i] = t

@@ -45,3 +45,33 @@ def parse_duration(text: str | float | int) -> float:
     if s and s[-1] in units:
         return float(s[:-1]) * units[s[-1]]
     return float(s)
+
+
+class RuntimeHistory:
+    """Run-time estimates from finished workloads, as a real scheduler has them (never the
+    workload's own duration).
+
+    ``estimate(user, gpus)`` is the mean run time of the most specific class with history:
+    the user's workloads of that size, then everyone's of that size, then the user's, then
+    everyone's; ``None`` without any history. Size comes before the user: large gangs tend to be
+    long training runs, and a user's many small jobs say little about its rare large ones.
+    """
+
+    def __init__(self):
+        self._sums: dict[tuple, list[float]] = {}
+
+    def record(self, user: str, gpus: float, seconds: float) -> None:
+        for key in ((user, gpus), (None, gpus), (user, None), (None, None)):
+            s = self._sums.get(key)
+            if s is None:
+                self._sums[key] = [seconds, 1.0]
+            else:
+                s[0] += seconds
+                s[1] += 1.0
+
+    def estimate(self, user: str, gpus: float) -> float | None:
+        for key in ((user, gpus), (None, gpus), (user, None), (None, None)):
+            s = self._sums.get(key)
+            if s is not None:
+                return s[0] / s[1]
+        return None

@@ -7,7 +7,7 @@ from kfp_pytorch.fairness_scheduler.admission import NodePool, PendingQueue, adm
 from kfp_pytorch.fairness_scheduler.config import FairShareConfig
 from kfp_pytorch.fairness_scheduler.model import Node, Resources, UserConfig, Workload, gang_for_gpus
 from kfp_pytorch.fairness_scheduler.policy import CycleContext, UserState, make_policy
-from kfp_pytorch.fairness_scheduler.usage import accrue, decay_factor, parse_duration
+from kfp_pytorch.fairness_scheduler.usage import RuntimeHistory, accrue, decay_factor, parse_duration
 
 DAY = 86400.0
 
@@ -104,12 +104,6 @@ def test_ties_break_by_submit_then_arrival():
     assert order("fairshare", [b, a]) == ["a", "b"]  # same submit time: arrival sequence
 
 
-def test_starving_workload_outranks_fair_share_when_configured():
-    cfg = FairShareConfig(starvation_after=100, starvation_factor=0, starvation_first=True)
-    jobs = [W("h-old").user("heavy").at(0).build(), W("l-new").user("light").at(999).build()]
-    assert order("fairshare", jobs, {"heavy": 1e6}, None, now=1000, cfg=cfg) == ["h-old", "l-new"]
-
-
 def test_static_priority_weight_matters_but_stays_below_fair_share():
     cfg = FairShareConfig(weight_priority=100, weight_age=0, current_weight=0)
     jobs = [W("h").user("heavy").at(0).build(), W("l").user("light").at(0).build()]
@@ -189,8 +183,9 @@ def test_easy_backfill_lets_short_work_use_reserved_nodes():
     for j in [big, quick, slow]:
         q.push(j)
     c = ctx(users, pool, now=1000.0)
-    c.users["long"].estimated_runtime = 5000.0  # r0, r1 end at ~5000: the shadow time
-    c.users["short"].estimated_runtime = 100.0
+    c.runtimes.record("long", 4, 5000.0)  # r0, r1 end at ~5000: the shadow time
+    c.runtimes.record("long", 2, 5000.0)
+    c.runtimes.record("short", 2, 100.0)
     cfg = FairShareConfig(starvation_after=100, starvation_factor=0)
     res = admit(q, pool, make_policy("fairshare", cfg), c, reserve_cap=1.0)
     assert [w.name for w, _ in res.reservations] == ["big"]
@@ -210,3 +205,77 @@ def test_unschedulable_workload_is_recognised():
     assert pool.ever_fits(W("ok").gpus(16).build())
     assert not pool.ever_fits(W("too-big").gpus(24).build())
     assert not NodePool(nodes(1, gpus=4)).ever_fits(W("x").gpus(8).build())
+
+
+def test_runtime_estimates_fall_back_from_user_and_size_to_everyone():
+    h = RuntimeHistory()
+    assert h.estimate("a", 8) is None  # no history at all: no estimate, never a made-up one
+    h.record("a", 1, 100.0)
+    h.record("a", 1, 300.0)
+    h.record("b", 8, 5000.0)
+    assert h.estimate("a", 1) == 200.0  # the user's own workloads of that size
+    assert h.estimate("a", 8) == 5000.0  # else everyone's of that size: gang size predicts run time
+    assert h.estimate("c", 2) == pytest.approx(5400.0 / 3)  # else everyone's
+
+
+# ---- starvation: protected users, hard starvation, defragmentation -------------------------------
+def _starving_setup(now):
+    """3 nodes: node 0 half busy, node 1 busy; a 16-GPU gang of heavy user "h" waiting since 0;
+    a small job of light user "l" and one of "h" waiting since 900."""
+    users = [UserConfig("h"), UserConfig("l")]
+    pool = NodePool(nodes(3))
+    pool.allocate(W("r0").user("h").gpus(4).build(), [0])
+    pool.allocate(W("r1").user("h").gpus(8).build(), [1])
+    q = PendingQueue()
+    big = W("big").user("h").gpus(16).at(0).build()
+    light = W("light").user("l").gpus(4).at(900).build()
+    heavy = W("heavy").user("h").gpus(4).at(900).build()
+    for j in [big, light, heavy]:
+        q.push(j)
+    c = ctx(users, pool, now=now, usage={"h": 1e6, "l": 1.0}, held={"h": 12})
+    return pool, q, c
+
+
+def test_light_users_start_before_a_starving_gang_drains_the_cluster():
+    pool, q, c = _starving_setup(now=1000.0)
+    cfg = FairShareConfig(starvation_after=100, starvation_factor=0, hard_starvation_factor=20)
+    res = admit(q, pool, make_policy("fairshare", cfg), c, reserve_cap=1.0)
+    assert [w.name for w, _ in res.started] == ["light"]  # protected: below its share
+    assert [w.name for w, _ in res.reservations] == ["big"]  # the heavy user's own job pays for the drain
+    assert "reserved" in res.pending_reasons["big"] and "heavy" in res.pending_reasons
+
+
+def test_hard_starving_gang_goes_before_protected_users():
+    pool, q, c = _starving_setup(now=1000.0)
+    cfg = FairShareConfig(starvation_after=100, starvation_factor=0, hard_starvation_factor=2)  # 1000 >= 2 * 100
+    res = admit(q, pool, make_policy("fairshare", cfg), c, reserve_cap=1.0)
+    assert [w.name for w, _ in res.reservations] == ["big"]
+    assert res.started == []  # nodes 0 and 2 drain for the gang; node 1 is full
+
+
+def test_protection_off_means_the_gang_drains_for_everyone():
+    pool, q, c = _starving_setup(now=1000.0)
+    cfg = FairShareConfig(starvation_after=100, starvation_factor=0, hard_starvation_factor=20, protect_below_share=0)
+    res = admit(q, pool, make_policy("fairshare", cfg), c, reserve_cap=1.0)
+    assert res.started == [] and [w.name for w, _ in res.reservations] == ["big"]
+
+
+def test_defragmentation_holds_the_node_closest_to_free_for_a_whole_node_gang():
+    users = [UserConfig("u"), UserConfig("v")]
+    pool = NodePool(nodes(3))
+    for i, g in enumerate([6, 3, 7]):  # 8 GPUs free in all, but no whole node
+        pool.allocate(W(f"r{i}").user("v").gpus(g).build(), [i], start=0.0)
+    q = PendingQueue()
+    whole = W("whole").user("u").gpus(8).at(0).build()
+    small = W("small").user("v").gpus(1).at(10).build()
+    for j in [whole, small]:
+        q.push(j)
+    cfg = FairShareConfig(defrag_after=2, starvation_after=1e9)
+    c = ctx(users, pool, now=1000.0, typical_wait=100.0)  # waited 10 typical waits
+    res = admit(q, pool, make_policy("fairshare", cfg), c, defrag_reservations=1)
+    [(w, held)] = res.reservations
+    assert w.name == "whole" and held == [1]  # node 1 has the most free GPUs: it drains first
+    assert "defragmenting" in res.pending_reasons["whole"]
+    assert {x.name: p for x, p in res.started} == {"small": [2]}  # best fit, off the held node
+    c = ctx(users, pool, now=150.0, typical_wait=100.0)  # waited 1.5 typical waits: no drain yet
+    assert admit(q, NodePool(nodes(3)), make_policy("fairshare", cfg), c, defrag_reservations=1).reservations == []
