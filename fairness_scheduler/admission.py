@@ -266,6 +266,11 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
                 start(k, w, placement)
                 continue
             if reserved_gpu + w.gpus > cap:
+                blocked.add(k)  # it did not fit, and capacity only shrinks within a cycle
+                if explain:
+                    res.pending_reasons[w.name] = (
+                        f"starving: needs {w.gpus:g} GPUs, more than reservations may hold "
+                        f"({reserve_cap:.0%} of the cluster's GPUs); it starts first as soon as it fits")
                 continue
             nodes = pool.reserve_for(w, end_of)
             if nodes is not None:

@@ -170,6 +170,26 @@ def test_starving_gang_gets_a_reservation_and_backfill_avoids_it():
     assert "reserved" in res.pending_reasons["big"]
 
 
+def test_starving_gang_above_the_reservation_cap_says_so_and_starts_first_when_it_fits():
+    users = [UserConfig("h"), UserConfig("l")]
+    cfg = FairShareConfig(starvation_after=100, starvation_factor=0)  # hard-starving at 400 s
+
+    def cycle(pool):
+        q = PendingQueue()
+        for j in [W("small").user("l").gpus(2).at(0).build(), W("big").user("h").gpus(16).at(0).build()]:
+            q.push(j)
+        c = ctx(users, pool, now=1000.0, usage={"h": 1e6, "l": 1.0})
+        return admit(q, pool, make_policy("fairshare", cfg), c, reserve_cap=0.5)
+
+    busy = NodePool(nodes(2))
+    busy.allocate(W("r0").gpus(4).build(), [0])
+    res = cycle(busy)
+    assert res.reservations == [] and "more than reservations may hold (50%" in res.pending_reasons["big"]
+    assert [w.name for w, _ in res.started] == ["small"]  # nothing held: the rest still backfills
+    res = cycle(NodePool(nodes(2)))  # the cluster is empty
+    assert [w.name for w, _ in res.started] == ["big"]  # before the light user's (higher-key) job
+
+
 def test_easy_backfill_lets_short_work_use_reserved_nodes():
     """With run-time estimates (user history), work that ends before the shadow time may use held nodes."""
     users = [UserConfig("long"), UserConfig("short")]
