@@ -41,6 +41,14 @@ def nodes(n, gpus=8):
     return [Node(f"n{i}", Resources(gpus)) for i in range(n)]
 
 
+def queue(*jobs):
+    """A pending queue holding ``jobs`` in submission order."""
+    q = PendingQueue()
+    for j in sorted(jobs, key=lambda j: (j.submit_time, j.seq)):
+        q.push(j)
+    return q
+
+
 def ctx(users, pool, now=0.0, usage=None, held=None, typical_wait=0.0):
     states = {}
     for u in users:
@@ -115,9 +123,7 @@ def test_static_priority_weight_matters_but_stays_below_fair_share():
 def run_cycle(jobs, n_nodes=2, policy="fifo", now=0.0, cfg=None, users=None, **kw):
     users = users or [UserConfig(u) for u in sorted({j.user for j in jobs})]
     pool = NodePool(nodes(n_nodes))
-    q = PendingQueue()
-    for j in sorted(jobs, key=lambda j: (j.submit_time, j.seq)):
-        q.push(j)
+    q = queue(*jobs)
     p = make_policy(policy, cfg)
     res = admit(q, pool, p, ctx(users, pool, now, typical_wait=kw.pop("typical_wait", 0.0)), **kw)
     return res, pool, q
@@ -143,9 +149,7 @@ def test_whole_nodes_for_8_gpu_pods_and_best_fit_for_small():
 def test_greedy_backfill_behind_a_blocked_head():
     pool = NodePool(nodes(2))
     pool.allocate(W("running").gpus(4).build(), [0])
-    q = PendingQueue()
-    for j in [W("head").gpus(16).build(), W("s1").gpus(1).at(1).build(), W("s2").gpus(1).at(2).build()]:
-        q.push(j)
+    q = queue(W("head").gpus(16).build(), W("s1").gpus(1).at(1).build(), W("s2").gpus(1).at(2).build())
     res = admit(q, pool, make_policy("fifo"), ctx([UserConfig("u")], pool))
     assert {w.name: p for w, p in res.started} == {"s1": [0], "s2": [0]}  # fill node 0 (best fit)
     assert len(q) == 1 and "needs 2 free nodes" in res.pending_reasons["head"]
@@ -156,11 +160,9 @@ def test_starving_gang_gets_a_reservation_and_backfill_avoids_it():
     pool = NodePool(nodes(3))
     pool.allocate(W("r0").gpus(4).build(), [0])
     pool.allocate(W("r1").gpus(4).build(), [1])
-    q = PendingQueue()
     big = W("big").gpus(16).at(0).build()
     smalls = [W(f"s{i}").gpus(2).at(10 + i).build() for i in range(4)]
-    for j in [big, *smalls]:
-        q.push(j)
+    q = queue(big, *smalls)
     cfg = FairShareConfig(starvation_after=100, starvation_factor=0)
     res = admit(q, pool, make_policy("fairshare", cfg), ctx(users, pool, now=1000.0), reserve_cap=1.0)
     [(w, reserved)] = res.reservations
@@ -175,9 +177,7 @@ def test_starving_gang_above_the_reservation_cap_says_so_and_starts_first_when_i
     cfg = FairShareConfig(starvation_after=100, starvation_factor=0)  # hard-starving at 400 s
 
     def cycle(pool):
-        q = PendingQueue()
-        for j in [W("small").user("l").gpus(2).at(0).build(), W("big").user("h").gpus(16).at(0).build()]:
-            q.push(j)
+        q = queue(W("small").user("l").gpus(2).at(0).build(), W("big").user("h").gpus(16).at(0).build())
         c = ctx(users, pool, now=1000.0, usage={"h": 1e6, "l": 1.0})
         return admit(q, pool, make_policy("fairshare", cfg), c, reserve_cap=0.5)
 
@@ -196,12 +196,10 @@ def test_easy_backfill_lets_short_work_use_reserved_nodes():
     pool = NodePool(nodes(2))
     pool.allocate(W("r0").user("long").gpus(4).build(), [0], start=0.0)
     pool.allocate(W("r1").user("long").gpus(4).build(), [1], start=0.0)
-    q = PendingQueue()
     big = W("big").user("long").gpus(16).at(0).build()
     quick = W("quick").user("short").gpus(2).at(500).build()
     slow = W("slow").user("long").gpus(2).at(600).build()
-    for j in [big, quick, slow]:
-        q.push(j)
+    q = queue(big, quick, slow)
     c = ctx(users, pool, now=1000.0)
     c.runtimes.record("long", 4, 5000.0)  # r0, r1 end at ~5000: the shadow time
     c.runtimes.record("long", 2, 5000.0)
@@ -246,12 +244,10 @@ def _starving_setup(now):
     pool = NodePool(nodes(3))
     pool.allocate(W("r0").user("h").gpus(4).build(), [0])
     pool.allocate(W("r1").user("h").gpus(8).build(), [1])
-    q = PendingQueue()
     big = W("big").user("h").gpus(16).at(0).build()
     light = W("light").user("l").gpus(4).at(900).build()
     heavy = W("heavy").user("h").gpus(4).at(900).build()
-    for j in [big, light, heavy]:
-        q.push(j)
+    q = queue(big, light, heavy)
     c = ctx(users, pool, now=now, usage={"h": 1e6, "l": 1.0}, held={"h": 12})
     return pool, q, c
 
@@ -285,11 +281,9 @@ def test_defragmentation_holds_the_node_closest_to_free_for_a_whole_node_gang():
     pool = NodePool(nodes(3))
     for i, g in enumerate([6, 3, 7]):  # 8 GPUs free in all, but no whole node
         pool.allocate(W(f"r{i}").user("v").gpus(g).build(), [i], start=0.0)
-    q = PendingQueue()
     whole = W("whole").user("u").gpus(8).at(0).build()
     small = W("small").user("v").gpus(1).at(10).build()
-    for j in [whole, small]:
-        q.push(j)
+    q = queue(whole, small)
     cfg = FairShareConfig(defrag_after=2, starvation_after=1e9)
     c = ctx(users, pool, now=1000.0, typical_wait=100.0)  # waited 10 typical waits
     res = admit(q, pool, make_policy("fairshare", cfg), c, defrag_reservations=1)
