@@ -90,6 +90,23 @@ def test_job_larger_than_the_cluster_is_reported_not_dropped():
     assert r.unschedulable == ["huge"] and r.end[1] == 11
 
 
+@pytest.mark.parametrize("trace", sorted(p.stem for p in TRACES.glob("*.csv")))
+def test_fifo_matches_an_independent_naive_run_of_the_protocol(trace):
+    # tests/reference_protocol.py re-implements the protocol from the README alone (brute-force
+    # scans, progressive-filling fair shares). Every FIFO metric must agree on every whole trace:
+    # it checks the node index, the skipped cycles and the incremental integrals of the real one.
+    from reference_protocol import protocol, read, run_fifo
+
+    path = TRACES / f"{trace}.csv"
+    jobs = read(str(path))
+    users, cap = protocol(jobs)
+    expected = run_fifo(jobs, users, cap)
+    tj = read_trace(path)
+    assert capacity(tj) == cap
+    got = simulate(protocol_workloads(tj), protocol_users(), protocol_nodes(cap), "fifo").metrics
+    assert got == pytest.approx(expected, rel=1e-9, abs=1e-9)
+
+
 @pytest.mark.parametrize("policy", ["fifo", "static-priority", "drf", "slurm-fairshare", "kueue-afs", "fairshare"])
 def test_every_policy_runs_every_job_of_a_real_trace(policy):
     jobs = read_trace(TRACES / "cluster10.csv")
