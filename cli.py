@@ -324,10 +324,13 @@ def storage_check(uri):
 @click.option("--half-life", "half_life", default="7d", show_default=True, help="Usage half-life: 7d, 12h, seconds.")
 @click.option("--config", "config", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Scheduler config YAML (fairshare weights).")
+@click.option("--placement", type=click.Choice(["binpack", "spread"]), default=None,
+              help="Node for pods below a node's size: fullest that fits (binpack, the default) or "
+                   "emptiest (spread, kube-scheduler's default scoring). Overrides the config's.")
 @click.option("--json", "as_json", is_flag=True, help="Print {policy: {metric: value}} only.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="PNG with per-user service ratios and wait CDFs.")
-def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, as_json, plot_path):
+def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, placement, as_json, plot_path):
     """Replay a GPU-cluster trace under several scheduling policies, side by side."""
     import yaml
 
@@ -342,7 +345,7 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, as
         raise SchedulerConfigError([f"--half-life: must be a duration like 7d, 12h or seconds, got {half_life!r}"])
     cfg = load_config(yaml.safe_load(open(config)) if config else {})
     results, info = run_protocol(trace, parse_policies(policies), users, zipf, seed, load, hl, cfg.fairshare,
-                                 progress=not as_json and sys.stderr.isatty())
+                                 progress=not as_json and sys.stderr.isatty(), placement=placement or cfg.placement)
     if as_json:
         click.echo(json.dumps({p: r.metrics for p, r in results.items()}, indent=1))
     else:

@@ -42,10 +42,22 @@ from .model import Node, Resources, Workload
 from .policy import CycleContext, Policy
 
 
+PLACEMENTS = ("binpack", "spread")
+"""Where a pod smaller than a node goes: ``binpack`` (the fullest node that fits: kube-scheduler's
+``MostAllocated`` scoring, Volcano's binpack plugin; keeps whole nodes free for whole-node gangs)
+or ``spread`` (the emptiest node that fits: kube-scheduler's default ``LeastAllocated``). Ties go to
+the lowest node index. Pods of a node's size or more always take whole free nodes."""
+
+
 class NodePool:
     """Free resources per node, indexed by free GPUs for O(levels) fit checks."""
 
-    def __init__(self, nodes: list[Node]):
+    def __init__(self, nodes: list[Node], placement: str = "binpack"):
+        if placement not in PLACEMENTS:
+            from .errors import SchedulerConfigError
+
+            raise SchedulerConfigError([f"placement: must be one of {', '.join(PLACEMENTS)}, got {placement!r}"])
+        self.placement = placement
         self.nodes = list(nodes)
         self.alloc = [n.allocatable for n in self.nodes]
         self.free = list(self.alloc)
@@ -112,13 +124,15 @@ class NodePool:
         return shadow is None or (ends_by is not None and ends_by <= shadow)
 
     def _place_one(self, pod: Resources, taken: dict[int, Resources], ends_by: float | None = None) -> int | None:
-        """Whole free node for node-sized pods; else the fullest node that still fits (best fit)."""
+        """Whole free node for node-sized pods; else the fullest (``binpack``) or the emptiest
+        (``spread``) node that still fits."""
         if self.max_gpu and pod.gpu >= self.max_gpu:
             for i in sorted(self.whole):
                 if self._usable(i, ends_by) and i not in taken and pod.fits_in(self.alloc[i]):
                     return i
             return None
-        for level in range(int(pod.gpu + 0.999999), self.max_gpu + 1):
+        levels = range(int(pod.gpu + 0.999999), self.max_gpu + 1)
+        for level in (levels if self.placement == "binpack" else reversed(levels)):
             for i in sorted(self.levels[level]):
                 if not self._usable(i, ends_by):
                     continue

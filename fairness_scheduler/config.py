@@ -4,6 +4,7 @@ Example (YAML)::
 
     half_life: 7d
     policy: fairshare
+    placement: binpack
     fairshare: {weight_fairshare: 1000, weight_age: 1000, age_cap: 3d, starvation_after: 12h}
     users:
       - {name: alice, shares: 2, priority: 3, gpu_quota: 16}
@@ -86,6 +87,9 @@ class SchedulerConfig:
     fairshare: FairShareConfig = field(default_factory=FairShareConfig)
     default_shares: float = 1.0
     """Shares of a user that is not listed."""
+    placement: str = "binpack"
+    """Node choice for pods smaller than a node: ``binpack`` (fullest node that fits) or
+    ``spread`` (emptiest; kube-scheduler's default scoring). See :data:`.admission.PLACEMENTS`."""
 
     def user(self, name: str) -> UserConfig:
         for u in self.users:
@@ -134,6 +138,11 @@ def load_config(data: dict | None) -> SchedulerConfig:
             problems.append(f"policy: must be one of {', '.join(POLICIES)}, got {data['policy']!r}")
         else:
             cfg.policy = data["policy"]
+    if "placement" in data:
+        if data["placement"] not in ("binpack", "spread"):
+            problems.append(f"placement: must be binpack or spread, got {data['placement']!r}")
+        else:
+            cfg.placement = data["placement"]
     if "default_shares" in data:
         v = _num(problems, "default_shares", data["default_shares"], 0, lo_open=True)
         if v is not None:

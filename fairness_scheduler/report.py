@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .admission import PLACEMENTS
 from .config import FairShareConfig
 from .errors import SchedulerConfigError
 from .policy import POLICIES
@@ -23,8 +24,10 @@ def parse_policies(text: str) -> list[str]:
 
 def run_protocol(trace: str | Path, policies: list[str], users: int = 20, zipf: float = 1.1, seed: int = 0,
                  load: float = 0.9, half_life: float = 7 * 86400.0, fairshare: FairShareConfig | None = None,
-                 progress: bool = False) -> tuple[dict[str, SimResult], dict]:
+                 progress: bool = False, placement: str = "binpack") -> tuple[dict[str, SimResult], dict]:
     problems = []
+    if placement not in PLACEMENTS:
+        problems.append(f"--placement: must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
     if users < 1:
         problems.append(f"--users: must be >= 1, got {users}")
     if not load > 0:
@@ -38,11 +41,11 @@ def run_protocol(trace: str | Path, policies: list[str], users: int = 20, zipf: 
     jobs = read_trace(trace)
     c = capacity(jobs, load)
     info = {"trace": str(trace), "jobs": len(jobs), "capacity_gpus": c, "nodes": c // 8, "users": users,
-            "zipf": zipf, "seed": seed, "load": load, "half_life_s": half_life}
+            "zipf": zipf, "seed": seed, "load": load, "half_life_s": half_life, "placement": placement}
     results = {}
     for p in policies:
         results[p] = simulate(protocol_workloads(jobs, users, zipf, seed), protocol_users(users), protocol_nodes(c),
-                              p, half_life, fairshare, progress=progress)
+                              p, half_life, fairshare, progress=progress, placement=placement)
     return results, info
 
 
@@ -50,7 +53,7 @@ def format_table(results: dict[str, SimResult], info: dict) -> str:
     head = f"{'policy':<16}" + "".join(f"{m:>15}" for m in METRICS)
     lines = [f"trace {info['trace']}: {info['jobs']} jobs, C = {info['capacity_gpus']} GPUs "
              f"({info['nodes']} nodes of 8), {info['users']} users, zipf {info['zipf']}, seed {info['seed']}, "
-             f"load {info['load']}", head, "-" * len(head)]
+             f"load {info['load']}, placement {info.get('placement', 'binpack')}", head, "-" * len(head)]
     for p, r in results.items():
         cells = []
         for m in METRICS:

@@ -74,13 +74,13 @@ class SimResult:
 
 def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Node], policy_name: str,
              half_life: float = 7 * 86400.0, fairshare: FairShareConfig | None = None, progress: bool = False,
-             light_users: int = 10) -> SimResult:
+             light_users: int = 10, placement: str = "binpack") -> SimResult:
     import time
 
     t_wall = time.perf_counter()
     fs_cfg = fairshare or FairShareConfig()
     policy = make_policy(policy_name, fs_cfg)
-    pool = NodePool(nodes)
+    pool = NodePool(nodes, placement)
     capacity = pool.total
     C = capacity.gpu
     names = [u.name for u in users]

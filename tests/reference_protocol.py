@@ -8,9 +8,9 @@ whole queue is scanned, every node is looked at, the fair allocation is found by
 filling. Fine for a few thousand jobs; far too slow for a benchmark.
 
 Placement conventions (the README leaves them open; these are the simulator's documented ones):
-a job below a node's 8 GPUs goes on the node with the fewest free GPUs that still fit it (best
-fit, lowest index on ties); a job of 8 or more GPUs takes ``g / 8`` wholly free nodes, lowest
-index first.
+a job below a node's 8 GPUs goes on the node with the fewest free GPUs that still fit it
+(``binpack``) or the most (``spread``), lowest index on ties; a job of 8 or more GPUs takes
+``g / 8`` wholly free nodes, lowest index first.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def fair_allocation(demand: list[float], capacity: float) -> list[float]:
     return alloc
 
 
-def run_fifo(jobs, users, cap, n_users=20, light_users=10) -> dict:
+def run_fifo(jobs, users, cap, n_users=20, light_users=10, placement="binpack") -> dict:
     n = len(jobs)
     free = [NODE] * (cap // NODE)
     start = [None] * n
@@ -94,6 +94,8 @@ def run_fifo(jobs, users, cap, n_users=20, light_users=10) -> dict:
             g = jobs[i][2]
             if g < NODE:
                 fits = [(free[k], k) for k in range(len(free)) if free[k] >= g]
+                if placement == "spread":  # most free GPUs first, lowest index on ties
+                    fits = [(-f, k) for f, k in fits]
                 nodes = [min(fits)[1]] if fits else None
             else:
                 whole = [k for k in range(len(free)) if free[k] == NODE]

@@ -5,6 +5,7 @@ import pytest
 
 from kfp_pytorch.fairness_scheduler.admission import NodePool, PendingQueue, admit
 from kfp_pytorch.fairness_scheduler.config import FairShareConfig
+from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
 from kfp_pytorch.fairness_scheduler.model import Node, Resources, UserConfig, Workload, gang_for_gpus
 from kfp_pytorch.fairness_scheduler.policy import CycleContext, UserState, make_policy
 from kfp_pytorch.fairness_scheduler.usage import RuntimeHistory, accrue, decay_factor, parse_duration
@@ -144,6 +145,19 @@ def test_whole_nodes_for_8_gpu_pods_and_best_fit_for_small():
     assert placed["c"] == [1]  # the 8-GPU pod takes the free node whole
     assert "d" not in placed  # 2 GPUs left on node 0: d waits, it is not split
     assert pool.free[0].gpu == 2 and pool.free[1].gpu == 0
+
+
+def test_spread_takes_the_emptiest_node_and_unknown_placements_are_refused():
+    pool = NodePool(nodes(3), placement="spread")
+    pool.allocate(W("x").gpus(2).build(), [1])
+    small = W("s").gpus(2).build()
+    assert pool.place(small) == [0]  # nodes 0 and 2 are empty: lowest index; binpack would pick 1
+    packed = NodePool(nodes(3))
+    packed.allocate(W("x").gpus(2).build(), [1])
+    assert packed.place(small) == [1]
+    assert pool.place(W("big").gpus(16).build()) == [0, 2]  # whole-node pods: whole free nodes either way
+    with pytest.raises(SchedulerConfigError, match="placement: must be one of binpack, spread, got 'worst'"):
+        NodePool(nodes(1), placement="worst")
 
 
 def test_greedy_backfill_behind_a_blocked_head():

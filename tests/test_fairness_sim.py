@@ -90,8 +90,9 @@ def test_job_larger_than_the_cluster_is_reported_not_dropped():
     assert r.unschedulable == ["huge"] and r.end[1] == 11
 
 
-@pytest.mark.parametrize("trace", sorted(p.stem for p in TRACES.glob("*.csv")))
-def test_fifo_matches_an_independent_naive_run_of_the_protocol(trace):
+@pytest.mark.parametrize("trace,placement", [(p.stem, "binpack") for p in sorted(TRACES.glob("*.csv"))]
+                         + [("cluster02", "spread"), ("cluster07", "spread")])
+def test_fifo_matches_an_independent_naive_run_of_the_protocol(trace, placement):
     # tests/reference_protocol.py re-implements the protocol from the README alone (brute-force
     # scans, progressive-filling fair shares). Every FIFO metric must agree on every whole trace:
     # it checks the node index, the skipped cycles and the incremental integrals of the real one.
@@ -100,11 +101,11 @@ def test_fifo_matches_an_independent_naive_run_of_the_protocol(trace):
     path = TRACES / f"{trace}.csv"
     jobs = read(str(path))
     users, cap = protocol(jobs)
-    expected = run_fifo(jobs, users, cap)
+    expected = run_fifo(jobs, users, cap, placement=placement)
     tj = read_trace(path)
     assert capacity(tj) == cap
-    got = simulate(protocol_workloads(tj), protocol_users(), protocol_nodes(cap), "fifo").metrics
-    assert got == pytest.approx(expected, rel=1e-9, abs=1e-9)
+    got = simulate(protocol_workloads(tj), protocol_users(), protocol_nodes(cap), "fifo", placement=placement)
+    assert got.metrics == pytest.approx(expected, rel=1e-9, abs=1e-9)
 
 
 @pytest.mark.parametrize("policy", ["fifo", "static-priority", "drf", "slurm-fairshare", "kueue-afs", "fairshare"])
@@ -128,7 +129,7 @@ def test_fairshare_protects_light_users_against_fifo():
 # ---- config --------------------------------------------------------------------------------------
 def test_config_reports_every_bad_field_with_its_path():
     with pytest.raises(SchedulerConfigError) as e:
-        load_config({"half_life": "soon", "policy": "lottery", "bogus": 1,
+        load_config({"half_life": "soon", "policy": "lottery", "bogus": 1, "placement": "random",
                      "fairshare": {"weight_age": -1, "current_weight": 2, "fairshare_mode": "x"},
                      "users": [{"name": "a"}, {"name": "b", "shares": 0}, {"name": "c", "shares": 1},
                                {"name": "d", "shares": -1, "priority": "high"}, {"name": "a"}]})
@@ -137,14 +138,15 @@ def test_config_reports_every_bad_field_with_its_path():
                    "fairshare.weight_age: must be >= 0", "fairshare.current_weight: must be in [0, 1]",
                    "fairshare.fairshare_mode", "users[1].shares: must be > 0, got 0",
                    "users[3].shares: must be > 0, got -1", "users[3].priority: must be an integer",
-                   "users[4].name: duplicate user 'a'"):
+                   "users[4].name: duplicate user 'a'", "placement: must be binpack or spread"):
         assert needle in text, needle
 
 
 def test_config_loads_good_values():
-    cfg = load_config({"half_life": "3d", "fairshare": {"age_cap": "12h", "weight_size": 10},
+    cfg = load_config({"half_life": "3d", "placement": "spread", "fairshare": {"age_cap": "12h", "weight_size": 10},
                        "users": [{"name": "alice", "shares": 2, "priority": 3, "gpu_quota": 16}]})
     assert cfg.half_life == 3 * 86400 and cfg.fairshare.age_cap == 43200 and cfg.fairshare.weight_size == 10
+    assert cfg.placement == "spread" and load_config({}).placement == "binpack"
     assert cfg.user("alice").gpu_quota == 16 and cfg.user("nobody").shares == 1.0
 
 
@@ -231,6 +233,9 @@ def test_simulate_cli_bad_input(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(bad), "--policies", "x"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "unknown policy 'x'" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(bad), "--placement", "x"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "'x' is not one of 'binpack', 'spread'" in out.stderr
 
 
 def test_protection_keeps_light_users_out_of_starving_gangs_drains():
