@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 # State (embedded MLflow store, kfp.local outputs, local servers) lives in $$KFP_PYTORCH_HOME, default ~/.kfp-pytorch.
 
-.PHONY: setup demo test bench simulate clean
+.PHONY: setup system-deps demo test bench simulate clean
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # torch==2.13.0 first (the CPU wheel on disk): an unpinned torch would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -16,13 +17,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
 
-setup: $(STAMP)
+## Debian packages the tests run for real: PostgreSQL (the usage ledger's HA backend).
+system-deps:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { $(SUDO) apt-get update -q && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends postgresql; }
+
+setup: system-deps $(STAMP)
 
 ## The main job: train_and_serve end-to-end on this machine (kfp.local, 2 DDP workers, local server).
 demo: setup
 	$(VENV)/bin/kfp-pytorch run train_and_serve --local
 
-## The test suite (starts SeaweedFS and MLflow itself, on 127.0.0.1).
+## The test suite (starts SeaweedFS, MLflow and PostgreSQL itself, on 127.0.0.1).
 test: setup
 	$(PY) -m pytest
 

