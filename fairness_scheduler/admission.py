@@ -38,15 +38,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from .model import Node, Resources, Workload
+from .model import PLACEMENTS, Node, Resources, Workload
 from .policy import CycleContext, Policy
-
-
-PLACEMENTS = ("binpack", "spread")
-"""Where a pod smaller than a node goes: ``binpack`` (the fullest node that fits: kube-scheduler's
-``MostAllocated`` scoring, Volcano's binpack plugin; keeps whole nodes free for whole-node gangs)
-or ``spread`` (the emptiest node that fits: kube-scheduler's default ``LeastAllocated``). Ties go to
-the lowest node index. Pods of a node's size or more always take whole free nodes."""
 
 
 class NodePool:

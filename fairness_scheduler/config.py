@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from .errors import SchedulerConfigError
-from .model import UserConfig
+from .model import PLACEMENTS, UserConfig
 from .usage import parse_duration
 
 
@@ -89,7 +89,7 @@ class SchedulerConfig:
     """Shares of a user that is not listed."""
     placement: str = "binpack"
     """Node choice for pods smaller than a node: ``binpack`` (fullest node that fits) or
-    ``spread`` (emptiest; kube-scheduler's default scoring). See :data:`.admission.PLACEMENTS`."""
+    ``spread`` (emptiest; kube-scheduler's default scoring). See :data:`.model.PLACEMENTS`."""
 
     def user(self, name: str) -> UserConfig:
         for u in self.users:
@@ -139,8 +139,8 @@ def load_config(data: dict | None) -> SchedulerConfig:
         else:
             cfg.policy = data["policy"]
     if "placement" in data:
-        if data["placement"] not in ("binpack", "spread"):
-            problems.append(f"placement: must be binpack or spread, got {data['placement']!r}")
+        if data["placement"] not in PLACEMENTS:
+            problems.append(f"placement: must be one of {', '.join(PLACEMENTS)}, got {data['placement']!r}")
         else:
             cfg.placement = data["placement"]
     if "default_shares" in data:

@@ -89,3 +89,10 @@ def gang_for_gpus(gpus: int, node_gpus: int = 8, cpu_per_gpu: float = 0.0, mem_p
     n = -(-gpus // node_gpus)
     per = gpus / n
     return tuple(Resources(per, per * cpu_per_gpu, per * mem_per_gpu) for _ in range(n))
+
+
+PLACEMENTS = ("binpack", "spread")
+"""Where a pod smaller than a node goes: ``binpack`` (the fullest node that fits: kube-scheduler's
+``MostAllocated`` scoring, Volcano's binpack plugin; keeps whole nodes free for whole-node gangs)
+or ``spread`` (the emptiest node that fits: kube-scheduler's default ``LeastAllocated``). Ties go to
+the lowest node index. Pods of a node's size or more always take whole free nodes."""

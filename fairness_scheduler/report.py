@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .admission import PLACEMENTS
 from .config import FairShareConfig
 from .errors import SchedulerConfigError
+from .model import PLACEMENTS
 from .policy import POLICIES
 from .simulator import METRICS, SimResult, simulate
 from .trace import capacity, protocol_nodes, protocol_users, protocol_workloads, read_trace

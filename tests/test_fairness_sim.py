@@ -139,7 +139,7 @@ def test_config_reports_every_bad_field_with_its_path():
                    "fairshare.weight_age: must be >= 0", "fairshare.current_weight: must be in [0, 1]",
                    "fairshare.fairshare_mode", "users[1].shares: must be > 0, got 0",
                    "users[3].shares: must be > 0, got -1", "users[3].priority: must be an integer",
-                   "users[4].name: duplicate user 'a'", "placement: must be binpack or spread"):
+                   "users[4].name: duplicate user 'a'", "placement: must be one of binpack, spread"):
         assert needle in text, needle
 
 
