@@ -10,6 +10,7 @@ import sys
 import click
 
 from kfp_pytorch.components.errors import KfpPytorchError
+from kfp_pytorch.fairness_scheduler.model import PLACEMENTS
 
 
 def _parse_params(pairs: tuple[str, ...]) -> dict[str, str]:
@@ -324,7 +325,7 @@ def storage_check(uri):
 @click.option("--half-life", "half_life", default="7d", show_default=True, help="Usage half-life: 7d, 12h, seconds.")
 @click.option("--config", "config", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Scheduler config YAML (fairshare weights).")
-@click.option("--placement", type=click.Choice(["binpack", "spread"]), default=None,
+@click.option("--placement", type=click.Choice(PLACEMENTS), default=None,
               help="Node for pods below a node's size: fullest that fits (binpack, the default) or "
                    "emptiest (spread, kube-scheduler's default scoring). Overrides the config's.")
 @click.option("--json", "as_json", is_flag=True, help="Print {policy: {metric: value}} only.")
