@@ -17,8 +17,8 @@ of the same user and shape above an older one, so only queue heads compete. One 
 2. **Defragmentation** (``defrag_reservations``): whole-node gangs the policy names, blocked
    only because the free GPUs are scattered, get the nodes closest to free held the same way.
 3. **Greedy backfill**: a heap holds the heads by policy key. Pop the best: if it fits, place
-   it (best fit for pods below a node's size, whole free nodes for pods of a node's size or
-   more), start it and push its queue's next head; if the policy's user keys changed (DRF,
+   it (pods below a node's size by the pool's ``placement``, ``binpack`` or ``spread``; whole
+   free nodes for pods of a node's size or more), start it and push its queue's next head; if the policy's user keys changed (DRF,
    Kueue's entry penalty, our current-allocation term), that user's heads are re-pushed and
    stale entries skipped by version. If it does not fit, its queue is set aside for the rest of
    the cycle (capacity only shrinks within a cycle).

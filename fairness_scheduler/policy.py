@@ -276,7 +276,7 @@ class FairShare(Policy):
         return self.effective_usage(user) < self.cfg.protect_below_share * self.shares[user]
 
     def wants_defrag(self, w, now):
-        return self.cfg.defrag_reservations > 0 and now - w.submit_time >= self.cfg.defrag_after * self.ctx.typical_wait
+        return now - w.submit_time >= self.cfg.defrag_after * self.ctx.typical_wait
 
 
 POLICIES = {"fifo": Fifo, "static-priority": StaticPriority, "drf": Drf, "slurm-fairshare": SlurmFairShare,
