@@ -13,7 +13,8 @@ of the same user and shape above an older one, so only queue heads compete. One 
    backfilling, with history instead of user-given limits). Hard-starving heads go first; for
    the others, the work of *protected* users (ours: below their share) that fits starts first,
    so a drain is paid for by the users above their share. Reservations are capped (count and
-   ``reserve_cap`` of the GPUs).
+   ``reserve_cap`` of the GPUs); a gang above the cap reserves only where the policy allows it
+   (ours: ``oversize_reserve_after``, off by default).
 2. **Defragmentation** (``defrag_reservations``): whole-node gangs the policy names, blocked
    only because the free GPUs are scattered, get the nodes closest to free held the same way.
 3. **Greedy backfill**: a heap holds the heads by policy key. Pop the best: if it fits, place
@@ -272,7 +273,7 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
             if placement is not None:
                 start(k, w, placement)
                 continue
-            if reserved_gpu + w.gpus > cap:
+            if reserved_gpu + w.gpus > cap and not policy.may_exceed_reserve_cap(w, now):
                 blocked.add(k)  # it did not fit, and capacity only shrinks within a cycle
                 if explain:
                     res.pending_reasons[w.name] = (

@@ -109,6 +109,10 @@ class Policy:
         """Users whose work may still start before a starving (not hard-starving) gang."""
         return False
 
+    def may_exceed_reserve_cap(self, w: Workload, now: float) -> bool:
+        """May this starving workload, larger than the reservation cap, reserve all the same?"""
+        return False
+
     def wants_defrag(self, w: Workload, now: float) -> bool:
         """May this blocked whole-node workload have nodes held for it to defragment?"""
         return False
@@ -274,6 +278,9 @@ class FairShare(Policy):
 
     def is_protected(self, user):
         return self.effective_usage(user) < self.cfg.protect_below_share * self.shares[user]
+
+    def may_exceed_reserve_cap(self, w, now):
+        return now - w.submit_time >= self.cfg.oversize_reserve_after
 
     def wants_defrag(self, w, now):
         return now - w.submit_time >= self.cfg.defrag_after * self.ctx.typical_wait

@@ -14,7 +14,7 @@ import pytest
 from kfp_pytorch.fairness_scheduler.config import FairShareConfig, load_config
 from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError, TraceError
 from kfp_pytorch.fairness_scheduler.ledger import Interval, UsageLedger, interval_usage
-from kfp_pytorch.fairness_scheduler.model import Resources, UserConfig, Workload, gang_for_gpus
+from kfp_pytorch.fairness_scheduler.model import Node, Resources, UserConfig, Workload, gang_for_gpus
 from kfp_pytorch.fairness_scheduler.simulator import jain, simulate, water_fill
 from kfp_pytorch.fairness_scheduler.trace import (assign_users, capacity, protocol_nodes, protocol_users,
                                                    protocol_workloads, read_trace)
@@ -144,10 +144,13 @@ def test_config_reports_every_bad_field_with_its_path():
 
 
 def test_config_loads_good_values():
-    cfg = load_config({"half_life": "3d", "placement": "spread", "fairshare": {"age_cap": "12h", "weight_size": 10},
+    cfg = load_config({"half_life": "3d", "placement": "spread",
+                       "fairshare": {"age_cap": "12h", "weight_size": 10, "oversize_reserve_after": "14d"},
                        "users": [{"name": "alice", "shares": 2, "priority": 3, "gpu_quota": 16}]})
     assert cfg.half_life == 3 * 86400 and cfg.fairshare.age_cap == 43200 and cfg.fairshare.weight_size == 10
     assert cfg.placement == "spread" and load_config({}).placement == "binpack"
+    assert cfg.fairshare.oversize_reserve_after == 14 * 86400
+    assert load_config({"fairshare": {"oversize_reserve_after": "never"}}).fairshare.oversize_reserve_after == math.inf
     assert cfg.user("alice").gpu_quota == 16 and cfg.user("nobody").shares == 1.0
 
 
@@ -269,3 +272,24 @@ def test_protection_keeps_light_users_out_of_starving_gangs_drains():
     assert ours["light_wait_p95"] < 0.5 * unprotected["light_wait_p95"]
     assert ours["light_wait_p95"] <= 0.35 * fifo["light_wait_p95"]
     assert ours["wait_max"] <= 1.5 * fifo["wait_max"]
+
+
+def test_gang_above_the_reservation_cap_has_a_bounded_wait_only_when_asked():
+    """A 16-GPU gang on two 8-GPU nodes is above the default reservation cap (half the GPUs). A
+    stream of overlapping 4-GPU jobs never leaves the cluster empty, so by default the gang waits
+    for the stream to end, as under every baseline; ``oversize_reserve_after`` bounds its wait."""
+    nodes = [Node(f"n{i}", Resources(8)) for i in range(2)]
+    users = [UserConfig("heavy"), UserConfig("light")]
+    hour, day = 3600.0, 86400.0
+    jobs = [Workload("big", "heavy", 2 * hour + 0.5, gang_for_gpus(16), duration=hour, seq=0)]
+    jobs += [Workload(f"s{i}", "light", i * hour + 1, gang_for_gpus(4), duration=3 * hour, seq=i + 1)
+             for i in range(24 * 10)]
+
+    def wait_of_big(cfg=None):
+        r = simulate(jobs, users, nodes, "fairshare", fairshare=cfg)
+        assert not np.isnan(r.start).any()  # every job runs in the end
+        return r.start[0] - jobs[0].submit_time
+
+    assert wait_of_big() > 9 * day  # no reservation: it starts only once the stream is over
+    bounded = wait_of_big(FairShareConfig(oversize_reserve_after=day))
+    assert day <= bounded <= day + 3 * hour  # reserves at 1 day, then drains for at most one run time
