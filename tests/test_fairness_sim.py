@@ -154,6 +154,15 @@ def test_config_loads_good_values():
     assert cfg.user("alice").gpu_quota == 16 and cfg.user("nobody").shares == 1.0
 
 
+def test_readme_scheduler_config_example_loads():
+    import yaml
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    example = readme.split("Scheduler config (YAML")[1].split("```yaml")[1].split("```")[0]
+    cfg = load_config(yaml.safe_load(example))
+    assert cfg.fairshare.oversize_reserve_after == math.inf and cfg.user("alice").shares == 2
+
+
 # ---- ledger --------------------------------------------------------------------------------------
 def test_ledger_decay_and_compaction_preserve_usage(ledger_url):
     led = UsageLedger(ledger_url, half_life=3600)
