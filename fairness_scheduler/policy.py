@@ -209,7 +209,8 @@ class FairShare(Policy):
     - ``F`` is the fair-share factor of the user's *effective usage*: the decayed history (the
       thesis: who used a lot lately yields), optionally blended with the current allocation
       (``current_weight``: a user who just flooded the cluster yields before history catches up);
-    - ``A = min(wait / age_cap, 1)`` grows with the workload's own wait;
+    - ``A = min(wait / age_cap, 1) ** age_exponent`` grows with the workload's own wait, fastest
+      at first (square root by default; 1 is Slurm's linear age);
     - ``T`` maps the user's static tier onto [0, 1];
     - ``Z = 1 - size / capacity`` optionally favours small gangs (off by default).
 
@@ -256,7 +257,8 @@ class FairShare(Policy):
 
     def key(self, w, now):
         c = self.cfg
-        p = self.f[w.user] + c.weight_age * min(max(now - w.submit_time, 0.0) / c.age_cap, 1.0)
+        age = min(max(now - w.submit_time, 0.0) / c.age_cap, 1.0)
+        p = self.f[w.user] + c.weight_age * (age if c.age_exponent == 1.0 else age ** c.age_exponent)
         if c.weight_size:
             p += c.weight_size * (1.0 - self.ctx.norm(w.total) / self.cap_norm)
         return (-p, w.submit_time, w.seq)

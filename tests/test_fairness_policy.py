@@ -108,6 +108,17 @@ def test_policy_orders(policy, usage, held, expected):
     assert order(policy, jobs, usage, held) == expected
 
 
+def test_age_rises_fastest_early_unless_linear_is_asked_for():
+    """Fair share puts light ~270 points above heavy. After a day, square-root age (378 of 1000
+    points) lifts heavy's job above a fresh light job; Slurm's linear age (143) does not."""
+    jobs = [W("h-day-old").user("heavy").at(0).build(), W("l-fresh").user("light").at(86400).build()]
+    usage = {"heavy": 0.7, "light": 0.3}
+    assert order("fairshare", jobs, usage, now=86400.0) == ["h-day-old", "l-fresh"]
+    linear = FairShareConfig(age_exponent=1.0)
+    assert order("fairshare", jobs, usage, now=86400.0, cfg=linear) == ["l-fresh", "h-day-old"]
+    assert order("slurm-fairshare", jobs, usage, now=86400.0) == ["l-fresh", "h-day-old"]
+
+
 def test_ties_break_by_submit_then_arrival():
     a, b = W("a").user("light").at(5).build(), W("b").user("light").at(5).build()
     assert order("fairshare", [b, a]) == ["a", "b"]  # same submit time: arrival sequence

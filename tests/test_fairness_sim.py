@@ -131,7 +131,7 @@ def test_fairshare_protects_light_users_against_fifo():
 def test_config_reports_every_bad_field_with_its_path():
     with pytest.raises(SchedulerConfigError) as e:
         load_config({"half_life": "soon", "policy": "lottery", "bogus": 1, "placement": "random",
-                     "fairshare": {"weight_age": -1, "current_weight": 2, "fairshare_mode": "x"},
+                     "fairshare": {"weight_age": -1, "current_weight": 2, "fairshare_mode": "x", "age_exponent": 0},
                      "users": [{"name": "a"}, {"name": "b", "shares": 0}, {"name": "c", "shares": 1},
                                {"name": "d", "shares": -1, "priority": "high"}, {"name": "a"}]})
     text = str(e.value)
@@ -139,7 +139,8 @@ def test_config_reports_every_bad_field_with_its_path():
                    "fairshare.weight_age: must be >= 0", "fairshare.current_weight: must be in [0, 1]",
                    "fairshare.fairshare_mode", "users[1].shares: must be > 0, got 0",
                    "users[3].shares: must be > 0, got -1", "users[3].priority: must be an integer",
-                   "users[4].name: duplicate user 'a'", "placement: must be one of binpack, spread"):
+                   "users[4].name: duplicate user 'a'", "placement: must be one of binpack, spread",
+                   "fairshare.age_exponent: must be > 0, got 0"):
         assert needle in text, needle
 
 
