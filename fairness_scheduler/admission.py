@@ -189,6 +189,15 @@ class NodePool:
         return 0
 
 
+def _span(seconds: float) -> str:
+    """A wait for people: ``3.2d``, ``5.0h`` or ``12min``."""
+    if seconds >= 86400:
+        return f"{seconds / 86400:.1f}d"
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f}h"
+    return f"{max(seconds / 60, 1):.0f}min"
+
+
 class PendingQueue:
     """FIFO queues per (user, shape); insertion must follow (submit_time, seq) per queue."""
 
@@ -273,12 +282,14 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
             if placement is not None:
                 start(k, w, placement)
                 continue
-            if reserved_gpu + w.gpus > cap and not policy.may_exceed_reserve_cap(w, now):
+            reserve_in = policy.oversize_reserve_in(w, now) if reserved_gpu + w.gpus > cap else 0.0
+            if reserve_in > 0:
                 blocked.add(k)  # it did not fit, and capacity only shrinks within a cycle
                 if explain:
                     res.pending_reasons[w.name] = (
                         f"starving: needs {w.gpus:g} GPUs, more than reservations may hold "
-                        f"({reserve_cap:.0%} of the cluster's GPUs); it starts first as soon as it fits")
+                        f"({reserve_cap:.0%} of the cluster's GPUs); it starts first as soon as it fits"
+                        + (f", and may reserve nodes in {_span(reserve_in)}" if math.isfinite(reserve_in) else ""))
                 continue
             nodes = pool.reserve_for(w, end_of)
             if nodes is not None:

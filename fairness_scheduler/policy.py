@@ -26,6 +26,7 @@ Slurm's Fair Tree, which ranks users by U/S and maps rank to [0, 1].
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .config import FairShareConfig
@@ -109,9 +110,10 @@ class Policy:
         """Users whose work may still start before a starving (not hard-starving) gang."""
         return False
 
-    def may_exceed_reserve_cap(self, w: Workload, now: float) -> bool:
-        """May this starving workload, larger than the reservation cap, reserve all the same?"""
-        return False
+    def oversize_reserve_in(self, w: Workload, now: float) -> float:
+        """Seconds until this starving workload, larger than the reservation cap, may reserve all
+        the same (<= 0: now; inf: never)."""
+        return math.inf
 
     def wants_defrag(self, w: Workload, now: float) -> bool:
         """May this blocked whole-node workload have nodes held for it to defragment?"""
@@ -281,8 +283,8 @@ class FairShare(Policy):
     def is_protected(self, user):
         return self.effective_usage(user) < self.cfg.protect_below_share * self.shares[user]
 
-    def may_exceed_reserve_cap(self, w, now):
-        return now - w.submit_time >= self.cfg.oversize_reserve_after
+    def oversize_reserve_in(self, w, now):
+        return self.cfg.oversize_reserve_after - (now - w.submit_time)
 
     def wants_defrag(self, w, now):
         return now - w.submit_time >= self.cfg.defrag_after * self.ctx.typical_wait

@@ -214,6 +214,18 @@ def test_starving_gang_above_the_reservation_cap_says_so_and_starts_first_when_i
     res = cycle(NodePool(nodes(2)))  # the cluster is empty
     assert [w.name for w, _ in res.started] == ["big"]  # before the light user's (higher-key) job
 
+    cfg.oversize_reserve_after = 1000 + 5 * 3600.0  # a wait bound: it may reserve 5 h from now
+    busy = NodePool(nodes(2))
+    busy.allocate(W("r0").gpus(4).build(), [0])
+    res = cycle(busy)
+    assert res.reservations == [] and res.pending_reasons["big"].endswith("may reserve nodes in 5.0h")
+    cfg.oversize_reserve_after = 1000.0  # reached: it reserves both nodes, past the cap
+    busy = NodePool(nodes(2))
+    busy.allocate(W("r0").gpus(4).build(), [0])
+    res = cycle(busy)
+    assert [(w.name, sorted(n)) for w, n in res.reservations] == [("big", [0, 1])]
+    assert res.started == [] and "reserved and draining" in res.pending_reasons["big"]
+
 
 def test_easy_backfill_lets_short_work_use_reserved_nodes():
     """With run-time estimates (user history), work that ends before the shadow time may use held nodes."""
