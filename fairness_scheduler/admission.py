@@ -39,7 +39,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from .model import PLACEMENTS, Node, Resources, Workload
+from .model import Node, Resources, Workload, placement_problem
 from .policy import CycleContext, Policy
 
 
@@ -47,10 +47,11 @@ class NodePool:
     """Free resources per node, indexed by free GPUs for O(levels) fit checks."""
 
     def __init__(self, nodes: list[Node], placement: str = "binpack"):
-        if placement not in PLACEMENTS:
+        problem = placement_problem(placement)
+        if problem:
             from .errors import SchedulerConfigError
 
-            raise SchedulerConfigError([f"placement: must be one of {', '.join(PLACEMENTS)}, got {placement!r}"])
+            raise SchedulerConfigError([problem])
         self.placement = placement
         self.nodes = list(nodes)
         self.alloc = [n.allocatable for n in self.nodes]

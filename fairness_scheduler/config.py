@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from .errors import SchedulerConfigError
-from .model import PLACEMENTS, UserConfig
+from .model import UserConfig, placement_problem
 from .usage import parse_duration
 
 
@@ -157,8 +157,9 @@ def load_config(data: dict | None) -> SchedulerConfig:
         else:
             cfg.policy = data["policy"]
     if "placement" in data:
-        if data["placement"] not in PLACEMENTS:
-            problems.append(f"placement: must be one of {', '.join(PLACEMENTS)}, got {data['placement']!r}")
+        problem = placement_problem(data["placement"])
+        if problem:
+            problems.append(problem)
         else:
             cfg.placement = data["placement"]
     if "default_shares" in data:

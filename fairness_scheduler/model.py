@@ -96,3 +96,8 @@ PLACEMENTS = ("binpack", "spread")
 ``MostAllocated`` scoring, Volcano's binpack plugin; keeps whole nodes free for whole-node gangs)
 or ``spread`` (the emptiest node that fits: kube-scheduler's default ``LeastAllocated``). Ties go to
 the lowest node index. Pods of a node's size or more always take whole free nodes."""
+
+
+def placement_problem(value: object, path: str = "placement") -> str | None:
+    """The error for a placement that is not one of :data:`PLACEMENTS`, or None when it is."""
+    return None if value in PLACEMENTS else f"{path}: must be one of {', '.join(PLACEMENTS)}, got {value!r}"

@@ -260,7 +260,7 @@ class FairShare(Policy):
     def key(self, w, now):
         c = self.cfg
         age = min(max(now - w.submit_time, 0.0) / c.age_cap, 1.0)
-        p = self.f[w.user] + c.weight_age * (age if c.age_exponent == 1.0 else age ** c.age_exponent)
+        p = self.f[w.user] + c.weight_age * age ** c.age_exponent
         if c.weight_size:
             p += c.weight_size * (1.0 - self.ctx.norm(w.total) / self.cap_norm)
         return (-p, w.submit_time, w.seq)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from .config import FairShareConfig
 from .errors import SchedulerConfigError
-from .model import PLACEMENTS
+from .model import placement_problem
 from .policy import POLICIES
 from .simulator import METRICS, SimResult, simulate
 from .trace import capacity, protocol_nodes, protocol_users, protocol_workloads, read_trace
@@ -25,9 +25,7 @@ def parse_policies(text: str) -> list[str]:
 def run_protocol(trace: str | Path, policies: list[str], users: int = 20, zipf: float = 1.1, seed: int = 0,
                  load: float = 0.9, half_life: float = 7 * 86400.0, fairshare: FairShareConfig | None = None,
                  progress: bool = False, placement: str = "binpack") -> tuple[dict[str, SimResult], dict]:
-    problems = []
-    if placement not in PLACEMENTS:
-        problems.append(f"--placement: must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+    problems = [p for p in [placement_problem(placement, "--placement")] if p]
     if users < 1:
         problems.append(f"--users: must be >= 1, got {users}")
     if not load > 0:
