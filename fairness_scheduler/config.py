@@ -52,7 +52,8 @@ class FairShareConfig:
     Off by default: with protection and defragmentation in place, history alone scored best
     (over 8 traces x 3 seeds, 14 runs meet every goal; 11 with 0.05, 12 with 0.1)."""
     fairshare_mode: str = "classic"
-    """``classic`` (Slurm 2^(-U/S)) or ``ratio`` (S/(S+U))."""
+    """``classic`` (Slurm 2^(-U/S)), ``ratio`` (S/(S+U)) or ``fairtree`` (Slurm's Fair Tree: rank of
+    S/U among users, over n); see :mod:`.policy`."""
     starvation_after: float = 86400.0
     """Floor of the starvation threshold (seconds): no workload is starving before this."""
     starvation_factor: float = 4.0
@@ -116,6 +117,7 @@ class SchedulerConfig:
         return UserConfig(name, shares=self.default_shares)
 
 
+FAIRSHARE_MODES = ("classic", "ratio", "fairtree")
 _DURATIONS = {"half_life", "age_cap", "starvation_after", "typical_wait_half_life", "oversize_reserve_after"}
 _INTEGERS = {"max_reservations", "defrag_reservations"}
 _FRACTIONS = {"current_weight", "reserve_cap", "reserve_min_fraction"}
@@ -176,8 +178,8 @@ def load_config(data: dict | None) -> SchedulerConfig:
         if k not in fs_known:
             problems.append(f"{path}: unknown field (known: {', '.join(sorted(fs_known))})")
         elif k == "fairshare_mode":
-            if value not in ("classic", "ratio"):
-                problems.append(f"{path}: must be classic or ratio, got {value!r}")
+            if value not in FAIRSHARE_MODES:
+                problems.append(f"{path}: must be one of {', '.join(FAIRSHARE_MODES)}, got {value!r}")
             else:
                 cfg.fairshare.fairshare_mode = value
         elif k in _INTEGERS:

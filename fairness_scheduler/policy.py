@@ -20,9 +20,15 @@ Policies:
   admission, divided by the user's weight, lowest first.
 - ``fairshare`` (ours): see :class:`FairShare`.
 
-Fair-share factor alternatives (documented; ``fairshare_mode`` in config): ``classic`` is Slurm's
-``2^(-U/S)``; ``ratio`` is ``S / (S + U)`` (Kueue-like, never saturates). Not implemented:
-Slurm's Fair Tree, which ranks users by U/S and maps rank to [0, 1].
+Fair-share factor alternatives (``fairshare_mode`` in config):
+
+- ``classic``: Slurm's ``2^(-U/S)`` (the default);
+- ``ratio``: ``S / (S + U)`` (Kueue-like, never saturates);
+- ``fairtree``: Slurm's Fair Tree (its default since 19.05) for a flat tree of users: users are
+  ranked by level fair share ``S / U`` (infinite without usage; ties share a rank) and the factor
+  is ``rank / n``, so it depends only on the order of users, never on how far apart they are.
+  Ranks are recomputed once per cycle, as Slurm does once per ``PriorityCalcPeriod``.
+  On the itp-2021 traces it scored below ``classic`` (TUNING.md).
 """
 from __future__ import annotations
 
@@ -244,7 +250,10 @@ class FairShare(Policy):
                      for u, s in ctx.users.items()}
         self.cap_norm = max(ctx.norm(ctx.capacity), 1e-12)
         self.held = {u: ctx.norm(s.held) / self.cap_norm for u, s in ctx.users.items()}
-        self.f = {u: self._factor(u) for u in ctx.users}
+        if c.fairshare_mode == "fairtree":
+            self.f = self._fair_tree()
+        else:
+            self.f = {u: self._factor(u) for u in ctx.users}
         self.threshold = max(c.starvation_after, c.starvation_factor * ctx.typical_wait)
 
     def effective_usage(self, u: str) -> float:
@@ -257,6 +266,20 @@ class FairShare(Policy):
         f = s / (s + eff) if c.fairshare_mode == "ratio" else 2.0 ** (-eff / s)
         return c.weight_fairshare * f + self.base[u]
 
+    def _fair_tree(self) -> dict[str, float]:
+        """Slurm Fair Tree on a flat tree: rank by level fair share S/U, factor rank/n (ties equal)."""
+        c = self.cfg
+        level = {}
+        for u, s in self.shares.items():
+            eff = self.effective_usage(u)
+            level[u] = s / eff if eff > 0 else math.inf
+        ordered = sorted(level.values(), reverse=True)
+        n = len(ordered)
+        first = {}
+        for i, v in enumerate(ordered):
+            first.setdefault(v, i)  # tied users take the rank of the first of them
+        return {u: c.weight_fairshare * (n - first[level[u]]) / n + self.base[u] for u in level}
+
     def key(self, w, now):
         c = self.cfg
         age = min(max(now - w.submit_time, 0.0) / c.age_cap, 1.0)
@@ -266,8 +289,8 @@ class FairShare(Policy):
         return (-p, w.submit_time, w.seq)
 
     def on_admit(self, w, ctx):
-        if not self.cfg.current_weight:
-            return False
+        if not self.cfg.current_weight or self.cfg.fairshare_mode == "fairtree":
+            return False  # Fair Tree ranks every user at once: once per cycle, in prepare
         self.held[w.user] += ctx.norm(w.total) / self.cap_norm
         self.f[w.user] = self._factor(w.user)
         return True

@@ -119,6 +119,24 @@ def test_age_rises_fastest_early_unless_linear_is_asked_for():
     assert order("slurm-fairshare", jobs, usage, now=86400.0) == ["l-fresh", "h-day-old"]
 
 
+def test_fair_tree_ranks_users_by_level_fair_share():
+    """Slurm Fair Tree, flat: rank by S/U (no usage: infinite, ties share the rank), factor rank/n.
+    The factor depends on the order of users only: 2x and 1000x the usage of the next user rank alike."""
+    users = [UserConfig("idle", 1), UserConfig("idle2", 1), UserConfig("mid", 2), UserConfig("big", 1),
+             UserConfig("huge", 1)]
+    pool = NodePool(nodes(1))
+    cfg = FairShareConfig(fairshare_mode="fairtree", weight_priority=0)
+    p = make_policy("fairshare", cfg)
+    p.prepare(ctx(users, pool, 0.0, {"mid": 4.0, "big": 2.0, "huge": 2000.0}))
+    # S/U: idle and idle2 infinite; mid (2 shares, usage 4) ties with big (1 share, usage 2); huge last.
+    assert p.f == pytest.approx({"idle": 1000.0, "idle2": 1000.0, "mid": 600.0, "big": 600.0, "huge": 200.0})
+    jobs = [W("h").user("huge").at(0).build(), W("b").user("big").at(10).build(), W("i").user("idle").at(20).build()]
+    assert sorted((j.name for j in jobs), key=lambda n: p.key(next(j for j in jobs if j.name == n), 20.0)) == \
+        ["i", "b", "h"]
+    p.prepare(ctx(users, pool, 0.0, {"mid": 4.0, "big": 2.0, "huge": 4.0}))
+    assert p.f["huge"] == pytest.approx(200.0)  # twice big's usage, not a thousand times: same rank
+
+
 def test_ties_break_by_submit_then_arrival():
     a, b = W("a").user("light").at(5).build(), W("b").user("light").at(5).build()
     assert order("fairshare", [b, a]) == ["a", "b"]  # same submit time: arrival sequence

@@ -137,7 +137,7 @@ def test_config_reports_every_bad_field_with_its_path():
     text = str(e.value)
     for needle in ("half_life: must be a duration", "policy: must be one of", "bogus: unknown field",
                    "fairshare.weight_age: must be >= 0", "fairshare.current_weight: must be in [0, 1]",
-                   "fairshare.fairshare_mode", "users[1].shares: must be > 0, got 0",
+                   "fairshare.fairshare_mode: must be one of classic, ratio, fairtree, got 'x'", "users[1].shares: must be > 0, got 0",
                    "users[3].shares: must be > 0, got -1", "users[3].priority: must be an integer",
                    "users[4].name: duplicate user 'a'", "placement: must be one of binpack, spread",
                    "fairshare.age_exponent: must be > 0, got 0"):
@@ -152,6 +152,7 @@ def test_config_loads_good_values():
     assert cfg.placement == "spread" and load_config({}).placement == "binpack"
     assert cfg.fairshare.oversize_reserve_after == 14 * 86400
     assert load_config({"fairshare": {"oversize_reserve_after": "never"}}).fairshare.oversize_reserve_after == math.inf
+    assert load_config({"fairshare": {"fairshare_mode": "fairtree"}}).fairshare.fairshare_mode == "fairtree"
     assert cfg.user("alice").gpu_quota == 16 and cfg.user("nobody").shares == 1.0
 
 
