@@ -19,10 +19,10 @@ of the same user and shape above an older one, so only queue heads compete. One 
    only because the free GPUs are scattered, get the nodes closest to free held the same way.
 3. **Greedy backfill**: a heap holds the heads by policy key. Pop the best: if it fits, place
    it (pods below a node's size by the pool's ``placement``, ``binpack`` or ``spread``; whole
-   free nodes for pods of a node's size or more), start it and push its queue's next head; if the policy's user keys changed (DRF,
-   Kueue's entry penalty, our current-allocation term), that user's heads are re-pushed and
-   stale entries skipped by version. If it does not fit, its queue is set aside for the rest of
-   the cycle (capacity only shrinks within a cycle).
+   free nodes for pods of a node's size or more), start it and push its queue's next head; if
+   the policy's user keys changed (DRF, Kueue's entry penalty, our current-allocation term),
+   that user's heads are re-pushed and stale entries skipped by version. If it does not fit,
+   its queue is set aside for the rest of the cycle (capacity only shrinks within a cycle).
 4. Every workload that did not start gets a reason (``pending_reasons``).
 
 Reservations are re-derived every cycle from the pool and the queue, so they need no extra state
@@ -39,6 +39,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from .errors import SchedulerConfigError
 from .model import Node, Resources, Workload, placement_problem
 from .policy import CycleContext, Policy
 
@@ -49,8 +50,6 @@ class NodePool:
     def __init__(self, nodes: list[Node], placement: str = "binpack"):
         problem = placement_problem(placement)
         if problem:
-            from .errors import SchedulerConfigError
-
             raise SchedulerConfigError([problem])
         self.placement = placement
         self.nodes = list(nodes)

@@ -25,7 +25,9 @@ def parse_policies(text: str) -> list[str]:
 def run_protocol(trace: str | Path, policies: list[str], users: int = 20, zipf: float = 1.1, seed: int = 0,
                  load: float = 0.9, half_life: float = 7 * 86400.0, fairshare: FairShareConfig | None = None,
                  progress: bool = False, placement: str = "binpack") -> tuple[dict[str, SimResult], dict]:
-    problems = [p for p in [placement_problem(placement, "--placement")] if p]
+    problems = []
+    if problem := placement_problem(placement, "--placement"):
+        problems.append(problem)
     if users < 1:
         problems.append(f"--users: must be >= 1, got {users}")
     if not load > 0:

@@ -42,6 +42,7 @@ import numpy as np
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
+TRACES = ROOT.parent / "shared" / "traces" / "itp-2021"
 sys.path.insert(0, str(HERE))
 
 from servers import start_seaweedfs  # noqa: E402
@@ -228,7 +229,7 @@ def bench_simulate(tmp: Path) -> None:
     from kfp_pytorch.fairness_scheduler.report import run_protocol
 
     print("simulate: all six policies on cluster07 (12.7k jobs), protocol defaults")
-    trace = ROOT.parent / "shared" / "traces" / "itp-2021" / "cluster07.csv"
+    trace = TRACES / "cluster07.csv"
     t = time.perf_counter()
     results, _ = run_protocol(trace, list(POLICIES))
     wall = time.perf_counter() - t
@@ -329,26 +330,32 @@ def _baselines_meeting_goals(name: str, m: dict) -> dict[str, bool]:
     return {p: all(c[2] for c in _fairness_checks(name, m, p).values()) for p in FAIR_BASELINES}
 
 
-def bench_fairness(tmp: Path) -> None:
-    """The issue #4 goals for `fairshare` against the baselines, every trace, protocol defaults."""
+def _judge(trace: str | Path, seed: int = 0, placement: str = "binpack") -> tuple[dict, dict, dict[str, bool]]:
+    """Every policy on one trace, side by side: (run info, fairshare's goal checks, which fair
+    baselines meet every goal)."""
     from kfp_pytorch.fairness_scheduler.report import run_protocol
 
+    res, info = run_protocol(trace, FAIRNESS_POLICIES, seed=seed, placement=placement)
+    metrics = {p: r.metrics for p, r in res.items()}
+    name = Path(trace).stem
+    return info, _fairness_checks(name, metrics), _baselines_meeting_goals(name, metrics)
+
+
+def bench_fairness(tmp: Path) -> None:
+    """The issue #4 goals for `fairshare` against the baselines, every trace, protocol defaults."""
     print("fairness goals: fairshare vs the baselines on every trace (ratios to FIFO unless noted)")
-    traces = sorted((ROOT.parent / "shared" / "traces" / "itp-2021").glob("*.csv"))
+    traces = sorted(TRACES.glob("*.csv"))
     passed = 0
     baselines = dict.fromkeys(FAIR_BASELINES, 0)
     for tr in traces:
-        res, info = run_protocol(tr, FAIRNESS_POLICIES)
-        name = tr.stem
-        metrics = {p: r.metrics for p, r in res.items()}
-        checks = _fairness_checks(name, metrics)
+        info, checks, met_by = _judge(tr)
         ok = all(c[2] for c in checks.values())
         passed += ok
-        for p, b_ok in _baselines_meeting_goals(name, metrics).items():
+        for p, b_ok in met_by.items():
             baselines[p] += b_ok
-        print(f"  {name} (C={info['capacity_gpus']}): {'PASS' if ok else 'MISS'}  " + "  ".join(
+        print(f"  {tr.stem} (C={info['capacity_gpus']}): {'PASS' if ok else 'MISS'}  " + "  ".join(
             f"{k} {v:.3f}{'' if good else '(!' + t + ')'}" for k, (v, t, good) in checks.items()), flush=True)
-        ROWS.append({"figure": f"fairness goals {name}", "ok": ok,
+        ROWS.append({"figure": f"fairness goals {tr.stem}", "ok": ok,
                      "checks": {k: {"value": v, "target": t, "ok": g} for k, (v, t, g) in checks.items()}})
     print(f"  traces meeting every goal: {passed}/{len(traces)}; the same goals met by the fair baselines "
           "(Jain against the other baselines): " + ", ".join(f"{p} {n}/{len(traces)}" for p, n in baselines.items()))
@@ -359,17 +366,13 @@ def bench_fairness(tmp: Path) -> None:
 def _goal_row(seed: int, placement: str = "binpack") -> tuple[list[str], int, dict[str, int]]:
     """One line of goals met per trace (of 6) for a user draw and a placement convention, the
     traces meeting every goal, and how many the fair baselines meet when judged by the same goals."""
-    from kfp_pytorch.fairness_scheduler.report import run_protocol
-
     cells, met = [], 0
     baselines = dict.fromkeys(FAIR_BASELINES, 0)
-    for tr in sorted((ROOT.parent / "shared" / "traces" / "itp-2021").glob("*.csv")):
-        res, _ = run_protocol(tr, FAIRNESS_POLICIES, seed=seed, placement=placement)
-        metrics = {p: r.metrics for p, r in res.items()}
-        checks = _fairness_checks(tr.stem, metrics)
+    for tr in sorted(TRACES.glob("*.csv")):
+        _, checks, met_by = _judge(tr, seed, placement)
         n_ok = sum(c[2] for c in checks.values())
         met += n_ok == len(checks)
-        for p, b_ok in _baselines_meeting_goals(tr.stem, metrics).items():
+        for p, b_ok in met_by.items():
             baselines[p] += b_ok
         cells.append(f"{tr.stem[-2:]}:{n_ok}" + ("" if n_ok == len(checks) else
                      "(" + ",".join(k.split("/")[0] for k, c in checks.items() if not c[2]) + ")"))
@@ -409,7 +412,7 @@ def _split_halves(out: Path) -> list[Path]:
 
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for tr in sorted((ROOT.parent / "shared" / "traces" / "itp-2021").glob("*.csv")):
+    for tr in sorted(TRACES.glob("*.csv")):
         with open(tr, newline="") as f:
             rows = list(csv.DictReader(f))
         times = sorted(float(r["submission_time"]) for r in rows)
@@ -426,15 +429,10 @@ def _split_halves(out: Path) -> list[Path]:
     return paths
 
 
-def _halves_cell(args: tuple[str, int]) -> tuple[str, int, bool, dict[str, bool]]:
-    from kfp_pytorch.fairness_scheduler.report import run_protocol
-
+def _halves_cell(args: tuple[str, int]) -> tuple[str, bool, dict[str, bool]]:
     path, seed = args
-    res, _ = run_protocol(path, FAIRNESS_POLICIES, seed=seed)
-    metrics = {p: r.metrics for p, r in res.items()}
-    name = Path(path).stem
-    ok = all(c[2] for c in _fairness_checks(name, metrics).values())
-    return name, seed, ok, _baselines_meeting_goals(name, metrics)
+    _, checks, met_by = _judge(path, seed)
+    return Path(path).stem, all(c[2] for c in checks.values()), met_by
 
 
 def bench_fairness_halves(tmp: Path) -> None:
@@ -450,12 +448,12 @@ def bench_fairness_halves(tmp: Path) -> None:
     print("fairness goals on half traces (each trace cut at its median submission; seeds 0-3): "
           "draws meeting every goal per half")
     per = {}
-    for name, _, ok, _ in cells:
+    for name, ok, _ in cells:
         per[name] = per.get(name, 0) + ok
     print("  " + "  ".join(f"{n[-3:]}:{k}" for n, k in per.items()))
     runs = len(cells)
-    ours = sum(c[2] for c in cells)
-    base = {p: sum(c[3][p] for c in cells) for p in FAIR_BASELINES}
+    ours = sum(c[1] for c in cells)
+    base = {p: sum(c[2][p] for c in cells) for p in FAIR_BASELINES}
     print(f"  runs meeting every goal: fairshare {ours}/{runs}; the fair baselines judged by the same goals: "
           + ", ".join(f"{p} {n}/{runs}" for p, n in base.items()))
     ROWS.append({"figure": "fairness goals, half traces, seeds 0-3", "fairshare": ours, **base, "runs": runs})

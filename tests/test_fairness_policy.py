@@ -131,8 +131,7 @@ def test_fair_tree_ranks_users_by_level_fair_share():
     # S/U: idle and idle2 infinite; mid (2 shares, usage 4) ties with big (1 share, usage 2); huge last.
     assert p.f == pytest.approx({"idle": 1000.0, "idle2": 1000.0, "mid": 600.0, "big": 600.0, "huge": 200.0})
     jobs = [W("h").user("huge").at(0).build(), W("b").user("big").at(10).build(), W("i").user("idle").at(20).build()]
-    assert sorted((j.name for j in jobs), key=lambda n: p.key(next(j for j in jobs if j.name == n), 20.0)) == \
-        ["i", "b", "h"]
+    assert [j.name for j in sorted(jobs, key=lambda j: p.key(j, 20.0))] == ["i", "b", "h"]
     p.prepare(ctx(users, pool, 0.0, {"mid": 4.0, "big": 2.0, "huge": 4.0}))
     assert p.f["huge"] == pytest.approx(200.0)  # twice big's usage, not a thousand times: same rank
 
