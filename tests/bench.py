@@ -76,7 +76,7 @@ def bench_train(tmp: Path) -> None:
     prepare_data(PrepareSpec(str(tmp / "big.csv"), data, shard_rows=8192))
     epochs, bs, lr, seed = 3, 128, 0.001, 0
     ours, base = [], []
-    for rep in range(2):  # interleaved, so machine noise hits both alike
+    for rep in range(4):  # interleaved, so machine noise hits both alike; the best of each compared
         env = dict(os.environ, OMP_NUM_THREADS="1", PET_NNODES="1", PET_NPROC_PER_NODE="2", PET_NODE_RANK="0",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         out = subprocess.run([sys.executable, "-m", "torch.distributed.run", str(HERE / "bench_baseline_ddp.py"),

@@ -26,9 +26,24 @@ SECRET_KEY = "kfp-pytorch-test-secret-0123456789"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int, below: int = 65536) -> list[int]:
+    """``n`` distinct free ports under ``below``: every socket stays bound until all are chosen,
+    so none repeats."""
+    socks, ports = [], []
+    try:
+        while len(ports) < n:
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+            if s.getsockname()[1] < below:
+                ports.append(s.getsockname()[1])
+        return ports
+    finally:
+        for s in socks:
+            s.close()
 
 
 @dataclass
@@ -82,13 +97,22 @@ def _weed_binary() -> str:
 
 def start_seaweedfs(workdir: Path, access_key: str = ACCESS_KEY, secret_key: str = SECRET_KEY) -> Server:
     workdir.mkdir(parents=True, exist_ok=True)
-    ports = {k: free_port() for k in ("master", "volume", "filer", "s3", "admin", "webdav", "metrics")}
+    # Every port explicit, gRPC ones included: weed's default gRPC port is the HTTP port + 10000,
+    # which for an ephemeral HTTP port may be taken by another process or lie above 65535. The
+    # admin server's stays implicit (its worker dials admin + 10000 whatever is set), so every
+    # HTTP port is kept low enough for that offset.
+    names = ("master", "volume", "filer", "s3", "admin", "webdav", "metrics")
+    grpc = ("master", "volume", "filer", "s3")
+    chosen = free_ports(len(names) + len(grpc), below=65536 - 10000)
+    ports = dict(zip(names, chosen))
+    grpc_ports = dict(zip(grpc, chosen[len(names):]))
     s3_port = ports["s3"]
     cmd = [_weed_binary(), "mini", f"-dir={workdir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
            "-master.telemetry=false", f"-master.port={ports['master']}", f"-volume.port={ports['volume']}",
            f"-filer.port={ports['filer']}", f"-s3.port={s3_port}", f"-admin.port={ports['admin']}",
            f"-webdav.port={ports['webdav']}", "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0",
-           "-s3.port.lance=0", f"-metricsPort={ports['metrics']}"]
+           "-s3.port.lance=0", f"-metricsPort={ports['metrics']}",
+           *(f"-{k}.port.grpc={v}" for k, v in grpc_ports.items())]
     env = dict(os.environ, AWS_ACCESS_KEY_ID=access_key, AWS_SECRET_ACCESS_KEY=secret_key)
     log = workdir / "weed.log"
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=workdir,
