@@ -35,6 +35,9 @@ def free_ports(n: int, below: int = 65536) -> list[int]:
     socks, ports = [], []
     try:
         while len(ports) < n:
+            if len(socks) >= 50 * n:
+                raise RuntimeError(f"found only {len(ports)} of {n} free ports below {below} on 127.0.0.1; "
+                                   "widen net.ipv4.ip_local_port_range or free some ports")
             s = socket.socket()
             socks.append(s)
             s.bind(("127.0.0.1", 0))
