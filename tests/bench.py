@@ -410,21 +410,20 @@ def _split_halves(out: Path) -> list[Path]:
     that no setting was tuned on, a closer stand-in for held-back traces than new user draws."""
     import csv
 
+    from kfp_pytorch.fairness_scheduler.trace import COLUMNS, read_trace
+
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for tr in sorted(TRACES.glob("*.csv")):
-        with open(tr, newline="") as f:
-            rows = list(csv.DictReader(f))
-        times = sorted(float(r["submission_time"]) for r in rows)
-        mid = times[len(times) // 2]
-        for part, sel in (("a", [r for r in rows if float(r["submission_time"]) < mid]),
-                          ("b", [r for r in rows if float(r["submission_time"]) >= mid])):
-            t0 = min(float(r["submission_time"]) for r in sel)
+        jobs = read_trace(tr)
+        mid = sorted(j.submit for j in jobs)[len(jobs) // 2]
+        for part, sel in (("a", [j for j in jobs if j.submit < mid]), ("b", [j for j in jobs if j.submit >= mid])):
+            t0 = min(j.submit for j in sel)
             path = out / f"{tr.stem}{part}.csv"
             with open(path, "w", newline="") as f:
                 w = csv.writer(f)
-                w.writerow(["job_id", "submission_time", "duration", "num_gpu"])
-                w.writerows([r["job_id"], float(r["submission_time"]) - t0, r["duration"], r["num_gpu"]] for r in sel)
+                w.writerow(COLUMNS)
+                w.writerows([j.job_id, j.submit - t0, j.duration, j.gpus] for j in sel)
             paths.append(path)
     return paths
 
