@@ -68,6 +68,9 @@ class CycleContext:
     typical_wait: float = 0.0
     """Decayed mean wait of recently started workloads (seconds): the current regime's normal
     wait, against which a starving workload is recognised."""
+    large_gang_wait: float = 0.0
+    """Decayed mean wait of recently started large gangs (``reserve_min_fraction`` of the cluster
+    or more; seconds): how long gangs of that kind normally wait."""
 
     def __post_init__(self):
         c = self.capacity
@@ -224,7 +227,9 @@ class FairShare(Policy):
 
     Starvation (carried out by :func:`.admission.admit`): greedy backfill never leaves many nodes
     empty at once, so a large gang may wait for ever. A large gang that has waited ``threshold``
-    (a multiple of the current typical wait, at least ``starvation_after``) is *starving*: it
+    (a multiple of the current typical wait, at least ``starvation_after``; for a gang within
+    ``reserve_cap`` also a multiple of large gangs' own typical wait, up to
+    ``large_gang_wait_ceiling``) is *starving*: it
     starts first if it fits, else the nodes closest to fitting it are reserved and drain (EASY
     backfilling with history estimates). Until it is *hard*-starving (``hard_starvation_factor``
     thresholds), *protected* users (effective usage below ``protect_below_share`` of their share:
@@ -255,6 +260,11 @@ class FairShare(Policy):
         else:
             self.f = {u: self._factor(u) for u in ctx.users}
         self.threshold = max(c.starvation_after, c.starvation_factor * ctx.typical_wait)
+        # Gangs a reservation may hold nodes for also wait out their own kind's typical wait
+        # (bounded by the ceiling): their starvation costs a drain. Gangs above the cap never drain.
+        self.drain_threshold = max(self.threshold, min(c.large_gang_wait_factor * ctx.large_gang_wait,
+                                                       c.large_gang_wait_ceiling))
+        self.reservable = c.reserve_cap * self.cap_norm + 1e-12
 
     def effective_usage(self, u: str) -> float:
         c = self.cfg
@@ -296,12 +306,18 @@ class FairShare(Policy):
         return True
 
     def is_starving(self, w, now):
-        # Wait first: it is the cheap test, and almost every head fails it.
-        return (now - w.submit_time >= self.threshold
-                and self.ctx.norm(w.total) >= self.cfg.reserve_min_fraction * self.cap_norm)
+        wait = now - w.submit_time
+        if wait < self.threshold:  # the cheap test first: almost every head fails it
+            return False
+        size = self.ctx.norm(w.total)
+        return (size >= self.cfg.reserve_min_fraction * self.cap_norm
+                and (size > self.reservable or wait >= self.drain_threshold))
 
     def is_hard_starving(self, w, now):
-        return now - w.submit_time >= self.cfg.hard_starvation_factor * self.threshold
+        return now - w.submit_time >= self.cfg.hard_starvation_factor * self._threshold(w)
+
+    def _threshold(self, w: Workload) -> float:
+        return self.drain_threshold if self.ctx.norm(w.total) <= self.reservable else self.threshold
 
     def is_protected(self, user):
         return self.effective_usage(user) < self.cfg.protect_below_share * self.shares[user]

@@ -109,6 +109,8 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
     queued_sizes: dict[float, int] = {}
     k_penalty = getattr(policy, "penalty_seconds", 0.0)
     tw = TypicalWait(fs_cfg.typical_wait_half_life)
+    tw_large = TypicalWait(fs_cfg.large_gang_wait_half_life)
+    large_from = fs_cfg.reserve_min_fraction * ctx.norm(capacity)
 
     bar = None
     if progress:
@@ -163,6 +165,7 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
                     s.penalty = pl[i] / C
             ctx.now = t
             ctx.typical_wait = tw.value(t)
+            ctx.large_gang_wait = tw_large.value(t)
             result = admit(queue, pool, policy, ctx, fs_cfg.reserve_cap, quotas, explain=False,
                            max_reservations=fs_cfg.max_reservations,
                            defrag_reservations=fs_cfg.defrag_reservations if policy.reserves else 0)
@@ -171,6 +174,8 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
                 start[i] = t
                 end[i] = t + w.duration
                 tw.add(t, t - w.submit_time)
+                if ctx.norm(w.total) >= large_from:
+                    tw_large.add(t, t - w.submit_time)
                 heapq.heappush(running, (end[i], w.seq, w, placement))
                 u = uidx[w.user]
                 held[u] += w.gpus

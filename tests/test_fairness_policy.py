@@ -214,6 +214,35 @@ def test_starving_gang_gets_a_reservation_and_backfill_avoids_it():
     assert "reserved" in res.pending_reasons["big"]
 
 
+@pytest.mark.parametrize("large_gang_wait, ceiling, reserves", [
+    (0.0, 14 * DAY, True),  # no large gang has started yet: the 100 s floor alone
+    (200.0, 14 * DAY, True),  # gangs like it wait 200 s: 1000 s is past 3x that
+    (1000.0, 14 * DAY, False),  # they wait 1000 s: this one is not stalled yet (threshold 3000 s)
+    (1000.0, 500.0, True),  # ... but the ceiling keeps the threshold at 500 s
+])
+def test_large_gangs_starve_against_their_own_typical_wait_up_to_a_ceiling(large_gang_wait, ceiling, reserves):
+    users = [UserConfig("u")]
+    pool = NodePool(nodes(3))
+    pool.allocate(W("r0").gpus(4).build(), [0])
+    pool.allocate(W("r1").gpus(4).build(), [1])
+    q = queue(W("big").gpus(16).at(0).build(), W("small").gpus(2).at(10).build())
+    cfg = FairShareConfig(starvation_after=100, starvation_factor=0, large_gang_wait_ceiling=ceiling, reserve_cap=1.0)
+    c = ctx(users, pool, now=1000.0)
+    c.large_gang_wait = large_gang_wait
+    res = admit(q, pool, make_policy("fairshare", cfg), c, reserve_cap=cfg.reserve_cap)
+    held = {w.name: set(n) for w, n in res.reservations}
+    assert list(held) == (["big"] if reserves else [])
+    [(small, placed)] = res.started
+    assert small.name == "small" and not set(placed) & held.get("big", set())  # off the draining nodes
+    if reserves:
+        assert 2 in held["big"] and len(held["big"]) == 2  # the empty node and one half-free node
+    # A gang above the reservation cap never drains nodes, so its own kind's wait does not hold it
+    # back: it is starving (and starts first once it fits) after the plain threshold.
+    over_cap = make_policy("fairshare", FairShareConfig(starvation_after=100, starvation_factor=0, reserve_cap=0.5))
+    over_cap.prepare(c)
+    assert over_cap.is_starving(W("big2").gpus(16).at(0).build(), 1000.0)
+
+
 def test_starving_gang_above_the_reservation_cap_says_so_and_starts_first_when_it_fits():
     users = [UserConfig("h"), UserConfig("l")]
     cfg = FairShareConfig(starvation_after=100, starvation_factor=0)  # hard-starving at 400 s
