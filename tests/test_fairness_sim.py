@@ -166,6 +166,7 @@ def test_readme_scheduler_config_example_loads():
     example = readme.split("Scheduler config (YAML")[1].split("```yaml")[1].split("```")[0]
     cfg = load_config(yaml.safe_load(example))
     assert cfg.fairshare.oversize_reserve_after == math.inf and cfg.user("alice").shares == 2
+    assert cfg.fairshare.large_gang_wait_ceiling == 7 * 86400 and cfg.fairshare.large_gang_wait_factor == 3
 
 
 # ---- ledger --------------------------------------------------------------------------------------
