@@ -309,14 +309,14 @@ class FairShare(Policy):
         wait = now - w.submit_time
         if wait < self.threshold:  # the cheap test first: almost every head fails it
             return False
-        size = self.ctx.norm(w.total)
-        return (size >= self.cfg.reserve_min_fraction * self.cap_norm
-                and (size > self.reservable or wait >= self.drain_threshold))
+        return (self.ctx.norm(w.total) >= self.cfg.reserve_min_fraction * self.cap_norm
+                and wait >= self._threshold(w))
 
     def is_hard_starving(self, w, now):
         return now - w.submit_time >= self.cfg.hard_starvation_factor * self._threshold(w)
 
     def _threshold(self, w: Workload) -> float:
+        """The starvation threshold of this gang: the drain threshold if a reservation may hold it."""
         return self.drain_threshold if self.ctx.norm(w.total) <= self.reservable else self.threshold
 
     def is_protected(self, user):
