@@ -337,14 +337,28 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
 
     from kfp_pytorch.fairness_scheduler.config import load_config
     from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
-    from kfp_pytorch.fairness_scheduler.report import format_table, parse_policies, plot, run_protocol
+    from kfp_pytorch.fairness_scheduler.report import (format_table, option_problems, parse_policies, plot,
+                                                       policy_problems, run_protocol)
     from kfp_pytorch.fairness_scheduler.usage import parse_duration
 
+    # Every bad option and config field in one error, so one run shows all there is to fix.
+    problems = policy_problems(policies)
     try:
         hl = parse_duration(half_life)
     except ValueError:
-        raise SchedulerConfigError([f"--half-life: must be a duration like 7d, 12h or seconds, got {half_life!r}"])
-    cfg = load_config(yaml.safe_load(open(config)) if config else {})
+        hl = None
+        problems.append(f"--half-life: must be a duration like 7d, 12h or seconds, got {half_life!r}")
+    cfg = None
+    try:
+        cfg = load_config(yaml.safe_load(open(config)) if config else {})
+    except SchedulerConfigError as e:
+        problems += e.problems
+    except yaml.YAMLError as e:
+        problems.append(f"--config {config}: not valid YAML ({str(e).splitlines()[0]})")
+    problems += option_problems(users, zipf, load, hl if hl is not None else 1.0,
+                                placement or (cfg.placement if cfg else "binpack"))
+    if problems:
+        raise SchedulerConfigError(problems)
     results, info = run_protocol(trace, parse_policies(policies), users, zipf, seed, load, hl, cfg.fairshare,
                                  progress=not as_json and sys.stderr.isatty(), placement=placement or cfg.placement)
     if as_json:

@@ -162,6 +162,9 @@ def load_config(data: dict | None) -> SchedulerConfig:
     """Build and validate; raises SchedulerConfigError listing *every* problem with its path."""
     from .policy import POLICIES
 
+    if data is not None and not isinstance(data, dict):
+        raise SchedulerConfigError([f"(top level): must be a mapping of fields, got {type(data).__name__}"],
+                                   "a scheduler config is a YAML mapping: users, half_life, policy, fairshare, ...")
     data = dict(data or {})
     problems: list[str] = []
     cfg = SchedulerConfig()

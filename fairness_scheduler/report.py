@@ -11,20 +11,23 @@ from .simulator import METRICS, SimResult, simulate
 from .trace import capacity, protocol_nodes, protocol_users, protocol_workloads, read_trace
 
 
-def parse_policies(text: str) -> list[str]:
+def policy_problems(text: str) -> list[str]:
     if text.strip() == "all":
-        return list(POLICIES)
+        return []
     names = [p.strip() for p in text.split(",") if p.strip()]
-    bad = [p for p in names if p not in POLICIES]
-    if bad or not names:
-        raise SchedulerConfigError([f"--policies: unknown policy {b!r}" for b in bad] or ["--policies: empty"],
-                                   f"use 'all' or a comma-separated list of: {', '.join(POLICIES)}")
-    return names
+    if not names:
+        return ["--policies: empty; use 'all' or a comma-separated list of: " + ", ".join(POLICIES)]
+    return [f"--policies: unknown policy {b!r} (known: {', '.join(POLICIES)})" for b in names if b not in POLICIES]
 
 
-def run_protocol(trace: str | Path, policies: list[str], users: int = 20, zipf: float = 1.1, seed: int = 0,
-                 load: float = 0.9, half_life: float = 7 * 86400.0, fairshare: FairShareConfig | None = None,
-                 progress: bool = False, placement: str = "binpack") -> tuple[dict[str, SimResult], dict]:
+def parse_policies(text: str) -> list[str]:
+    if problems := policy_problems(text):
+        raise SchedulerConfigError(problems, f"use 'all' or a comma-separated list of: {', '.join(POLICIES)}")
+    return list(POLICIES) if text.strip() == "all" else [p.strip() for p in text.split(",") if p.strip()]
+
+
+def option_problems(users: int, zipf: float, load: float, half_life: float, placement: str) -> list[str]:
+    """Every bad protocol option, each with its flag."""
     problems = []
     if problem := placement_problem(placement, "--placement"):
         problems.append(problem)
@@ -36,7 +39,13 @@ def run_protocol(trace: str | Path, policies: list[str], users: int = 20, zipf: 
         problems.append(f"--zipf: must be >= 0, got {zipf}")
     if not half_life > 0:
         problems.append(f"--half-life: must be > 0, got {half_life}")
-    if problems:
+    return problems
+
+
+def run_protocol(trace: str | Path, policies: list[str], users: int = 20, zipf: float = 1.1, seed: int = 0,
+                 load: float = 0.9, half_life: float = 7 * 86400.0, fairshare: FairShareConfig | None = None,
+                 progress: bool = False, placement: str = "binpack") -> tuple[dict[str, SimResult], dict]:
+    if problems := option_problems(users, zipf, load, half_life, placement):
         raise SchedulerConfigError(problems)
     jobs = read_trace(trace)
     c = capacity(jobs, load)

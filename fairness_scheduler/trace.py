@@ -35,14 +35,19 @@ class TraceJob:
     line: int
 
 
+MAX_LISTED = 20  # bad rows named in one error; the count says how many more there are
+
+
 def read_trace(path: str | Path) -> list[TraceJob]:
-    """Parse and validate; any bad row raises TraceError naming ``file:line``."""
+    """Parse and validate. Every bad row is named (``file:line: what``) in one TraceError, so a
+    trace is fixed in one pass rather than one error per run."""
     path = Path(path)
     try:
         f = open(path, newline="")
     except FileNotFoundError as e:
         raise TraceError(f"trace file not found: {path}", "give a CSV with columns " + ", ".join(COLUMNS)) from e
     jobs: list[TraceJob] = []
+    problems: list[str] = []
     with f:
         reader = csv.reader(f)
         header = next(reader, None)
@@ -57,27 +62,40 @@ def read_trace(path: str | Path) -> list[TraceJob]:
         for line, row in enumerate(reader, start=2):
             if not row or all(not c.strip() for c in row):
                 continue
-            if len(row) < len(header):
-                raise TraceError(f"{path}:{line}: expected {len(header)} fields, got {len(row)}: {','.join(row)}")
-            jid, sub, dur, gpu = (row[i].strip() for i in idx)
-            try:
-                submit, duration = float(sub), float(dur)
-                gpus_f = float(gpu)
-            except ValueError:
-                raise TraceError(f"{path}:{line}: non-numeric value in {','.join(row)}",
-                                 "submission_time, duration and num_gpu must be numbers") from None
-            if not all(map(math.isfinite, (submit, duration, gpus_f))):
-                raise TraceError(f"{path}:{line}: non-finite value in {','.join(row)}")
-            if duration < 0:
-                raise TraceError(f"{path}:{line}: negative duration {dur}")
-            if submit < 0:
-                raise TraceError(f"{path}:{line}: negative submission_time {sub}")
-            if gpus_f < 1 or gpus_f != int(gpus_f):
-                raise TraceError(f"{path}:{line}: num_gpu must be a positive integer, got {gpu}")
-            jobs.append(TraceJob(jid, submit, duration, int(gpus_f), line))
+            job = _parse_row(row, len(header), idx, line)
+            if isinstance(job, str):
+                problems.append(f"{path}:{line}: {job}")
+            else:
+                jobs.append(job)
+    if problems:
+        shown = problems[:MAX_LISTED]
+        more = f"\n... and {len(problems) - MAX_LISTED} more bad rows" if len(problems) > MAX_LISTED else ""
+        raise TraceError("\n".join(shown) + more,
+                         "submission_time and duration must be numbers >= 0 and num_gpu a positive integer; "
+                         "fix or drop the rows above")
     if not jobs:
         raise TraceError(f"{path}: no jobs", "the trace has a header but no rows")
     return jobs
+
+
+def _parse_row(row: list[str], n_fields: int, idx: list[int], line: int) -> TraceJob | str:
+    """One row as a TraceJob, or what is wrong with it."""
+    if len(row) < n_fields:
+        return f"expected {n_fields} fields, got {len(row)}: {','.join(row)}"
+    jid, sub, dur, gpu = (row[i].strip() for i in idx)
+    try:
+        submit, duration, gpus_f = float(sub), float(dur), float(gpu)
+    except ValueError:
+        return f"non-numeric value in {','.join(row)}"
+    if not all(map(math.isfinite, (submit, duration, gpus_f))):
+        return f"non-finite value in {','.join(row)}"
+    if duration < 0:
+        return f"negative duration {dur}"
+    if submit < 0:
+        return f"negative submission_time {sub}"
+    if gpus_f < 1 or gpus_f != int(gpus_f):
+        return f"num_gpu must be a positive integer, got {gpu}"
+    return TraceJob(jid, submit, duration, int(gpus_f), line)
 
 
 def zipf_probabilities(n_users: int, zipf: float) -> np.ndarray:

@@ -44,6 +44,17 @@ def test_malformed_rows_name_file_and_line(tmp_path, body, where, what):
     assert f"{p}{where}" in str(e.value) and what in str(e.value)
 
 
+def test_every_bad_row_is_named_in_one_error(tmp_path):
+    rows = "".join(f"j{i},{i},-1,1\n" for i in range(25))
+    p = write(tmp_path, "job_id,submission_time,duration,num_gpu\na,0,10,1\nb,x,10,1\nc,1,5,1.5\n" + rows)
+    with pytest.raises(TraceError) as e:
+        read_trace(p)
+    text = str(e.value)
+    assert f"{p}:3: non-numeric" in text and f"{p}:4: num_gpu must be a positive integer, got 1.5" in text
+    assert f"{p}:5: negative duration -1" in text and f"{p}:22: negative duration" in text
+    assert f"{p}:23:" not in text and "... and 7 more bad rows" in text  # 27 bad rows, 20 named
+
+
 def test_protocol_users_and_capacity_follow_the_readme():
     jobs = read_trace(TRACES / "cluster10.csv")
     users = assign_users(len(jobs), 20, 1.1, 0)
@@ -272,6 +283,22 @@ def test_simulate_cli_bad_input(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(bad), "--placement", "x"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "'x' is not one of 'binpack', 'spread'" in out.stderr
+    # every bad option and config field in one error, before any simulation
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("fairshare:\n  weight_age: -1\nusers: [{name: a, shares: 0}]\n")
+    out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(bad), "--policies",
+                          "fifo,x", "--users", "0", "--half-life", "soon", "--load", "0", "--config", str(cfg)],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    for needle in ("--policies: unknown policy 'x'", "--half-life: must be a duration", "--users: must be >= 1",
+                   "--load: must be > 0", "fairshare.weight_age: must be >= 0", "users[0].shares: must be > 0"):
+        assert needle in out.stderr, needle
+    for text, needle in (("- a\n- b\n", "(top level): must be a mapping of fields, got list"),
+                         ("a: [\n", "not valid YAML")):
+        cfg.write_text(text)
+        out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(bad), "--config",
+                              str(cfg)], capture_output=True, text=True)
+        assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
 def test_protection_keeps_light_users_out_of_starving_gangs_drains():
