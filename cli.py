@@ -13,6 +13,22 @@ from kfp_pytorch.components.errors import KfpPytorchError
 from kfp_pytorch.fairness_scheduler.model import PLACEMENTS
 
 
+def _read_yaml(path: str, option: str):
+    """A YAML file given on the command line; a syntax error names the option, file and line."""
+    import yaml
+
+    from kfp_pytorch.components.errors import ConfigError
+
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else path
+        raise ConfigError([f"{option} {where}: not valid YAML ({getattr(e, 'problem', None) or e})"],
+                          "fix the YAML syntax") from None
+
+
 def _parse_params(pairs: tuple[str, ...]) -> dict[str, str]:
     from kfp_pytorch.components.errors import ConfigError
 
@@ -61,7 +77,6 @@ def pipelines_cmd(as_json):
               help="YAML of Kubernetes settings for every step (S3 Secret, labels, GPU node selector/tolerations).")
 def compile_cmd(pipeline, output, platform_file):
     """Compile PIPELINE to KFP IR YAML (upload it in the KFP UI or with `kfp-pytorch submit`)."""
-    import yaml
     from kfp import compiler
 
     from kfp_pytorch.pipelines import get_pipeline
@@ -74,7 +89,7 @@ def compile_cmd(pipeline, output, platform_file):
             from kfp_pytorch.components.errors import ConfigError
 
             raise ConfigError([f"pipeline {entry.name} takes no platform settings"])
-        func = entry.build(load_platform(yaml.safe_load(open(platform_file))))
+        func = entry.build(load_platform(_read_yaml(platform_file, "--platform")))
     compiler.Compiler().compile(func, package_path=output)
     click.echo(f"wrote {output}")
 
@@ -333,8 +348,8 @@ def storage_check(uri):
               help="PNG with per-user service ratios and wait CDFs.")
 def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, placement, as_json, plot_path):
     """Replay a GPU-cluster trace under several scheduling policies, side by side."""
-    import yaml
 
+    from kfp_pytorch.components.errors import ConfigError
     from kfp_pytorch.fairness_scheduler.config import load_config
     from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
     from kfp_pytorch.fairness_scheduler.report import (format_table, option_problems, parse_policies, plot,
@@ -350,11 +365,9 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
         problems.append(f"--half-life: must be a duration like 7d, 12h or seconds, got {half_life!r}")
     cfg = None
     try:
-        cfg = load_config(yaml.safe_load(open(config)) if config else {})
-    except SchedulerConfigError as e:
+        cfg = load_config(_read_yaml(config, "--config") if config else {})
+    except ConfigError as e:
         problems += e.problems
-    except yaml.YAMLError as e:
-        problems.append(f"--config {config}: not valid YAML ({str(e).splitlines()[0]})")
     problems += option_problems(users, zipf, load, hl if hl is not None else 1.0,
                                 placement or (cfg.placement if cfg else "binpack"))
     if problems:

@@ -72,6 +72,9 @@ class StorageConfig:
             except yaml.YAMLError as e:
                 raise StorageError(f"cannot parse storage config {cfg_path}: {e}",
                                    "fix the YAML; keys: endpoint, access_key, secret_key, region, secure, verify_ssl") from e
+            if not isinstance(file_cfg, dict):
+                raise StorageError(f"storage config {cfg_path}: must be a mapping, got {type(file_cfg).__name__}",
+                                   "keys: endpoint, access_key, secret_key, region, secure, verify_ssl")
         raw = (env.get("AWS_ENDPOINT_URL") or env.get("S3_ENDPOINT") or env.get("MLFLOW_S3_ENDPOINT_URL")
                or file_cfg.get("endpoint"))
         secure_default = bool(file_cfg.get("secure", False))

@@ -11,7 +11,7 @@ fairness labels (``add_pod_label``); GPU steps get node selectors and toleration
     gpu_tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]
 """
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from kfp_pytorch.components.errors import ConfigError
 
@@ -31,21 +31,57 @@ class Platform:
     gpu_tolerations: list = field(default_factory=list)
 
 
+_KNOWN = tuple(f.name for f in fields(Platform))
+
+
+_SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")  # DNS-1123 subdomain
+_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")  # what the API server accepts for an env var name
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+
+
 def load_platform(data: dict | None) -> Platform:
+    """Validate once; raises ConfigError listing every problem with its path."""
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError([f"(top level): must be a mapping, got {type(data).__name__}"],
+                          "a platform file is a YAML mapping: " + ", ".join(_KNOWN), title="invalid platform settings")
     data = dict(data or {})
     problems = []
-    known = {"s3_secret", "s3_keys", "s3_endpoint", "labels", "gpu_node_selector", "gpu_tolerations"}
     for k in data:
-        if k not in known:
-            problems.append(f"{k}: unknown field (known: {', '.join(sorted(known))})")
+        if k not in _KNOWN:
+            problems.append(f"{k}: unknown field (known: {', '.join(sorted(_KNOWN))})")
+    for k in ("s3_secret", "s3_endpoint"):
+        if k in data and not isinstance(data[k], str):
+            problems.append(f"{k}: must be a string, got {data[k]!r}")
+    if isinstance(data.get("s3_secret"), str) and not _SECRET_NAME.match(data["s3_secret"]):
+        problems.append(f"s3_secret: {data['s3_secret']!r} is not a valid Secret name (lowercase DNS-1123)")
+    keys = data.get("s3_keys")
+    if keys is not None:
+        if not isinstance(keys, dict):
+            problems.append(f"s3_keys: must be a mapping of Secret key -> environment variable, got {keys!r}")
+        else:
+            for k, v in keys.items():
+                if not _SECRET_KEY.match(str(k)):
+                    problems.append(f"s3_keys.{k}: not a valid Secret key")
+                if not isinstance(v, str) or not _ENV_NAME.match(v):
+                    problems.append(f"s3_keys.{k}: {v!r} is not a valid environment variable name")
     for where in ("labels", "gpu_node_selector"):
-        for k, v in (data.get(where) or {}).items():
+        section = data.get(where) or {}
+        if not isinstance(section, dict):
+            problems.append(f"{where}: must be a mapping of label key -> value, got {section!r}")
+            continue
+        for k, v in section.items():
             if not _LABEL_KEY.match(str(k)):
                 problems.append(f"{where}.{k}: not a valid label key")
             if not isinstance(v, str) or not _LABEL_VALUE.match(v) or len(v) > 63:
                 problems.append(f"{where}.{k}: {v!r} is not a valid label value (quote \"true\")")
-    for i, t in enumerate(data.get("gpu_tolerations") or []):
-        if not isinstance(t, dict) or t.get("operator", "Equal") not in ("Equal", "Exists"):
+    tolerations = data.get("gpu_tolerations") or []
+    if not isinstance(tolerations, list):
+        problems.append(f"gpu_tolerations: must be a list of tolerations, got {tolerations!r}")
+        tolerations = []
+    for i, t in enumerate(tolerations):
+        if not isinstance(t, dict):
+            problems.append(f"gpu_tolerations[{i}]: must be a mapping (key, operator, value, effect), got {t!r}")
+        elif t.get("operator", "Equal") not in ("Equal", "Exists"):
             problems.append(f"gpu_tolerations[{i}].operator: must be Equal or Exists")
         elif t.get("effect") not in (None, "NoSchedule", "PreferNoSchedule", "NoExecute"):
             problems.append(f"gpu_tolerations[{i}].effect: must be NoSchedule, PreferNoSchedule or NoExecute")

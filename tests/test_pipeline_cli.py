@@ -185,3 +185,20 @@ def test_bad_platform_file_is_reported(tmp_path):
     r = run_cli("compile", "train_and_serve", "-o", str(tmp_path / "p.yaml"), "--platform", str(plat))
     assert r.returncode == 2 and "labels.bad key!" in r.stderr and "gpu_tolerations[0].operator" in r.stderr
     assert "extra: unknown field" in r.stderr
+
+
+
+@pytest.mark.parametrize("body,needle", [
+    ("- a\n", "(top level): must be a mapping, got list"),
+    ("labels: [a]\n", "labels: must be a mapping of label key -> value"),
+    ("gpu_tolerations: 5\n", "gpu_tolerations: must be a list"),
+    ("gpu_tolerations: [3]\n", "gpu_tolerations[0]: must be a mapping"),
+    ("s3_keys: 3\ns3_secret: My_Secret\n", "s3_secret: 'My_Secret' is not a valid Secret name"),
+    ("labels: {a: [\n", "platform.yaml:2: not valid YAML"),
+])
+def test_malformed_platform_file_gets_an_error_not_a_traceback(tmp_path, body, needle):
+    plat = tmp_path / "platform.yaml"
+    plat.write_text(body)
+    r = run_cli("compile", "train_and_serve", "-o", str(tmp_path / "p.yaml"), "--platform", str(plat))
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "p.yaml").exists()

@@ -40,6 +40,16 @@ def test_config_from_env_and_file(tmp_path):
     assert "filesecret" not in repr(cfg) and "envkey" not in repr(cfg)
 
 
+
+@pytest.mark.parametrize("body,needle", [("- a\n", "must be a mapping, got list"), ("endpoint: [\n", "cannot parse")])
+def test_malformed_storage_config_file_is_reported(tmp_path, body, needle):
+    f = tmp_path / "s.yaml"
+    f.write_text(body)
+    with pytest.raises(StorageError) as e:
+        StorageConfig.from_env({"KFP_PYTORCH_STORAGE_CONFIG": str(f)})
+    assert needle in str(e.value) and str(f) in str(e.value) and e.value.hint
+
+
 def test_local_roundtrip_is_atomic(tmp_path):
     st = Storage(StorageConfig())
     target = tmp_path / "d" / "obj.bin"
