@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -144,7 +145,14 @@ class LocalBackend:
     """torchrun on this machine: one node, ``workers`` processes."""
 
     def run(self, spec: TrainSpec) -> None:
+        # torchrun's agent leaves a torchelastic_* directory in the temp dir on every run; a
+        # scratch TMPDIR per run keeps repeated local runs from piling them up in /tmp.
+        with tempfile.TemporaryDirectory(prefix="kfp-pytorch-torchrun-") as scratch:
+            self._run(spec, scratch)
+
+    def _run(self, spec: TrainSpec, scratch: str) -> None:
         env = dict(os.environ)
+        env["TMPDIR"] = scratch
         env.update(replica_env(1, spec.workers, 0, "127.0.0.1", free_port(), spec.max_restarts))
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.workers)))
         env["PYTHONUNBUFFERED"] = "1"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from torch import nn
 
-PET_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "PET_NNODES",
+PET_KEYS = ("TMPDIR", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "PET_NNODES",
             "PET_NPROC_PER_NODE", "PET_NODE_RANK")
 
 

@@ -39,6 +39,9 @@ def test_workers_get_the_pytorchjob_environment(digits_data, tmp_path, monkeypat
         assert env["PET_NNODES"] == "1" and env["PET_NPROC_PER_NODE"] == "2" and env["PET_NODE_RANK"] == "0"
         assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
     assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
+    # torchrun ran in a scratch temp dir of its own, removed afterwards with its torchelastic_* dir
+    scratch = envs[0]["TMPDIR"]
+    assert os.path.basename(scratch).startswith("kfp-pytorch-torchrun-") and not os.path.exists(scratch)
 
 
 def test_worker_command_is_the_replica_entrypoint():
