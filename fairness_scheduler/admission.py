@@ -184,8 +184,10 @@ class NodePool:
         return chosen
 
     def largest_free_gpu(self) -> int:
+        held = self.held
         for level in range(self.max_gpu, 0, -1):
-            if any(i not in self.held for i in self.levels[level]):
+            nodes = self.levels[level]
+            if nodes and (not held or any(i not in held for i in nodes)):
                 return level
         return 0
 

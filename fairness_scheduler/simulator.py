@@ -105,6 +105,9 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
     held_int = np.zeros(len(users))
     fair_int = np.zeros(len(users))
     fair = np.zeros(len(users))
+    held_since = np.zeros(len(users))  # when each user's held GPUs last changed
+    fair_since = 0.0
+    reads_usage = policy.reads_usage
     running: list = []  # (end, seq, workload, placement)
     queued_sizes: dict[float, int] = {}
     k_penalty = getattr(policy, "penalty_seconds", 0.0)
@@ -125,9 +128,7 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
     while ai < n or running:
         t_next = min(workloads[order[ai]].submit_time if ai < n else math.inf, running[0][0] if running else math.inf)
         dt = t_next - t
-        if dt > 0:
-            held_int += held * dt
-            fair_int += fair * dt
+        if dt > 0 and reads_usage:
             if lam:
                 f = math.exp(-lam * dt)
                 usage = usage * f + held * (1 - f) / lam
@@ -139,6 +140,8 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
             e, _, w, placement = heapq.heappop(running)
             pool.release(w, placement)
             u = uidx[w.user]
+            held_int[u] += held[u] * (t - held_since[u])  # held is piecewise constant: integrate lazily
+            held_since[u] = t
             held[u] -= w.gpus
             demand[u] -= w.gpus
             ctx.runtimes.record(w.user, w.gpus, e - start[pos[id(w)]])  # a real scheduler's estimate: history
@@ -178,6 +181,8 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
                     tw_large.add(t, t - w.submit_time)
                 heapq.heappush(running, (end[i], w.seq, w, placement))
                 u = uidx[w.user]
+                held_int[u] += held[u] * (t - held_since[u])
+                held_since[u] = t
                 held[u] += w.gpus
                 penalty[u] += w.gpus * k_penalty
                 c = queued_sizes[w.gpus] - 1
@@ -186,10 +191,14 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
                 else:
                     del queued_sizes[w.gpus]
         if demand_dirty:
+            fair_int += fair * (t - fair_since)
+            fair_since = t
             fair = water_fill(demand, weights, C)
             demand_dirty = False
     if bar is not None:
         bar.close()
+    held_int += held * (t - held_since)
+    fair_int += fair * (t - fair_since)
     metrics = _metrics(workloads, start, end, held_int, fair_int, names, C, first_submit, light_users, uidx)
     service = {names[i]: float(held_int[i] / fair_int[i]) for i in range(len(names)) if fair_int[i] > 0}
     submit = np.array([w.submit_time for w in workloads])
