@@ -48,6 +48,8 @@ sys.path.insert(0, str(HERE))
 from servers import start_seaweedfs  # noqa: E402
 
 ROWS: list[dict] = []
+GOAL_GRID: dict[str, dict[tuple[str, int], list[str]]] = {"full traces": {}, "half traces": {}}
+"""Missed goals of ``fairshare`` per (trace, user-draw seed), for the goal-grid plot."""
 
 
 def row(figure, value, baseline, ratio, target, ok, unit=""):
@@ -351,6 +353,7 @@ def bench_fairness(tmp: Path) -> None:
         info, checks, met_by = _judge(tr)
         ok = all(c[2] for c in checks.values())
         passed += ok
+        GOAL_GRID["full traces"][(tr.stem, 0)] = _missed(checks)
         for p, b_ok in met_by.items():
             baselines[p] += b_ok
         print(f"  {tr.stem} (C={info['capacity_gpus']}): {'PASS' if ok else 'MISS'}  " + "  ".join(
@@ -363,20 +366,27 @@ def bench_fairness(tmp: Path) -> None:
                  "runs": len(traces)})
 
 
-def _goal_row(seed: int, placement: str = "binpack") -> tuple[list[str], int, dict[str, int]]:
+def _missed(checks: dict) -> list[str]:
+    return [k.split("/")[0] for k, c in checks.items() if not c[2]]
+
+
+def _goal_row(seed: int, placement: str = "binpack") -> tuple[list[str], int, dict[str, int], dict[str, list[str]]]:
     """One line of goals met per trace (of 6) for a user draw and a placement convention, the
-    traces meeting every goal, and how many the fair baselines meet when judged by the same goals."""
+    traces meeting every goal, how many the fair baselines meet when judged by the same goals,
+    and the goals missed per trace."""
     cells, met = [], 0
     baselines = dict.fromkeys(FAIR_BASELINES, 0)
+    missed = {}
     for tr in sorted(TRACES.glob("*.csv")):
         _, checks, met_by = _judge(tr, seed, placement)
+        missed[tr.stem] = _missed(checks)
         n_ok = sum(c[2] for c in checks.values())
         met += n_ok == len(checks)
         for p, b_ok in met_by.items():
             baselines[p] += b_ok
         cells.append(f"{tr.stem[-2:]}:{n_ok}" + ("" if n_ok == len(checks) else
-                     "(" + ",".join(k.split("/")[0] for k, c in checks.items() if not c[2]) + ")"))
-    return cells, met, baselines
+                     "(" + ",".join(missed[tr.stem]) + ")"))
+    return cells, met, baselines, missed
 
 
 def bench_fairness_seeds(tmp: Path) -> None:
@@ -390,8 +400,9 @@ def bench_fairness_seeds(tmp: Path) -> None:
     print("fairness goals, other user draws (protocol seeds 1-11): goals met of 6 per trace")
     with ProcessPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as ex:
         rows = dict(zip(seeds, ex.map(_goal_row, seeds)))
-    for seed, (cells, _, _) in rows.items():
+    for seed, (cells, _, _, missed) in rows.items():
         print(f"  seed {seed:2d}: " + "  ".join(cells), flush=True)
+        GOAL_GRID["full traces"].update({(trace, seed): m for trace, m in missed.items()})
     groups = {"seeds 1-2 (tuning)": (1, 2), "seeds 3-5": (3, 4, 5), "seeds 6-11 (confirmation)": range(6, 12)}
     totals = {name: sum(rows[s][1] for s in group) for name, group in groups.items()}
     print("  trace x seed runs meeting every goal: " + ", ".join(
@@ -428,10 +439,10 @@ def _split_halves(out: Path) -> list[Path]:
     return paths
 
 
-def _halves_cell(args: tuple[str, int]) -> tuple[str, bool, dict[str, bool]]:
+def _halves_cell(args: tuple[str, int]) -> tuple[str, bool, dict[str, bool], list[str]]:
     path, seed = args
     _, checks, met_by = _judge(path, seed)
-    return Path(path).stem, all(c[2] for c in checks.values()), met_by
+    return Path(path).stem, all(c[2] for c in checks.values()), met_by, _missed(checks)
 
 
 def bench_fairness_halves(tmp: Path) -> None:
@@ -447,8 +458,9 @@ def bench_fairness_halves(tmp: Path) -> None:
     print("fairness goals on half traces (each trace cut at its median submission; seeds 0-3): "
           "draws meeting every goal per half")
     per = {}
-    for name, ok, _ in cells:
+    for (name, ok, _, missed), (_, seed) in zip(cells, [(p, s) for p in paths for s in seeds]):
         per[name] = per.get(name, 0) + ok
+        GOAL_GRID["half traces"][(name, seed)] = missed
     print("  " + "  ".join(f"{n[-3:]}:{k}" for n, k in per.items()))
     runs = len(cells)
     ours = sum(c[1] for c in cells)
@@ -462,7 +474,7 @@ def bench_fairness_spread(tmp: Path) -> None:
     """Robustness to the placement convention: every policy with ``spread`` (kube-scheduler's
     default scoring) instead of ``binpack``; FIFO's own figures move with it on cluster02/03/07."""
     print("fairness goals, seed 0, every policy with --placement spread: goals met of 6 per trace")
-    cells, met, _ = _goal_row(0, "spread")
+    cells, met, _, _ = _goal_row(0, "spread")
     print("  " + "  ".join(cells), flush=True)
     print(f"  traces meeting every goal: {met}/8")
     ROWS.append({"figure": "fairness goals, spread placement", "met": met, "runs": 8})
@@ -535,14 +547,58 @@ BENCHES = {"train": bench_train, "data": bench_data, "serve": bench_serve, "pipe
            "fairness-spread": bench_fairness_spread, "k8s": bench_k8s}
 
 
+def plot_goal_grid(path: Path) -> None:
+    """One cell per trace and user draw: green where ``fairshare`` meets every goal of issue #4,
+    else red by the number missed, labelled with the goals missed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    short = {"jain": "J", "light_wait_p95": "L", "wait_max": "W", "utilization": "U", "jct_mean": "C",
+             "min_service": "M"}
+    from matplotlib.colors import ListedColormap
+
+    cmap = ListedColormap(["#66bb6a", "#ffe082", "#ffab40", "#e53935"])  # 0, 1, 2, 3+ goals missed
+    sets = [(title, grid) for title, grid in GOAL_GRID.items() if grid]
+    fig, axes = plt.subplots(1, len(sets), figsize=(max(9, 7 * len(sets)), 6.5), squeeze=False)
+    for ax, (title, grid) in zip(axes[0], sets):
+        traces = sorted({t for t, _ in grid})
+        seeds = sorted({s for _, s in grid})
+        n_missed = np.full((len(traces), len(seeds)), np.nan)
+        for (t, s), missed in grid.items():
+            n_missed[traces.index(t), seeds.index(s)] = len(missed)
+        ax.imshow(np.minimum(n_missed, 3), cmap=cmap, vmin=-0.5, vmax=3.5, aspect="auto")
+        for (t, s), missed in grid.items():
+            ax.text(seeds.index(s), traces.index(t), "".join(short.get(m, "?") for m in missed) or "ok",
+                    ha="center", va="center", fontsize=8)
+        met = sum(not m for m in grid.values())
+        ax.set_title(f"{title}: {met}/{len(grid)} runs meet every goal")
+        ax.set_xticks(range(len(seeds)), [str(s) for s in seeds])
+        ax.set_yticks(range(len(traces)), [t.replace("cluster", "") for t in traces])
+        ax.set_xlabel("user-draw seed")
+    fig.suptitle("fairshare against the issue #4 goals, same run as the baselines\nmissed: J Jain's index, "
+                 "L light users' p95 wait, W worst wait, U utilization, C mean JCT, M worst-served user",
+                 fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--only", default=",".join(BENCHES))
     p.add_argument("--json", default=None, help="also write the rows as JSON to this file")
+    p.add_argument("--plot", default=str(ROOT / "bench_results" / "fairness_goals.png"),
+                   help="where the fairness benches draw their goal grid (PNG)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="kfp-pytorch-bench-") as tmp:
         for name in args.only.split(","):
             BENCHES[name.strip()](Path(tmp))
+    if any(GOAL_GRID.values()):
+        plot_goal_grid(Path(args.plot))
+        print(f"goal grid: {args.plot}")
     if args.json:
         Path(args.json).write_text(json.dumps(ROWS, indent=1))
     return 0
