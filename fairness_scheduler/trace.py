@@ -43,30 +43,23 @@ def read_trace(path: str | Path) -> list[TraceJob]:
     trace is fixed in one pass rather than one error per run."""
     path = Path(path)
     try:
-        f = open(path, newline="")
+        f = open(path, newline="", encoding="utf-8-sig")  # a BOM (spreadsheet exports) is not part of the header
     except FileNotFoundError as e:
         raise TraceError(f"trace file not found: {path}", "give a CSV with columns " + ", ".join(COLUMNS)) from e
+    except OSError as e:
+        raise TraceError(f"cannot read trace {path}: {e.strerror or e}", "give a readable CSV file") from e
     jobs: list[TraceJob] = []
     problems: list[str] = []
-    with f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None:
-            raise TraceError(f"{path}:1: empty file", "expected a header: " + ",".join(COLUMNS))
-        header = [h.strip() for h in header]
-        missing = [c for c in COLUMNS if c not in header]
-        if missing:
-            raise TraceError(f"{path}:1: missing column(s) {', '.join(missing)} (header: {','.join(header)})",
-                             "the header must name " + ", ".join(COLUMNS))
-        idx = [header.index(c) for c in COLUMNS]
-        for line, row in enumerate(reader, start=2):
-            if not row or all(not c.strip() for c in row):
-                continue
-            job = _parse_row(row, len(header), idx, line)
-            if isinstance(job, str):
-                problems.append(f"{path}:{line}: {job}")
-            else:
-                jobs.append(job)
+    reader = csv.reader(f)
+    try:
+        with f:
+            _read_rows(reader, path, jobs, problems)
+    except UnicodeDecodeError:  # decoded ahead in blocks: no line number to give
+        raise TraceError(f"{path}: not UTF-8 text", "give a plain-text CSV (decompress .gz/.tar.gz traces first)"
+                         ) from None
+    except csv.Error as e:
+        raise TraceError(f"{path}:{reader.line_num}: {e}", "give a plain-text CSV (decompress .gz/.tar.gz traces first)"
+                         ) from None
     if problems:
         shown = problems[:MAX_LISTED]
         more = f"\n... and {len(problems) - MAX_LISTED} more bad rows" if len(problems) > MAX_LISTED else ""
@@ -76,6 +69,27 @@ def read_trace(path: str | Path) -> list[TraceJob]:
     if not jobs:
         raise TraceError(f"{path}: no jobs", "the trace has a header but no rows")
     return jobs
+
+
+def _read_rows(reader, path: Path, jobs: list[TraceJob], problems: list[str]) -> None:
+    header = next(reader, None)
+    if header is None:
+        raise TraceError(f"{path}:1: empty file", "expected a header: " + ",".join(COLUMNS))
+    header = [h.strip() for h in header]
+    missing = [c for c in COLUMNS if c not in header]
+    if missing:
+        raise TraceError(f"{path}:1: missing column(s) {', '.join(missing)} (header: {','.join(header)})",
+                         "the header must name " + ", ".join(COLUMNS))
+    idx = [header.index(c) for c in COLUMNS]
+    for row in reader:
+        if not row or all(not c.strip() for c in row):
+            continue
+        line = reader.line_num
+        job = _parse_row(row, len(header), idx, line)
+        if isinstance(job, str):
+            problems.append(f"{path}:{line}: {job}")
+        else:
+            jobs.append(job)
 
 
 def _parse_row(row: list[str], n_fields: int, idx: list[int], line: int) -> TraceJob | str:

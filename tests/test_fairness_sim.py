@@ -1,4 +1,5 @@
 """Trace protocol, simulator metrics (hand-computed), config validation, ledger durability, CLI."""
+import gzip
 import json
 import math
 import os
@@ -53,6 +54,17 @@ def test_every_bad_row_is_named_in_one_error(tmp_path):
     assert f"{p}:3: non-numeric" in text and f"{p}:4: num_gpu must be a positive integer, got 1.5" in text
     assert f"{p}:5: negative duration -1" in text and f"{p}:22: negative duration" in text
     assert f"{p}:23:" not in text and "... and 7 more bad rows" in text  # 27 bad rows, 20 named
+
+
+def test_spreadsheet_exports_parse_and_binary_files_are_refused(tmp_path):
+    p = tmp_path / "excel.csv"  # UTF-8 BOM and CRLF line ends, as spreadsheet exports write them
+    p.write_bytes(b"\xef\xbb\xbfjob_id,submission_time,duration,num_gpu\r\na,0,100,1\r\nb,5,50,16\r\n")
+    assert [(j.job_id, j.gpus, j.line) for j in read_trace(p)] == [("a", 1, 2), ("b", 16, 3)]
+    gz = tmp_path / "trace.csv.gz"
+    gz.write_bytes(gzip.compress(p.read_bytes()))
+    with pytest.raises(TraceError) as e:
+        read_trace(gz)
+    assert f"{gz}: not UTF-8 text" in str(e.value) and "decompress" in str(e.value)
 
 
 def test_protocol_users_and_capacity_follow_the_readme():
