@@ -13,6 +13,27 @@ from kfp_pytorch.components.errors import KfpPytorchError
 from kfp_pytorch.fairness_scheduler.model import PLACEMENTS
 
 
+PLOT_FORMATS = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
+
+
+def _output_problem(path: str, option: str, suffixes: tuple[str, ...] | None = None) -> str | None:
+    """Why ``path`` cannot be written, checked before any work is done (None if it can)."""
+    import os
+    from pathlib import Path
+
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if suffixes and p.suffix.lower() not in suffixes:
+        return f"{option}: {path!r} must end in one of {', '.join(suffixes)}"
+    if not parent.is_dir():
+        return f"{option}: directory {str(parent)!r} does not exist (create it first)"
+    if not os.access(parent, os.W_OK):
+        return f"{option}: directory {str(parent)!r} is not writable"
+    if p.is_dir():
+        return f"{option}: {path!r} is a directory"
+    return None
+
+
 def _read_yaml(path: str, option: str):
     """A YAML file given on the command line; a syntax error names the option, file and line."""
     import yaml
@@ -82,12 +103,15 @@ def compile_cmd(pipeline, output, platform_file):
     from kfp_pytorch.pipelines import get_pipeline
     from kfp_pytorch.pipelines.platform import load_platform
 
+    from kfp_pytorch.components.errors import ConfigError
+
+    # KFP writes .json too, but deprecated and without platform (Kubernetes) settings: YAML only.
+    if problem := _output_problem(output, "-o/--output", (".yaml", ".yml")):
+        raise ConfigError([problem], "give a writable KFP IR file path, e.g. -o pipeline.yaml")
     entry = get_pipeline(pipeline)
     func = entry.func
     if platform_file:
         if entry.build is None:
-            from kfp_pytorch.components.errors import ConfigError
-
             raise ConfigError([f"pipeline {entry.name} takes no platform settings"])
         func = entry.build(load_platform(_read_yaml(platform_file, "--platform")))
     compiler.Compiler().compile(func, package_path=output)
@@ -368,6 +392,8 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
         cfg = load_config(_read_yaml(config, "--config") if config else {})
     except ConfigError as e:
         problems += e.problems
+    if plot_path and (problem := _output_problem(plot_path, "--plot", PLOT_FORMATS)):
+        problems.append(problem)
     problems += option_problems(users, zipf, load, hl if hl is not None else 1.0,
                                 placement or (cfg.placement if cfg else "binpack"))
     if problems:

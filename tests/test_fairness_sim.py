@@ -305,6 +305,12 @@ def test_simulate_cli_bad_input(tmp_path):
     for needle in ("--policies: unknown policy 'x'", "--half-life: must be a duration", "--users: must be >= 1",
                    "--load: must be > 0", "fairshare.weight_age: must be >= 0", "users[0].shares: must be > 0"):
         assert needle in out.stderr, needle
+    out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(TRACES / "cluster10.csv"),
+                          "--plot", str(tmp_path / "nope" / "p.png")], capture_output=True, text=True)
+    assert out.returncode == 2 and "--plot: directory" in out.stderr and "does not exist" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(TRACES / "cluster10.csv"),
+                          "--plot", str(tmp_path / "p.txt")], capture_output=True, text=True)
+    assert out.returncode == 2 and "must end in one of .png" in out.stderr and "Traceback" not in out.stderr
     for text, needle in (("- a\n- b\n", "(top level): must be a mapping of fields, got list"),
                          ("a: [\n", "not valid YAML")):
         cfg.write_text(text)

@@ -202,3 +202,11 @@ def test_malformed_platform_file_gets_an_error_not_a_traceback(tmp_path, body, n
     r = run_cli("compile", "train_and_serve", "-o", str(tmp_path / "p.yaml"), "--platform", str(plat))
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "p.yaml").exists()
+
+
+
+@pytest.mark.parametrize("out,needle", [("missing-dir/p.yaml", "does not exist (create it first)"),
+                                        ("p.json", "must end in one of .yaml, .yml")])
+def test_compile_output_is_checked_before_compiling(tmp_path, out, needle):
+    r = run_cli("compile", "train_and_serve", "-o", str(tmp_path / out))
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
