@@ -108,6 +108,8 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
     held_since = np.zeros(len(users))  # when each user's held GPUs last changed
     fair_since = 0.0
     reads_usage = policy.reads_usage
+    state_list = [states[n] for n in names]  # in user-index order
+    held_changed: set[int] = set()
     running: list = []  # (end, seq, workload, placement)
     queued_sizes: dict[float, int] = {}
     k_penalty = getattr(policy, "penalty_seconds", 0.0)
@@ -143,6 +145,7 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
             held_int[u] += held[u] * (t - held_since[u])  # held is piecewise constant: integrate lazily
             held_since[u] = t
             held[u] -= w.gpus
+            held_changed.add(u)
             demand[u] -= w.gpus
             ctx.runtimes.record(w.user, w.gpus, e - start[pos[id(w)]])  # a real scheduler's estimate: history
             demand_dirty = True
@@ -159,13 +162,14 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
             queued_sizes[w.gpus] = queued_sizes.get(w.gpus, 0) + 1
             demand_dirty = True
         if len(queue) and _something_may_fit(pool, queued_sizes):
-            if policy.reads_usage:
-                ul, hl, pl = usage.tolist(), held.tolist(), penalty.tolist()
-                for name, s in states.items():
-                    i = uidx[name]
+            if reads_usage:
+                ul, pl = usage.tolist(), penalty.tolist()
+                for i, s in enumerate(state_list):
                     s.usage = Resources(ul[i])
-                    s.held = Resources(hl[i])
                     s.penalty = pl[i] / C
+                for i in held_changed:  # held moves only with starts and ends
+                    state_list[i].held = Resources(float(held[i]))
+                held_changed.clear()
             ctx.now = t
             ctx.typical_wait = tw.value(t)
             ctx.large_gang_wait = tw_large.value(t)
@@ -184,6 +188,7 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
                 held_int[u] += held[u] * (t - held_since[u])
                 held_since[u] = t
                 held[u] += w.gpus
+                held_changed.add(u)
                 penalty[u] += w.gpus * k_penalty
                 c = queued_sizes[w.gpus] - 1
                 if c:
