@@ -52,8 +52,9 @@ def run_protocol(trace: str | Path, policies: list[str], users: int = 20, zipf: 
     info = {"trace": str(trace), "jobs": len(jobs), "capacity_gpus": c, "nodes": c // 8, "users": users,
             "zipf": zipf, "seed": seed, "load": load, "half_life_s": half_life, "placement": placement}
     results = {}
+    workloads = protocol_workloads(jobs, users, zipf, seed)  # read-only to the simulator: one set for all
     for p in policies:
-        results[p] = simulate(protocol_workloads(jobs, users, zipf, seed), protocol_users(users), protocol_nodes(c),
+        results[p] = simulate(workloads, protocol_users(users), protocol_nodes(c),
                               p, half_life, fairshare, progress=progress, placement=placement)
     return results, info
 

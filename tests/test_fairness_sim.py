@@ -141,6 +141,21 @@ def test_every_policy_runs_every_job_of_a_real_trace(policy):
     assert 0 < r.metrics["utilization"] <= 1 and 0 < r.metrics["jain_service"] <= 1
 
 
+def test_one_workload_set_serves_every_policy_of_a_run():
+    """run_protocol hands the same Workload objects to each policy: the simulator must leave them
+    as it found them, so a policy's results do not depend on which ran before it."""
+    jobs = read_trace(TRACES / "cluster10.csv")
+    wl = protocol_workloads(jobs)
+    before = [(w.name, w.user, w.submit_time, w.pods, w.duration, w.seq, w.total, w.shape) for w in wl]
+    cap = capacity(jobs)
+    first = simulate(wl, protocol_users(), protocol_nodes(cap), "fairshare").metrics
+    simulate(wl, protocol_users(), protocol_nodes(cap), "drf")
+    assert [(w.name, w.user, w.submit_time, w.pods, w.duration, w.seq, w.total, w.shape) for w in wl] == before
+    assert simulate(wl, protocol_users(), protocol_nodes(cap), "fairshare").metrics == first
+    fresh = simulate(protocol_workloads(jobs), protocol_users(), protocol_nodes(cap), "fairshare").metrics
+    assert fresh == first
+
+
 def test_fairshare_protects_light_users_against_fifo():
     jobs = read_trace(TRACES / "cluster09.csv")[:4000]
     c = capacity(jobs)
