@@ -65,6 +65,7 @@ class NodePool:
         """Reserved nodes -> the reservation's estimated start (its shadow time)."""
         self.running: list[dict[int, tuple[Workload, float, float]]] = [{} for _ in self.nodes]
         """Per node: workload id -> (workload, start time, GPUs it holds there), for estimates."""
+        self._ever_fits: dict[tuple[Resources, ...], bool] = {}
         self.total = Resources()
         for a in self.alloc:
             self.total = self.total + a
@@ -88,9 +89,15 @@ class NodePool:
         return pod.gpu >= self.alloc[node].gpu > 0
 
     def ever_fits(self, w: Workload) -> bool:
-        """Could ``w`` run on this cluster if it were empty?"""
+        """Could ``w`` run on this cluster if it were empty? (Cached by pod shapes: nodes are fixed.)"""
+        known = self._ever_fits.get(w.pods)
+        if known is None:
+            known = self._ever_fits[w.pods] = self._fits_empty(w.pods)
+        return known
+
+    def _fits_empty(self, pods: tuple[Resources, ...]) -> bool:
         free = [a for a in self.alloc]
-        for pod in sorted(w.pods, key=lambda p: -p.gpu):
+        for pod in sorted(pods, key=lambda p: -p.gpu):
             for i, f in enumerate(free):
                 if pod.fits_in(f) and (not self.needs_whole_node(pod, i) or f == self.alloc[i]):
                     free[i] = Resources(0, 0, 0) if self.needs_whole_node(pod, i) else f - pod
@@ -248,7 +255,7 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
     policy.prepare(ctx)
     version: dict[str, int] = {}
     blocked: set[tuple] = set()
-    held_gpu = {u: s.held.gpu for u, s in ctx.users.items()}
+    held_gpu = {u: s.held.gpu for u, s in ctx.users.items()} if quotas else {}  # read for quotas only
     reserved_gpu = 0.0
     cap = reserve_cap * pool.total.gpu
     pool.held.clear()

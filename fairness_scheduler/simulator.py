@@ -40,9 +40,10 @@ def water_fill(demand: np.ndarray, weights: np.ndarray, capacity: float) -> np.n
     if sum(d) <= capacity:
         return demand.copy()
     w = weights.tolist()
-    order = sorted((x / wi, i) for i, (x, wi) in enumerate(zip(d, w)) if x > 0)
+    order = sorted([(x / wi, i) for i, (x, wi) in enumerate(zip(d, w)) if x > 0])
     alloc = [0.0] * len(d)
-    remaining, wsum = capacity, sum(w[i] for _, i in order)
+    remaining = capacity
+    wsum = sum([w[i] for _, i in order])
     for k, (ratio, i) in enumerate(order):
         level = remaining / wsum
         if ratio <= level:
