@@ -32,14 +32,15 @@ METRICS = ("wait_p50", "wait_p95", "wait_max", "jct_mean", "makespan", "utilizat
 def water_fill(demand: np.ndarray, weights: np.ndarray, capacity: float) -> np.ndarray:
     """Weighted max-min fair allocation of ``capacity``, each user capped by its demand.
 
-    Users saturate in order of demand/weight; the rest share what is left by weight. Plain
-    Python on purpose: with tens of users this is several times faster than numpy's per-call
-    overhead, and it runs at every event of a simulation.
-    """
-    d = demand.tolist()
+    Users saturate in order of demand/weight; the rest share what is left by weight."""
+    return np.array(_water_fill(demand.tolist(), weights.tolist(), capacity))
+
+
+def _water_fill(d: list[float], w: list[float], capacity: float) -> list[float]:
+    """:func:`water_fill` on plain lists. Plain Python on purpose: with tens of users this is
+    several times faster than numpy's per-call overhead, and it runs at every event."""
     if sum(d) <= capacity:
-        return demand.copy()
-    w = weights.tolist()
+        return list(d)
     order = sorted([(x / wi, i) for i, (x, wi) in enumerate(zip(d, w)) if x > 0])
     alloc = [0.0] * len(d)
     remaining = capacity
@@ -54,7 +55,7 @@ def water_fill(demand: np.ndarray, weights: np.ndarray, capacity: float) -> np.n
             for _, j in order[k:]:
                 alloc[j] = level * w[j]
             break
-    return np.array(alloc)
+    return alloc
 
 
 def jain(x: np.ndarray) -> float:
@@ -86,7 +87,7 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
     C = capacity.gpu
     names = [u.name for u in users]
     uidx = {n: i for i, n in enumerate(names)}
-    weights = np.array([u.shares for u in users], dtype=float)
+    weights = [float(u.shares) for u in users]
     quotas = {u.name: u.gpu_quota for u in users if u.gpu_quota is not None} or None
     states = {u.name: UserState(u) for u in users}
     ctx = CycleContext(0.0, states, capacity)
@@ -99,14 +100,16 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
     pos = {id(w): i for i, w in enumerate(workloads)}
     queue = PendingQueue()
     unschedulable: list[str] = []
-    held = np.zeros(len(users))
-    demand = np.zeros(len(users))
-    usage = np.zeros(len(users))
-    penalty = np.zeros(len(users))
-    held_int = np.zeros(len(users))
-    fair_int = np.zeros(len(users))
-    fair = np.zeros(len(users))
-    held_since = np.zeros(len(users))  # when each user's held GPUs last changed
+    # Per-user state as plain lists: with tens of users, Python floats beat numpy's per-call cost.
+    n_users = len(users)
+    held = [0.0] * n_users
+    demand = [0.0] * n_users
+    usage = [0.0] * n_users
+    penalty = [0.0] * n_users
+    held_int = [0.0] * n_users
+    fair_int = [0.0] * n_users
+    fair = [0.0] * n_users
+    held_since = [0.0] * n_users  # when each user's held GPUs last changed
     fair_since = 0.0
     reads_usage = policy.reads_usage
     state_list = [states[n] for n in names]  # in user-index order
@@ -134,10 +137,11 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
         if dt > 0 and reads_usage:
             if lam:
                 f = math.exp(-lam * dt)
-                usage = usage * f + held * (1 - f) / lam
-                penalty *= f
+                omf = 1 - f
+                usage = [u * f + h * omf / lam for u, h in zip(usage, held)]
+                penalty = [p * f for p in penalty]
             else:
-                usage = usage + held * dt
+                usage = [u + h * dt for u, h in zip(usage, held)]
         t = t_next
         while running and running[0][0] <= t:
             e, _, w, placement = heapq.heappop(running)
@@ -164,12 +168,12 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
             demand_dirty = True
         if len(queue) and _something_may_fit(pool, queued_sizes):
             if reads_usage:
-                ul, pl = usage.tolist(), penalty.tolist()
+                ul, pl = usage, penalty
                 for i, s in enumerate(state_list):
                     s.usage = Resources(ul[i])
                     s.penalty = pl[i] / C
                 for i in held_changed:  # held moves only with starts and ends
-                    state_list[i].held = Resources(float(held[i]))
+                    state_list[i].held = Resources(held[i])
                 held_changed.clear()
             ctx.now = t
             ctx.typical_wait = tw.value(t)
@@ -197,14 +201,15 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
                 else:
                     del queued_sizes[w.gpus]
         if demand_dirty:
-            fair_int += fair * (t - fair_since)
+            dt_fair = t - fair_since
+            fair_int = [fi + f * dt_fair for fi, f in zip(fair_int, fair)]
             fair_since = t
-            fair = water_fill(demand, weights, C)
+            fair = _water_fill(demand, weights, C)
             demand_dirty = False
     if bar is not None:
         bar.close()
-    held_int += held * (t - held_since)
-    fair_int += fair * (t - fair_since)
+    held_int = [hi + h * (t - hs) for hi, h, hs in zip(held_int, held, held_since)]
+    fair_int = [fi + f * (t - fair_since) for fi, f in zip(fair_int, fair)]
     metrics = _metrics(workloads, start, end, held_int, fair_int, names, C, first_submit, light_users, uidx)
     service = {names[i]: float(held_int[i] / fair_int[i]) for i in range(len(names)) if fair_int[i] > 0}
     submit = np.array([w.submit_time for w in workloads])
