@@ -61,6 +61,8 @@ class UsageLedger:
     def __init__(self, url: str | Path = "sqlite:///fairshare-ledger.db", half_life: float = 7 * 86400.0):
         from sqlalchemy import (Column, Float, Integer, MetaData, String, Table, create_engine, event)
 
+        if not half_life > 0:  # NaN too; math.inf means no decay
+            raise LedgerError(f"half_life: must be > 0 seconds, got {half_life!r}", "Slurm's default is 7 days (604800)")
         url = str(url)
         if "://" not in url:
             url = f"sqlite:///{url}"
@@ -106,6 +108,12 @@ class UsageLedger:
     # -- writes --------------------------------------------------------------------------------
     def record(self, iv: Interval) -> None:
         """Append one interval (one transaction: committed means durable)."""
+        r = iv.resources
+        if not all(math.isfinite(v) for v in (iv.start, iv.end, r.gpu, r.cpu, r.memory_gb)):
+            raise LedgerError(f"interval of {iv.workload}: start, end and resources must be finite numbers, got {iv}")
+        if min(r.gpu, r.cpu, r.memory_gb) < 0:
+            raise LedgerError(f"interval of {iv.workload}: resources must be >= 0, got {r}",
+                              "record what the workload held: GPUs, CPUs and GB of memory")
         if iv.end < iv.start:
             raise LedgerError(f"interval of {iv.workload} ends before it starts ({iv.start} > {iv.end})")
         with self.engine.begin() as conn:

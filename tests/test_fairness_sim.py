@@ -245,6 +245,26 @@ def test_ledger_errors_say_what_to_do():
         UsageLedger(f"postgresql+psycopg://kfp@127.0.0.1:{free_port()}/ledger?connect_timeout=2")
 
 
+
+def test_ledger_refuses_intervals_that_would_corrupt_usage(tmp_path):
+    from kfp_pytorch.fairness_scheduler.errors import LedgerError
+
+    with pytest.raises(LedgerError, match="half_life: must be > 0"):
+        UsageLedger(f"sqlite:///{tmp_path / 'x.db'}", half_life=0)
+    led = UsageLedger(f"sqlite:///{tmp_path / 'l.db'}", half_life=3600)
+    led.record(Interval("ok", "a", Resources(2, 4, 8), 0, 100))
+    for bad, msg in ((Interval("neg", "a", Resources(-1), 0, 10), "resources must be >= 0"),
+                     (Interval("nan", "a", Resources(float("nan")), 0, 10), "must be finite"),
+                     (Interval("inf", "a", Resources(1), 0, math.inf), "must be finite"),
+                     (Interval("back", "a", Resources(1), 10, 5), "ends before it starts")):
+        with pytest.raises(LedgerError, match=msg):
+            led.record(bad)
+    # nothing of the refused intervals reached the ledger, on disk or in memory
+    again = UsageLedger(f"sqlite:///{tmp_path / 'l.db'}", half_life=3600)
+    assert again.intervals_count() == 1 and again.usage(100) == led.usage(100)
+    assert led.usage(100)["a"].gpu == pytest.approx(2 * 3600 / math.log(2) * (1 - 2 ** (-100 / 3600)))
+
+
 WRITER = r"""
 import sys
 from kfp_pytorch.fairness_scheduler.ledger import Interval, UsageLedger
