@@ -36,14 +36,8 @@ class TorchPredictor(kserve.Model):
         return self.ready
 
     def predict(self, payload, headers=None, response_headers=None):
-        if isinstance(payload, InferRequest):
-            if not payload.inputs:
-                raise InvalidInput("the request has no inputs")
-            rows = payload.inputs[0].as_numpy()
-            request_id = payload.id
-        else:  # v1 protocol: {"instances": [[...], ...]}
-            rows = np.asarray(payload.get("instances", []), dtype=np.float32)
-            request_id = None
+        rows = _rows(payload)
+        request_id = payload.id if isinstance(payload, InferRequest) else None
         try:
             probs, labels = self.runner.predict(rows)
         except ValueError as e:
@@ -55,6 +49,30 @@ class TorchPredictor(kserve.Model):
         out_l = InferOutput(name="label", shape=list(labels.shape), datatype="INT64")
         out_l.set_data_from_numpy(labels, binary_data=False)
         return InferResponse(model_name=self.name, infer_outputs=[out_p, out_l], response_id=request_id or str(uuid.uuid4()))
+
+
+_NUMERIC = {"FP16", "FP32", "FP64", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"}
+
+
+def _rows(payload) -> np.ndarray:
+    """The request's feature rows; a malformed request is InvalidInput (HTTP 400), never a 500."""
+    if isinstance(payload, InferRequest):
+        if not payload.inputs:
+            raise InvalidInput("the request has no inputs")
+        inp = payload.inputs[0]
+        if inp.datatype not in _NUMERIC:
+            raise InvalidInput(f"input {inp.name!r}: datatype {inp.datatype} is not supported; "
+                               "send FP32 raw features of shape [n, features]")
+        try:
+            return inp.as_numpy()
+        except (ValueError, TypeError) as e:
+            raise InvalidInput(f"input {inp.name!r}: its data do not fill shape {list(inp.shape)} ({e})")
+    if not isinstance(payload, dict):
+        raise InvalidInput("expected an Open Inference Protocol v2 request or a v1 {\"instances\": [...]} body")
+    try:  # v1 protocol: {"instances": [[...], ...]}
+        return np.asarray(payload.get("instances", []), dtype=np.float32)
+    except (ValueError, TypeError) as e:
+        raise InvalidInput(f"instances: must be rows of numbers of equal length ({e})")
 
 
 def main() -> None:

@@ -44,6 +44,14 @@ def test_bad_request_gets_a_400_not_a_crash(endpoint):
     body = {"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}
     r = requests.post(endpoint.infer_url, json=body)
     assert r.status_code == 400 and "expected input of shape [n, 64]" in r.text
+    for inp, needle in (({"shape": [1, 64], "datatype": "FP32", "data": [1, 2]}, "do not fill shape [1, 64]"),
+                        ({"shape": [1, 64], "datatype": "BYTES", "data": ["a"]}, "datatype BYTES is not supported")):
+        r = requests.post(endpoint.infer_url, json={"inputs": [{"name": "x", **inp}]})
+        assert r.status_code == 400 and needle in r.text, r.text
+    r = requests.post(endpoint.url + "/v1/models/digits:predict", json={"instances": [[1, 2], [3]]})
+    assert r.status_code == 400 and "instances: must be rows of numbers" in r.text, r.text
+    ok = requests.post(endpoint.url + "/v1/models/digits:predict", json={"instances": [[0.0] * 64] * 2})
+    assert ok.status_code == 200 and len(ok.json()["predictions"]) == 2
     assert requests.get(f"{endpoint.url}/v2/health/ready").status_code == 200
 
 
