@@ -100,10 +100,9 @@ def compile_cmd(pipeline, output, platform_file):
     """Compile PIPELINE to KFP IR YAML (upload it in the KFP UI or with `kfp-pytorch submit`)."""
     from kfp import compiler
 
+    from kfp_pytorch.components.errors import ConfigError
     from kfp_pytorch.pipelines import get_pipeline
     from kfp_pytorch.pipelines.platform import load_platform
-
-    from kfp_pytorch.components.errors import ConfigError
 
     # KFP writes .json too, but deprecated and without platform (Kubernetes) settings: YAML only.
     if problem := _output_problem(output, "-o/--output", (".yaml", ".yml")):
@@ -372,7 +371,6 @@ def storage_check(uri):
               help="PNG with per-user service ratios and wait CDFs.")
 def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, placement, as_json, plot_path):
     """Replay a GPU-cluster trace under several scheduling policies, side by side."""
-
     from kfp_pytorch.components.errors import ConfigError
     from kfp_pytorch.fairness_scheduler.config import load_config
     from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
