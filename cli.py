@@ -229,10 +229,21 @@ def storage_ls(uri):
         click.echo(u)
 
 
+def _namespace(ctx, param, value):
+    """A Kubernetes namespace is a DNS-1123 label: refused here, not after a round trip to KFP."""
+    from kfp_pytorch.components.cluster import DNS1123_LABEL
+
+    if value is not None and (not DNS1123_LABEL.match(value) or len(value) > 63):
+        raise click.BadParameter(f"{value!r} is not a Kubernetes namespace (lowercase letters, digits and '-', "
+                                 "at most 63, e.g. kubeflow-user-example-com)")
+    return value
+
+
 def _kfp_options(f):
     f = click.option("--token", envvar="KF_PIPELINES_TOKEN", default=None, help="Bearer token (or KF_PIPELINES_TOKEN).")(f)
     f = click.option("--experiment", default="kfp-pytorch", show_default=True)(f)
-    f = click.option("--namespace", default=None, help="Kubeflow profile namespace (multi-user).")(f)
+    f = click.option("--namespace", default=None, callback=_namespace,
+                     help="Kubeflow profile namespace (multi-user).")(f)
     f = click.option("--host", required=True, envvar="KFP_HOST", help="KFP API URL (or KFP_HOST).")(f)
     return f
 
@@ -266,7 +277,8 @@ def submit_cmd(pipeline, host, namespace, experiment, token, params, run_name, w
 @click.option("--cron", required=True, help='6 fields, seconds first: "0 0 3 * * *" is 03:00 daily.')
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE")
 @click.option("--name", default=None, help="Recurring run name.")
-@click.option("--max-concurrency", default=1, show_default=True, type=int)
+@click.option("--max-concurrency", default=1, show_default=True, type=click.IntRange(1, 10),
+              help="Runs of this schedule at once (KFP allows 1-10).")
 def schedule_cmd(pipeline, host, namespace, experiment, token, cron, params, name, max_concurrency):
     """Create a recurring run of PIPELINE (e.g. nightly retraining)."""
     from kfp_pytorch.pipelines import get_pipeline

@@ -49,6 +49,16 @@ def test_five_field_cron_shows_the_six_field_form(kfp_server):
     assert r.returncode == 2 and 'did you mean --cron "0 0 3 * * *"' in r.stderr and "Traceback" not in r.stderr
 
 
+def test_options_kfp_would_refuse_are_refused_before_any_call(kfp_server):
+    fake, url = kfp_server
+    before = len(fake.requests)
+    r = cli("schedule", "train_and_serve", "--host", url, "--cron", "0 0 3 * * *", "--max-concurrency", "11")
+    assert r.returncode == 2 and "'--max-concurrency': 11 is not in the range 1<=x<=10" in r.stderr
+    r = cli("runs", "--host", url, "--namespace", "Team_A")
+    assert r.returncode == 2 and "'Team_A' is not a Kubernetes namespace" in r.stderr
+    assert len(fake.requests) == before and not fake.recurring
+
+
 @pytest.mark.parametrize("expr,ok", [("0 0 3 * * *", True), ("*/30 * * * * ?", True), ("0 0 3 * * MON-FRI", True),
                                      ("0 61 * * * *", False), ("0 0 3 * *", False), ("daily", False)])
 def test_validate_cron(expr, ok):
