@@ -121,6 +121,15 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
     tw_large = TypicalWait(fs_cfg.large_gang_wait_half_life)
     large_from = fs_cfg.reserve_min_fraction * ctx.norm(capacity)
 
+    def move_held(u: int, gpus: float) -> None:
+        held_int[u] += held[u] * (t - held_since[u])  # held is piecewise constant: integrate lazily
+        held_since[u] = t
+        held[u] += gpus
+        held_changed.add(u)
+
+    def fair_integrated_to(now: float) -> list[float]:
+        return [fi + f * (now - fair_since) for fi, f in zip(fair_int, fair)]
+
     bar = None
     if progress:
         from tqdm import tqdm
@@ -147,10 +156,7 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
             e, _, w, placement = heapq.heappop(running)
             pool.release(w, placement)
             u = uidx[w.user]
-            held_int[u] += held[u] * (t - held_since[u])  # held is piecewise constant: integrate lazily
-            held_since[u] = t
-            held[u] -= w.gpus
-            held_changed.add(u)
+            move_held(u, -w.gpus)
             demand[u] -= w.gpus
             ctx.runtimes.record(w.user, w.gpus, e - start[pos[id(w)]])  # a real scheduler's estimate: history
             demand_dirty = True
@@ -168,10 +174,9 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
             demand_dirty = True
         if len(queue) and _something_may_fit(pool, queued_sizes):
             if reads_usage:
-                ul, pl = usage, penalty
-                for i, s in enumerate(state_list):
-                    s.usage = Resources(ul[i])
-                    s.penalty = pl[i] / C
+                for s, u_i, p_i in zip(state_list, usage, penalty):
+                    s.usage = Resources(u_i)
+                    s.penalty = p_i / C
                 for i in held_changed:  # held moves only with starts and ends
                     state_list[i].held = Resources(held[i])
                 held_changed.clear()
@@ -190,10 +195,7 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
                     tw_large.add(t, t - w.submit_time)
                 heapq.heappush(running, (end[i], w.seq, w, placement))
                 u = uidx[w.user]
-                held_int[u] += held[u] * (t - held_since[u])
-                held_since[u] = t
-                held[u] += w.gpus
-                held_changed.add(u)
+                move_held(u, w.gpus)
                 penalty[u] += w.gpus * k_penalty
                 c = queued_sizes[w.gpus] - 1
                 if c:
@@ -201,15 +203,14 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
                 else:
                     del queued_sizes[w.gpus]
         if demand_dirty:
-            dt_fair = t - fair_since
-            fair_int = [fi + f * dt_fair for fi, f in zip(fair_int, fair)]
+            fair_int = fair_integrated_to(t)
             fair_since = t
             fair = _water_fill(demand, weights, C)
             demand_dirty = False
     if bar is not None:
         bar.close()
     held_int = [hi + h * (t - hs) for hi, h, hs in zip(held_int, held, held_since)]
-    fair_int = [fi + f * (t - fair_since) for fi, f in zip(fair_int, fair)]
+    fair_int = fair_integrated_to(t)
     metrics = _metrics(workloads, start, end, held_int, fair_int, names, C, first_submit, light_users, uidx)
     service = {names[i]: float(held_int[i] / fair_int[i]) for i in range(len(names)) if fair_int[i] > 0}
     submit = np.array([w.submit_time for w in workloads])
