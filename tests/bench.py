@@ -453,12 +453,13 @@ def bench_fairness_halves(tmp: Path) -> None:
 
     paths = _split_halves(tmp / "halves")
     seeds = range(4)
+    runs_args = [(str(p), s) for p in paths for s in seeds]
     with ProcessPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as ex:
-        cells = list(ex.map(_halves_cell, [(str(p), s) for p in paths for s in seeds]))
+        cells = list(ex.map(_halves_cell, runs_args))
     print("fairness goals on half traces (each trace cut at its median submission; seeds 0-3): "
           "draws meeting every goal per half")
     per = {}
-    for (name, ok, _, missed), (_, seed) in zip(cells, [(p, s) for p in paths for s in seeds]):
+    for (name, ok, _, missed), (_, seed) in zip(cells, runs_args):
         per[name] = per.get(name, 0) + ok
         GOAL_GRID["half traces"][(name, seed)] = missed
     print("  " + "  ".join(f"{n[-3:]}:{k}" for n, k in per.items()))
@@ -554,11 +555,10 @@ def plot_goal_grid(path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
 
     short = {"jain": "J", "light_wait_p95": "L", "wait_max": "W", "utilization": "U", "jct_mean": "C",
              "min_service": "M"}
-    from matplotlib.colors import ListedColormap
-
     cmap = ListedColormap(["#66bb6a", "#ffe082", "#ffab40", "#e53935"])  # 0, 1, 2, 3+ goals missed
     sets = [(title, grid) for title, grid in GOAL_GRID.items() if grid]
     fig, axes = plt.subplots(1, len(sets), figsize=(max(9, 7 * len(sets)), 6.5), squeeze=False)

@@ -112,7 +112,8 @@ def start_seaweedfs(workdir: Path, access_key: str = ACCESS_KEY, secret_key: str
     s3_port = ports["s3"]
     # Logs and unix sockets in the workdir, not /tmp (weed's defaults), so nothing outlives the run.
     cmd = [_weed_binary(), f"-logdir={workdir}", "mini", f"-dir={workdir}",
-           f"-s3.localSocket={workdir}/s3.sock", f"-filer.localSocket={workdir}/filer.sock", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+           f"-s3.localSocket={workdir}/s3.sock", f"-filer.localSocket={workdir}/filer.sock",
+           "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
            "-master.telemetry=false", f"-master.port={ports['master']}", f"-volume.port={ports['volume']}",
            f"-filer.port={ports['filer']}", f"-s3.port={s3_port}", f"-admin.port={ports['admin']}",
            f"-webdav.port={ports['webdav']}", "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0",
