@@ -11,10 +11,12 @@ from .simulator import METRICS, SimResult, simulate
 from .trace import capacity, protocol_nodes, protocol_users, protocol_workloads, read_trace
 
 
+def _policy_names(text: str) -> list[str]:
+    return list(POLICIES) if text.strip() == "all" else [p.strip() for p in text.split(",") if p.strip()]
+
+
 def policy_problems(text: str) -> list[str]:
-    if text.strip() == "all":
-        return []
-    names = [p.strip() for p in text.split(",") if p.strip()]
+    names = _policy_names(text)
     if not names:
         return ["--policies: empty; use 'all' or a comma-separated list of: " + ", ".join(POLICIES)]
     return [f"--policies: unknown policy {b!r} (known: {', '.join(POLICIES)})" for b in names if b not in POLICIES]
@@ -23,7 +25,7 @@ def policy_problems(text: str) -> list[str]:
 def parse_policies(text: str) -> list[str]:
     if problems := policy_problems(text):
         raise SchedulerConfigError(problems, f"use 'all' or a comma-separated list of: {', '.join(POLICIES)}")
-    return list(POLICIES) if text.strip() == "all" else [p.strip() for p in text.split(",") if p.strip()]
+    return _policy_names(text)
 
 
 def option_problems(users: int, zipf: float, load: float, half_life: float, placement: str) -> list[str]:
