@@ -381,13 +381,16 @@ def storage_check(uri):
 @click.option("--json", "as_json", is_flag=True, help="Print {policy: {metric: value}} only.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="PNG with per-user service ratios and wait CDFs.")
-def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, placement, as_json, plot_path):
+@click.option("--schedule", "schedule_path", type=click.Path(dir_okay=False), default=None,
+              help="CSV with every job's submit, start and end time under each policy.")
+def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, placement, as_json, plot_path,
+                 schedule_path):
     """Replay a GPU-cluster trace under several scheduling policies, side by side."""
     from kfp_pytorch.components.errors import ConfigError
     from kfp_pytorch.fairness_scheduler.config import load_config
     from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
     from kfp_pytorch.fairness_scheduler.report import (format_table, option_problems, parse_policies, plot,
-                                                       policy_problems, run_protocol)
+                                                       policy_problems, run_protocol, write_schedule)
     from kfp_pytorch.fairness_scheduler.usage import parse_duration
 
     # Every bad option and config field in one error, so one run shows all there is to fix.
@@ -404,6 +407,8 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
         problems += e.problems
     if plot_path and (problem := _output_problem(plot_path, "--plot", PLOT_FORMATS)):
         problems.append(problem)
+    if schedule_path and (problem := _output_problem(schedule_path, "--schedule", (".csv",))):
+        problems.append(problem)
     problems += option_problems(users, zipf, load, hl if hl is not None else 1.0,
                                 placement or (cfg.placement if cfg else "binpack"))
     if problems:
@@ -418,6 +423,10 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
         plot(results, plot_path)
         if not as_json:
             click.echo(f"plot: {plot_path}")
+    if schedule_path:
+        rows = write_schedule(results, schedule_path)
+        if not as_json:
+            click.echo(f"schedule: {schedule_path} ({rows} rows)")
 
 
 def main(argv: list[str] | None = None) -> int:  # noqa: D103

@@ -72,6 +72,8 @@ class SimResult:
     unschedulable: list[str] = field(default_factory=list)
     wall_seconds: float = 0.0
     waits: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    workloads: list[Workload] = field(default_factory=list, repr=False)
+    """The simulated workloads; ``start[i]`` and ``end[i]`` are those of ``workloads[i]`` (NaN: never started)."""
 
 
 def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Node], policy_name: str,
@@ -215,7 +217,8 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
     service = {names[i]: float(held_int[i] / fair_int[i]) for i in range(len(names)) if fair_int[i] > 0}
     submit = np.array([w.submit_time for w in workloads])
     waits = (start - submit)[~np.isnan(start)]
-    return SimResult(policy_name, metrics, start, end, service, unschedulable, time.perf_counter() - t_wall, waits)
+    return SimResult(policy_name, metrics, start, end, service, unschedulable, time.perf_counter() - t_wall, waits,
+                     workloads)
 
 
 class TypicalWait:

@@ -1,4 +1,5 @@
 """Trace protocol, simulator metrics (hand-computed), config validation, ledger durability, CLI."""
+import csv
 import gzip
 import json
 import math
@@ -16,6 +17,7 @@ from kfp_pytorch.fairness_scheduler.config import FairShareConfig, load_config
 from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError, TraceError
 from kfp_pytorch.fairness_scheduler.ledger import Interval, UsageLedger, interval_usage
 from kfp_pytorch.fairness_scheduler.model import Node, Resources, UserConfig, Workload, gang_for_gpus
+from kfp_pytorch.fairness_scheduler.report import write_schedule
 from kfp_pytorch.fairness_scheduler.simulator import jain, simulate, water_fill
 from kfp_pytorch.fairness_scheduler.trace import (assign_users, capacity, protocol_nodes, protocol_users,
                                                    protocol_workloads, read_trace)
@@ -107,11 +109,18 @@ def test_fifo_metrics_on_a_hand_computed_trace():
     assert m["light_wait_p95"] == pytest.approx(np.percentile([90, 80], 95))  # b submitted fewer GPU-s
 
 
-def test_job_larger_than_the_cluster_is_reported_not_dropped():
+def test_job_larger_than_the_cluster_is_reported_not_dropped(tmp_path):
     wl = [Workload("huge", "a", 0, gang_for_gpus(64), duration=10, seq=0),
           Workload("ok", "a", 1, gang_for_gpus(8), duration=10, seq=1)]
     r = simulate(wl, [UserConfig("a")], protocol_nodes(16), "fairshare")
     assert r.unschedulable == ["huge"] and r.end[1] == 11
+    # ... and keeps its row, without times, in the per-job schedule
+    out = tmp_path / "s.csv"
+    assert write_schedule({"fairshare": r}, out) == 2
+    rows = list(csv.DictReader(out.open()))
+    assert [(x["job_id"], x["status"], x["start_s"]) for x in rows] == [("huge", "unschedulable", ""),
+                                                                         ("ok", "done", "1.000")]
+    assert rows[1]["end_s"] == "11.000" and rows[1]["wait_s"] == "0.000" and rows[1]["gpus"] == "8"
 
 
 @pytest.mark.parametrize("trace,placement", [(p.stem, "binpack") for p in sorted(TRACES.glob("*.csv"))]
@@ -319,6 +328,26 @@ def test_simulate_cli_json_and_plot(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 10_000
 
 
+def test_simulate_cli_schedule_has_every_job_and_agrees_with_the_metrics(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(TRACES / "cluster10.csv"),
+                          "--policies", "fifo,fairshare", "--json", "--schedule", str(tmp_path / "s.csv")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    metrics = json.loads(out.stdout)
+    rows = list(csv.DictReader((tmp_path / "s.csv").open()))
+    trace_ids = [j.job_id for j in read_trace(TRACES / "cluster10.csv")]
+    for policy in ("fifo", "fairshare"):
+        mine = [r for r in rows if r["policy"] == policy]
+        assert [r["job_id"] for r in mine] == trace_ids and {r["status"] for r in mine} == {"done"}
+        waits = [float(r["wait_s"]) for r in mine]
+        jct = [float(r["end_s"]) - float(r["submit_s"]) for r in mine]
+        assert max(waits) == pytest.approx(metrics[policy]["wait_max"], abs=1e-3)
+        assert np.mean(jct) == pytest.approx(metrics[policy]["jct_mean"], abs=1e-3)
+    # the two policies' schedules differ (else the export would not tell them apart)
+    assert [r["start_s"] for r in rows if r["policy"] == "fifo"] != [r["start_s"] for r in rows
+                                                                      if r["policy"] == "fairshare"]
+
+
 def test_simulate_cli_bad_input(tmp_path):
     bad = write(tmp_path, "job_id,submission_time,duration,num_gpu\na,0,10,1\nb,1,oops,1\n")
     out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(bad)],
@@ -346,6 +375,13 @@ def test_simulate_cli_bad_input(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(TRACES / "cluster10.csv"),
                           "--plot", str(tmp_path / "p.txt")], capture_output=True, text=True)
     assert out.returncode == 2 and "must end in one of .png" in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(TRACES / "cluster10.csv"),
+                          "--schedule", str(tmp_path / "nope" / "s.csv"), "--plot", str(tmp_path / "p.txt")],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "--schedule: directory" in out.stderr and "--plot:" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(TRACES / "cluster10.csv"),
+                          "--schedule", str(tmp_path / "s.json")], capture_output=True, text=True)
+    assert out.returncode == 2 and "--schedule: " in out.stderr and "must end in one of .csv" in out.stderr
     for text, needle in (("- a\n- b\n", "(top level): must be a mapping of fields, got list"),
                          ("a: [\n", "not valid YAML")):
         cfg.write_text(text)
