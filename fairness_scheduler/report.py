@@ -61,21 +61,49 @@ def run_protocol(trace: str | Path, policies: list[str], users: int = 20, zipf: 
     return results, info
 
 
+def human_duration(seconds: float) -> str:
+    """``42s``, ``12.5m``, ``5.2h``, ``3.10d``: a table of waits and makespans in raw seconds
+    (``2963065``) is unreadable; ``--json`` keeps the exact seconds."""
+    a = abs(seconds)
+    if a < 90:
+        return f"{seconds:.0f}s"
+    if a < 90 * 60:
+        return f"{seconds / 60:.1f}m"
+    if a < 48 * 3600:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.2f}d"
+
+
+_FRACTION_METRICS = ("utilization", "jain_service", "min_service")
+_AGAINST_FIFO = ("wait_p95", "wait_max", "jct_mean", "utilization", "light_wait_p95")
+
+
 def format_table(results: dict[str, SimResult], info: dict) -> str:
-    head = f"{'policy':<16}" + "".join(f"{m:>15}" for m in METRICS)
+    """Metrics per policy (times in s/m/h/d) and, when ``fifo`` ran, each policy against it."""
+    w = 15
+    head = f"{'policy':<16}" + "".join(f"{m:>{w}}" for m in METRICS)
     lines = [f"trace {info['trace']}: {info['jobs']} jobs, C = {info['capacity_gpus']} GPUs "
              f"({info['nodes']} nodes of 8), {info['users']} users, zipf {info['zipf']}, seed {info['seed']}, "
              f"load {info['load']}, placement {info.get('placement', 'binpack')}", head, "-" * len(head)]
     for p, r in results.items():
-        cells = []
-        for m in METRICS:
-            v = r.metrics[m]
-            cells.append(f"{v:>15.4f}" if m in ("utilization", "jain_service", "min_service") else f"{v:>15.0f}")
+        cells = [f"{r.metrics[m]:>{w}.4f}" if m in _FRACTION_METRICS else f"{human_duration(r.metrics[m]):>{w}}"
+                 for m in METRICS]
         lines.append(f"{p:<16}" + "".join(cells))
+    fifo = results.get("fifo")
+    others = [p for p in results if p != "fifo"]
+    if fifo is not None and others:
+        lines += ["", f"{'against fifo':<16}" + "".join(f"{m:>{w}}" for m in _AGAINST_FIFO)]
+        for p in others:
+            cells = []
+            for m in _AGAINST_FIFO:
+                base = fifo.metrics[m]
+                cells.append(f"{results[p].metrics[m] / base:>{w - 1}.3f}x" if base > 0 else f"{'-':>{w}}")
+            lines.append(f"{p:<16}" + "".join(cells))
     unsched = {p: len(r.unschedulable) for p, r in results.items() if r.unschedulable}
     if unsched:
         lines.append(f"unschedulable (larger than the cluster, reported, not run): {unsched}")
-    lines.append("times in seconds; service = GPU-time held / max-min fair GPU-time (1.0 = fair share)")
+    lines.append("service = GPU-time held / max-min fair GPU-time (1.0 = fair share); "
+                 "--json gives every metric with times in seconds")
     return "\n".join(lines)
 
 

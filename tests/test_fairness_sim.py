@@ -17,8 +17,8 @@ from kfp_pytorch.fairness_scheduler.config import FairShareConfig, load_config
 from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError, TraceError
 from kfp_pytorch.fairness_scheduler.ledger import Interval, UsageLedger, interval_usage
 from kfp_pytorch.fairness_scheduler.model import Node, Resources, UserConfig, Workload, gang_for_gpus
-from kfp_pytorch.fairness_scheduler.report import write_schedule
-from kfp_pytorch.fairness_scheduler.simulator import jain, simulate, water_fill
+from kfp_pytorch.fairness_scheduler.report import human_duration, write_schedule
+from kfp_pytorch.fairness_scheduler.simulator import METRICS, jain, simulate, water_fill
 from kfp_pytorch.fairness_scheduler.trace import (assign_users, capacity, protocol_nodes, protocol_users,
                                                    protocol_workloads, read_trace)
 from servers import free_port
@@ -346,6 +346,23 @@ def test_simulate_cli_schedule_has_every_job_and_agrees_with_the_metrics(tmp_pat
     # the two policies' schedules differ (else the export would not tell them apart)
     assert [r["start_s"] for r in rows if r["policy"] == "fifo"] != [r["start_s"] for r in rows
                                                                       if r["policy"] == "fairshare"]
+
+
+def test_simulate_table_reads_in_hours_and_days_and_compares_with_fifo():
+    assert [human_duration(x) for x in (0, 89, 90, 3600, 5399, 5400, 172799, 172800, 2963065)] == [
+        "0s", "89s", "1.5m", "60.0m", "90.0m", "1.5h", "48.0h", "2.00d", "34.29d"]
+    args = [sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(TRACES / "cluster10.csv"),
+            "--policies", "fifo,fairshare"]
+    table = subprocess.run(args, capture_output=True, text=True, check=True).stdout.splitlines()
+    metrics = json.loads(subprocess.run(args + ["--json"], capture_output=True, text=True, check=True).stdout)
+    fifo_row = next(line for line in table if line.startswith("fifo")).split()
+    assert fifo_row[METRICS.index("wait_max") + 1] == human_duration(metrics["fifo"]["wait_max"])
+    head = table.index(next(line for line in table if line.startswith("against fifo")))
+    names = table[head].split()[2:]
+    row = table[head + 1].split()
+    assert row[0] == "fairshare" and len(row) == len(names) + 1
+    for name, cell in zip(names, row[1:]):
+        assert float(cell.rstrip("x")) == pytest.approx(metrics["fairshare"][name] / metrics["fifo"][name], abs=6e-4)
 
 
 def test_simulate_cli_bad_input(tmp_path):
