@@ -146,15 +146,17 @@ def plot(results: dict[str, SimResult], path: str | Path) -> None:
     names = sorted({u for r in results.values() for u in r.service})
     width = 0.8 / max(1, len(results))
     for k, (p, r) in enumerate(results.items()):
-        a1.bar(np.arange(len(names)) + k * width, [r.service.get(u, np.nan) for u in names], width, label=p)
+        a1.bar(np.arange(len(names)) + k * width, [r.service.get(u, np.nan) for u in names], width,
+               label=f"{p} (Jain {r.metrics['jain_service']:.3f}, min {r.metrics['min_service']:.2f})")
     a1.axhline(1.0, color="k", lw=0.8, ls="--")
-    a1.set(title="Service ratio per user (1.0 = fair share)", xticks=np.arange(len(names)) + 0.4,
+    a1.set(title="Service ratio per user (1.0 = fair share)", xticks=np.arange(len(names)) + 0.4 - width / 2,
            xticklabels=[n.replace("user-", "u") for n in names], ylabel="held / fair")
     a1.legend(fontsize=8)
     for p, r in results.items():
         w = np.sort(r.waits)
-        a2.plot(np.maximum(w, 1) / 3600.0, np.arange(1, len(w) + 1) / len(w), label=p)
-    a2.set(title="Wait CDF", xlabel="wait (hours, log)", ylabel="fraction of jobs", xscale="log")
+        a2.plot(np.maximum(w, 1) / 3600.0, np.arange(1, len(w) + 1) / len(w),
+                label=f"{p} (p95 {human_duration(r.metrics['wait_p95'])}, max {human_duration(r.metrics['wait_max'])})")
+    a2.set(title="Wait CDF (waits under 1 s drawn at 1 s)", xlabel="wait (hours, log)", ylabel="fraction of jobs", xscale="log")
     a2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
