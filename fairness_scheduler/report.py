@@ -1,6 +1,8 @@
 """Run several policies side by side on one trace (the benchmark protocol), and show results."""
 from __future__ import annotations
 
+import csv
+import math
 from pathlib import Path
 
 from .config import FairShareConfig
@@ -115,9 +117,6 @@ def write_schedule(results: dict[str, SimResult], path: str | Path) -> int:
 
     Unschedulable jobs keep their row, with empty times and ``status`` ``unschedulable``. Returns
     the number of rows written."""
-    import csv
-    import math
-
     rows = 0
     with open(path, "w", newline="") as f:
         out = csv.writer(f)
