@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from .errors import SchedulerConfigError
 from .model import Node, Resources, Workload, placement_problem
 from .policy import CycleContext, Policy
+from .usage import format_duration
 
 
 class NodePool:
@@ -199,15 +200,6 @@ class NodePool:
         return 0
 
 
-def _span(seconds: float) -> str:
-    """A wait for people: ``3.2d``, ``5.0h`` or ``12min``."""
-    if seconds >= 86400:
-        return f"{seconds / 86400:.1f}d"
-    if seconds >= 3600:
-        return f"{seconds / 3600:.1f}h"
-    return f"{max(seconds / 60, 1):.0f}min"
-
-
 class PendingQueue:
     """FIFO queues per (user, shape); insertion must follow (submit_time, seq) per queue."""
 
@@ -299,7 +291,7 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
                     res.pending_reasons[w.name] = (
                         f"starving: needs {w.gpus:g} GPUs, more than reservations may hold "
                         f"({reserve_cap:.0%} of the cluster's GPUs); it starts first as soon as it fits"
-                        + (f", and may reserve nodes in {_span(reserve_in)}" if math.isfinite(reserve_in) else ""))
+                        + (f", and may reserve nodes in {format_duration(reserve_in)}" if math.isfinite(reserve_in) else ""))
                 continue
             nodes = pool.reserve_for(w, end_of)
             if nodes is not None:

@@ -11,6 +11,7 @@ from .model import placement_problem
 from .policy import POLICIES
 from .simulator import METRICS, SimResult, simulate
 from .trace import capacity, protocol_nodes, protocol_users, protocol_workloads, read_trace
+from .usage import format_duration
 
 
 def _policy_names(text: str) -> list[str]:
@@ -63,19 +64,6 @@ def run_protocol(trace: str | Path, policies: list[str], users: int = 20, zipf: 
     return results, info
 
 
-def human_duration(seconds: float) -> str:
-    """``42s``, ``12.5m``, ``5.2h``, ``3.10d``: a table of waits and makespans in raw seconds
-    (``2963065``) is unreadable; ``--json`` keeps the exact seconds."""
-    a = abs(seconds)
-    if a < 90:
-        return f"{seconds:.0f}s"
-    if a < 90 * 60:
-        return f"{seconds / 60:.1f}m"
-    if a < 48 * 3600:
-        return f"{seconds / 3600:.1f}h"
-    return f"{seconds / 86400:.2f}d"
-
-
 _FRACTION_METRICS = ("utilization", "jain_service", "min_service")
 _AGAINST_FIFO = ("wait_p95", "wait_max", "jct_mean", "utilization", "light_wait_p95")
 
@@ -88,7 +76,7 @@ def format_table(results: dict[str, SimResult], info: dict) -> str:
              f"({info['nodes']} nodes of 8), {info['users']} users, zipf {info['zipf']}, seed {info['seed']}, "
              f"load {info['load']}, placement {info.get('placement', 'binpack')}", head, "-" * len(head)]
     for p, r in results.items():
-        cells = [f"{r.metrics[m]:>{w}.4f}" if m in _FRACTION_METRICS else f"{human_duration(r.metrics[m]):>{w}}"
+        cells = [f"{r.metrics[m]:>{w}.4f}" if m in _FRACTION_METRICS else f"{format_duration(r.metrics[m]):>{w}}"
                  for m in METRICS]
         lines.append(f"{p:<16}" + "".join(cells))
     fifo = results.get("fifo")
@@ -154,7 +142,7 @@ def plot(results: dict[str, SimResult], path: str | Path) -> None:
     for p, r in results.items():
         w = np.sort(r.waits)
         a2.plot(np.maximum(w, 1) / 3600.0, np.arange(1, len(w) + 1) / len(w),
-                label=f"{p} (p95 {human_duration(r.metrics['wait_p95'])}, max {human_duration(r.metrics['wait_max'])})")
+                label=f"{p} (p95 {format_duration(r.metrics['wait_p95'])}, max {format_duration(r.metrics['wait_max'])})")
     a2.set(title="Wait CDF (waits under 1 s drawn at 1 s)", xlabel="wait (hours, log)", ylabel="fraction of jobs", xscale="log")
     a2.legend(fontsize=8)
     fig.tight_layout()

@@ -47,6 +47,18 @@ def parse_duration(text: str | float | int) -> float:
     return float(s)
 
 
+def format_duration(seconds: float) -> str:
+    """The inverse of :func:`parse_duration`, for people: ``42s``, ``12.5m``, ``5.2h``, ``3.10d``."""
+    a = abs(seconds)
+    if a < 90:
+        return f"{seconds:.0f}s"
+    if a < 90 * 60:
+        return f"{seconds / 60:.1f}m"
+    if a < 48 * 3600:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.2f}d"
+
+
 class RuntimeHistory:
     """Run-time estimates from finished workloads, as a real scheduler has them (never the
     workload's own duration).

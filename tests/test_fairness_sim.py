@@ -17,10 +17,11 @@ from kfp_pytorch.fairness_scheduler.config import FairShareConfig, load_config
 from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError, TraceError
 from kfp_pytorch.fairness_scheduler.ledger import Interval, UsageLedger, interval_usage
 from kfp_pytorch.fairness_scheduler.model import Node, Resources, UserConfig, Workload, gang_for_gpus
-from kfp_pytorch.fairness_scheduler.report import human_duration, write_schedule
+from kfp_pytorch.fairness_scheduler.report import write_schedule
 from kfp_pytorch.fairness_scheduler.simulator import METRICS, jain, simulate, water_fill
 from kfp_pytorch.fairness_scheduler.trace import (assign_users, capacity, protocol_nodes, protocol_users,
                                                    protocol_workloads, read_trace)
+from kfp_pytorch.fairness_scheduler.usage import format_duration
 from servers import free_port
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "itp-2021"  # ../shared beside the checkout
@@ -349,14 +350,14 @@ def test_simulate_cli_schedule_has_every_job_and_agrees_with_the_metrics(tmp_pat
 
 
 def test_simulate_table_reads_in_hours_and_days_and_compares_with_fifo():
-    assert [human_duration(x) for x in (0, 89, 90, 3600, 5399, 5400, 172799, 172800, 2963065)] == [
+    assert [format_duration(x) for x in (0, 89, 90, 3600, 5399, 5400, 172799, 172800, 2963065)] == [
         "0s", "89s", "1.5m", "60.0m", "90.0m", "1.5h", "48.0h", "2.00d", "34.29d"]
     args = [sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(TRACES / "cluster10.csv"),
             "--policies", "fifo,fairshare"]
     table = subprocess.run(args, capture_output=True, text=True, check=True).stdout.splitlines()
     metrics = json.loads(subprocess.run(args + ["--json"], capture_output=True, text=True, check=True).stdout)
     fifo_row = next(line for line in table if line.startswith("fifo")).split()
-    assert fifo_row[METRICS.index("wait_max") + 1] == human_duration(metrics["fifo"]["wait_max"])
+    assert fifo_row[METRICS.index("wait_max") + 1] == format_duration(metrics["fifo"]["wait_max"])
     head = table.index(next(line for line in table if line.startswith("against fifo")))
     names = table[head].split()[2:]
     row = table[head + 1].split()
