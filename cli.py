@@ -231,9 +231,9 @@ def storage_ls(uri):
 
 def _namespace(ctx, param, value):
     """A Kubernetes namespace is a DNS-1123 label: refused here, not after a round trip to KFP."""
-    from kfp_pytorch.components.cluster import DNS1123_LABEL
+    from kfp_pytorch.components.cluster import is_dns1123_label
 
-    if value is not None and (not DNS1123_LABEL.match(value) or len(value) > 63):
+    if value is not None and not is_dns1123_label(value):
         raise click.BadParameter(f"{value!r} is not a Kubernetes namespace (lowercase letters, digits and '-', "
                                  "at most 63, e.g. kubeflow-user-example-com)")
     return value

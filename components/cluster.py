@@ -22,6 +22,11 @@ QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[nu
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
+def is_dns1123_label(value: str | None, max_len: int = 63) -> bool:
+    """A Kubernetes name of the label kind (namespaces, Services): lowercase alphanumerics and '-'."""
+    return bool(value) and len(value) <= max_len and DNS1123_LABEL.match(value) is not None
+
+
 def dns1123_name(*parts: str, max_len: int = 63) -> str:
     """A valid DNS-1123 label derived deterministically from ``parts``.
 
@@ -143,7 +148,7 @@ class ClusterTrainSpec:
         if not self.image:
             problems.append("image: required (the kfp-pytorch image built from the Dockerfile, e.g. "
                             "registry.example.com/kfp-pytorch:0.1.0)")
-        if not DNS1123_LABEL.match(self.namespace or "") or len(self.namespace) > 63:
+        if not is_dns1123_label(self.namespace):
             problems.append(f"namespace: must be a DNS-1123 label, got {self.namespace!r}")
         if self.nodes < 1:
             problems.append(f"nodes: must be >= 1, got {self.nodes}")
@@ -260,7 +265,7 @@ class ClusterServeSpec:
         problems = []
         if not self.image:
             problems.append("image: required (the kfp-pytorch image, which holds the predictor)")
-        if not DNS1123_LABEL.match(self.model_name or "") or len(self.model_name) > 45:
+        if not is_dns1123_label(self.model_name, 45):
             problems.append(f"model_name: must be a DNS-1123 label of at most 45 characters, got {self.model_name!r}")
         if not self.model_uri.startswith(("s3://", "minio://", "pvc://")):
             problems.append(f"model_uri: must be s3://, minio:// or pvc:// for KServe, got {self.model_uri!r}")
