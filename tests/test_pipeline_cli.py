@@ -187,7 +187,6 @@ def test_bad_platform_file_is_reported(tmp_path):
     assert "extra: unknown field" in r.stderr
 
 
-
 @pytest.mark.parametrize("body,needle", [
     ("- a\n", "(top level): must be a mapping, got list"),
     ("labels: [a]\n", "labels: must be a mapping of label key -> value"),
@@ -202,7 +201,6 @@ def test_malformed_platform_file_gets_an_error_not_a_traceback(tmp_path, body, n
     r = run_cli("compile", "train_and_serve", "-o", str(tmp_path / "p.yaml"), "--platform", str(plat))
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "p.yaml").exists()
-
 
 
 @pytest.mark.parametrize("out,needle", [("missing-dir/p.yaml", "does not exist (create it first)"),

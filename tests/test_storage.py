@@ -40,7 +40,6 @@ def test_config_from_env_and_file(tmp_path):
     assert "filesecret" not in repr(cfg) and "envkey" not in repr(cfg)
 
 
-
 @pytest.mark.parametrize("body,needle", [("- a\n", "must be a mapping, got list"), ("endpoint: [\n", "cannot parse")])
 def test_malformed_storage_config_file_is_reported(tmp_path, body, needle):
     f = tmp_path / "s.yaml"
