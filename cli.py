@@ -383,14 +383,18 @@ def storage_check(uri):
               help="PNG with per-user service ratios and wait CDFs.")
 @click.option("--schedule", "schedule_path", type=click.Path(dir_okay=False), default=None,
               help="CSV with every job's submit, start and end time under each policy.")
+@click.option("--workers", type=int, default=None,
+              help="Policies simulated at once, one process each (default: one per policy, up to the CPUs). "
+                   "Results do not depend on it.")
 def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, placement, as_json, plot_path,
-                 schedule_path):
+                 schedule_path, workers):
     """Replay a GPU-cluster trace under several scheduling policies, side by side."""
     from kfp_pytorch.components.errors import ConfigError
     from kfp_pytorch.fairness_scheduler.config import load_config
     from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
-    from kfp_pytorch.fairness_scheduler.report import (format_table, option_problems, parse_policies, plot,
-                                                       policy_problems, run_protocol, write_schedule)
+    from kfp_pytorch.fairness_scheduler.report import (default_workers, format_table, option_problems,
+                                                       parse_policies, plot, policy_problems, run_protocol,
+                                                       workers_problems, write_schedule)
     from kfp_pytorch.fairness_scheduler.usage import parse_duration
 
     # Every bad option and config field in one error, so one run shows all there is to fix.
@@ -411,10 +415,14 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
         problems.append(problem)
     problems += option_problems(users, zipf, load, hl if hl is not None else 1.0,
                                 placement or (cfg.placement if cfg else "binpack"))
+    if workers is not None:
+        problems += workers_problems(workers)
     if problems:
         raise SchedulerConfigError(problems)
-    results, info = run_protocol(trace, parse_policies(policies), users, zipf, seed, load, hl, cfg.fairshare,
-                                 progress=not as_json and sys.stderr.isatty(), placement=placement or cfg.placement)
+    names = parse_policies(policies)
+    results, info = run_protocol(trace, names, users, zipf, seed, load, hl, cfg.fairshare,
+                                 progress=not as_json and sys.stderr.isatty(), placement=placement or cfg.placement,
+                                 workers=workers or default_workers(len(names)))
     if as_json:
         click.echo(json.dumps({p: r.metrics for p, r in results.items()}, indent=1))
     else:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 from pathlib import Path
 
 from .config import FairShareConfig
@@ -49,19 +50,94 @@ def option_problems(users: int, zipf: float, load: float, half_life: float, plac
 
 def run_protocol(trace: str | Path, policies: list[str], users: int = 20, zipf: float = 1.1, seed: int = 0,
                  load: float = 0.9, half_life: float = 7 * 86400.0, fairshare: FairShareConfig | None = None,
-                 progress: bool = False, placement: str = "binpack") -> tuple[dict[str, SimResult], dict]:
-    if problems := option_problems(users, zipf, load, half_life, placement):
+                 progress: bool = False, placement: str = "binpack",
+                 workers: int = 1) -> tuple[dict[str, SimResult], dict]:
+    """Every policy on the same input. ``workers`` > 1 runs policies in that many processes at once;
+    each simulation is deterministic, so the results are the same as one after the other."""
+    if problems := option_problems(users, zipf, load, half_life, placement) + workers_problems(workers):
         raise SchedulerConfigError(problems)
     jobs = read_trace(trace)
     c = capacity(jobs, load)
     info = {"trace": str(trace), "jobs": len(jobs), "capacity_gpus": c, "nodes": c // 8, "users": users,
             "zipf": zipf, "seed": seed, "load": load, "half_life_s": half_life, "placement": placement}
-    results = {}
     workloads = protocol_workloads(jobs, users, zipf, seed)  # read-only to the simulator: one set for all
-    for p in policies:
-        results[p] = simulate(workloads, protocol_users(users), protocol_nodes(c),
-                              p, half_life, fairshare, progress=progress, placement=placement)
-    return results, info
+    args = (protocol_users(users), protocol_nodes(c), half_life, fairshare, placement)
+    if workers > 1 and len(policies) > 1:
+        return _run_parallel(workloads, policies, args, workers, progress), info
+    return {p: _simulate_one(workloads, p, args, progress) for p in policies}, info
+
+
+def workers_problems(workers: int, flag: str = "--workers") -> list[str]:
+    return [] if isinstance(workers, int) and workers >= 1 else [f"{flag}: must be an integer >= 1, got {workers!r}"]
+
+
+def default_workers(n_policies: int) -> int:
+    """One process per policy, up to the CPUs this process may use."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, n_policies))
+
+
+def _simulate_one(workloads, policy: str, args: tuple, progress) -> SimResult:
+    users, nodes, half_life, fairshare, placement = args
+    return simulate(workloads, users, nodes, policy, half_life, fairshare, progress=progress, placement=placement)
+
+
+# Costliest first, so that the last process to finish does not start the longest run last.
+_COST_ORDER = ("fairshare", "slurm-fairshare", "drf", "kueue-afs", "static-priority", "fifo")
+
+_worker_state: dict = {}
+
+
+def _worker_init(workloads, args, counter) -> None:
+    _worker_state.update(workloads=workloads, args=args, counter=counter)
+
+
+def _worker_tick(k: int) -> None:
+    counter = _worker_state["counter"]
+    with counter.get_lock():
+        counter.value += k
+
+
+def _worker_run(policy: str) -> SimResult:
+    st = _worker_state
+    r = _simulate_one(st["workloads"], policy, st["args"], _worker_tick if st["counter"] is not None else False)
+    r.workloads = []  # the parent has them: do not pickle 10k+ workloads back
+    return r
+
+
+def _run_parallel(workloads, policies: list[str], args: tuple, workers: int, progress: bool) -> dict[str, SimResult]:
+    """Policies in worker processes (standard library pools: each simulation is one pure task). The
+    workloads travel once per worker (inherited on fork); results come back pickled. A shared
+    counter feeds one progress bar for the whole run."""
+    import multiprocessing as mp
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    counter = ctx.Value("q", 0) if progress else None
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(workloads) * len(policies), desc=f"{len(policies)} policies", unit="job",
+                   leave=False, mininterval=0.5)
+    ordered = sorted(policies, key=lambda p: _COST_ORDER.index(p) if p in _COST_ORDER else -1)
+    results: dict[str, SimResult] = {}
+    with ProcessPoolExecutor(min(workers, len(policies)), mp_context=ctx, initializer=_worker_init,
+                             initargs=(workloads, args, counter)) as ex:
+        pending = {ex.submit(_worker_run, p): p for p in ordered}
+        while pending:
+            done, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            for f in done:
+                r = results[pending.pop(f)] = f.result()
+                r.workloads = workloads
+            if bar is not None:
+                bar.update(counter.value - bar.n)
+    if bar is not None:
+        bar.close()
+    return {p: results[p] for p in policies}
 
 
 _FRACTION_METRICS = ("utilization", "jain_service", "min_service")

@@ -17,7 +17,8 @@ from kfp_pytorch.fairness_scheduler.config import FairShareConfig, load_config
 from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError, TraceError
 from kfp_pytorch.fairness_scheduler.ledger import Interval, UsageLedger, interval_usage
 from kfp_pytorch.fairness_scheduler.model import Node, Resources, UserConfig, Workload, gang_for_gpus
-from kfp_pytorch.fairness_scheduler.report import write_schedule
+from kfp_pytorch.fairness_scheduler.policy import POLICIES
+from kfp_pytorch.fairness_scheduler.report import run_protocol, write_schedule
 from kfp_pytorch.fairness_scheduler.simulator import METRICS, jain, simulate, water_fill
 from kfp_pytorch.fairness_scheduler.trace import (assign_users, capacity, protocol_nodes, protocol_users,
                                                    protocol_workloads, read_trace)
@@ -349,6 +350,25 @@ def test_simulate_cli_schedule_has_every_job_and_agrees_with_the_metrics(tmp_pat
                                                                       if r["policy"] == "fairshare"]
 
 
+def test_policies_in_parallel_give_the_serial_results():
+    """run_protocol with workers runs each policy in its own process: same metrics, same schedule,
+    the caller's order, the caller's workloads, and one progress count over every policy."""
+    trace = TRACES / "cluster10.csv"
+    serial, info = run_protocol(trace, list(POLICIES), workers=1)
+    parallel, info2 = run_protocol(trace, list(POLICIES), workers=2)
+    assert list(parallel) == list(POLICIES) and info2 == info
+    for p in POLICIES:
+        assert parallel[p].metrics == serial[p].metrics, p
+        assert np.array_equal(parallel[p].start, serial[p].start, equal_nan=True), p
+        assert [w.name for w in parallel[p].workloads] == [w.name for w in serial[p].workloads]
+    counted = []
+    r = simulate(serial["fifo"].workloads, protocol_users(), protocol_nodes(info["capacity_gpus"]), "fifo",
+                 progress=counted.append)
+    assert sum(counted) == info["jobs"] and r.metrics == serial["fifo"].metrics
+    with pytest.raises(SchedulerConfigError, match=r"--workers: must be an integer >= 1, got 0"):
+        run_protocol(trace, ["fifo"], workers=0)
+
+
 def test_simulate_table_reads_in_hours_and_days_and_compares_with_fifo():
     assert [format_duration(x) for x in (0, 89, 90, 3600, 5399, 5400, 172799, 172800, 2963065)] == [
         "0s", "89s", "1.5m", "60.0m", "90.0m", "1.5h", "48.0h", "2.00d", "34.29d"]
@@ -381,11 +401,12 @@ def test_simulate_cli_bad_input(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("fairshare:\n  weight_age: -1\nusers: [{name: a, shares: 0}]\n")
     out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(bad), "--policies",
-                          "fifo,x", "--users", "0", "--half-life", "soon", "--load", "0", "--config", str(cfg)],
-                         capture_output=True, text=True)
+                          "fifo,x", "--users", "0", "--half-life", "soon", "--load", "0", "--config", str(cfg),
+                          "--workers", "0"], capture_output=True, text=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     for needle in ("--policies: unknown policy 'x'", "--half-life: must be a duration", "--users: must be >= 1",
-                   "--load: must be > 0", "fairshare.weight_age: must be >= 0", "users[0].shares: must be > 0"):
+                   "--load: must be > 0", "fairshare.weight_age: must be >= 0", "users[0].shares: must be > 0",
+                   "--workers: must be an integer >= 1, got 0"):
         assert needle in out.stderr, needle
     out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(TRACES / "cluster10.csv"),
                           "--plot", str(tmp_path / "nope" / "p.png")], capture_output=True, text=True)
