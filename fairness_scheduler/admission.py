@@ -305,11 +305,18 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
     def backfill(keys: list[tuple]) -> None:
         """Greedy: every head among ``keys`` that fits, in key order, around the reservations."""
         allowed = set(keys)
+        largest = pool.largest_free_gpu()
+        whole = len(pool.whole - pool.held.keys())
+        if not explain and not pool.held:
+            # Without reservations a head fits only if its shape does (capacity only shrinks within
+            # a cycle), so rank only those. With ``explain`` every head is visited for its reason.
+            fit = [k for k in keys if (k[1] <= largest if k[2] == 1 and k[1] < pool.max_gpu else k[2] <= whole)]
+            if len(fit) < len(keys):
+                blocked.update(set(keys).difference(fit))
+                keys = fit
         heap = [(policy.key(queue.queues[k][0], now), version.get(k[0], 0), k) for k in keys
                 if k not in blocked and k in queue.queues]
         heapq.heapify(heap)
-        largest = pool.largest_free_gpu()
-        whole = len(pool.whole - pool.held.keys())
         while heap:
             _, ver, k = heapq.heappop(heap)
             if k in blocked or k not in queue.queues or ver != version.get(k[0], 0):

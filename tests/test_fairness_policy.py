@@ -376,3 +376,33 @@ def test_defragmentation_holds_the_node_closest_to_free_for_a_whole_node_gang():
     assert {x.name: p for x, p in res.started} == {"small": [2]}  # best fit, off the held node
     c = ctx(users, pool, now=150.0, typical_wait=100.0)  # waited 1.5 typical waits: no drain yet
     assert admit(q, NodePool(nodes(3)), make_policy("fairshare", cfg), c, defrag_reservations=1).reservations == []
+
+
+@pytest.mark.parametrize("policy", ["fifo", "drf", "kueue-afs", "fairshare"])
+def test_the_simulators_quiet_cycle_starts_what_the_explained_cycle_starts(policy):
+    """Without ``explain`` admission ranks only the heads whose shape fits (the simulator's fast
+    path); the cycle must start and reserve exactly what the explained cycle does."""
+    import copy
+    import random
+
+    rng = random.Random(0)
+    cfg = FairShareConfig(starvation_after=50, starvation_factor=0, hard_starvation_factor=3, defrag_after=1)
+    users = [UserConfig(f"u{i}") for i in range(5)]
+    started = reserved = 0
+    for trial in range(300):
+        pool = NodePool(nodes(6))
+        for i in range(6):
+            if (g := rng.choice([0, 1, 2, 3, 5, 7, 8])):
+                pool.allocate(W(f"r{trial}-{i}").user(rng.choice(users).name).gpus(g).build(), [i], start=0.0)
+        jobs = [W(f"j{trial}-{k}").user(rng.choice(users).name).gpus(rng.choice([1, 2, 4, 8, 16, 24]))
+                .at(rng.uniform(700, 990)).build() for k in range(rng.randint(1, 25))]
+        usage = {u.name: rng.choice([0.0, 1e3, 1e6]) for u in users}  # some users protected, some not
+        state = (pool, queue(*jobs), ctx(users, pool, now=1000.0, usage=usage, typical_wait=20.0))
+        runs = []
+        for explain in (True, False):
+            p, q, c = copy.deepcopy(state)
+            res = admit(q, p, make_policy(policy, cfg), c, explain=explain, defrag_reservations=1)
+            runs.append(([(w.name, pl) for w, pl in res.started], [(w.name, n) for w, n in res.reservations]))
+        assert runs[0] == runs[1], trial
+        started, reserved = started + len(runs[0][0]), reserved + len(runs[0][1])
+    assert started > 300 and (reserved > 30 if policy == "fairshare" else reserved == 0)  # the cases are not empty
