@@ -197,15 +197,16 @@ def write_schedule(results: dict[str, SimResult], path: str | Path) -> int:
     return rows
 
 
-def plot(results: dict[str, SimResult], path: str | Path) -> None:
-    """Per-user service ratios (bars) and wait CDFs (lines) per policy."""
-    import matplotlib
+def figure(results: dict[str, SimResult]):
+    """Per-user service ratios (bars) and wait CDFs (lines) per policy, as a matplotlib Figure.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Built without pyplot, so it neither needs nor changes a backend: a notebook shows it inline,
+    :func:`plot` writes it to a file."""
     import numpy as np
+    from matplotlib.figure import Figure
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(14, 5))
+    fig = Figure(figsize=(14, 5))
+    a1, a2 = fig.subplots(1, 2)
     names = sorted({u for r in results.values() for u in r.service})
     width = 0.8 / max(1, len(results))
     for k, (p, r) in enumerate(results.items()):
@@ -222,5 +223,9 @@ def plot(results: dict[str, SimResult], path: str | Path) -> None:
     a2.set(title="Wait CDF (waits under 1 s drawn at 1 s)", xlabel="wait (hours, log)", ylabel="fraction of jobs", xscale="log")
     a2.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def plot(results: dict[str, SimResult], path: str | Path) -> None:
+    """:func:`figure`, written to ``path`` (PNG, SVG or PDF by its ending)."""
+    figure(results).savefig(path, dpi=110)

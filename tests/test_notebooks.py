@@ -6,18 +6,60 @@ from pathlib import Path
 NB = Path(__file__).resolve().parents[1] / "notebooks"
 
 
-def test_notebooks_parse_and_reference_real_names():
+def _code_cells(path: Path) -> list[str]:
+    nb = json.loads(path.read_text())
+    assert nb["nbformat"] == 4
+    code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    for src in code:
+        ast.parse(src)
+    return code
+
+
+def _run_cell(src: str, ns: dict, name: str):
+    """Run a cell as Jupyter does: its statements, then the value of a final expression (or None)."""
+    tree = ast.parse(src)
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    exec(compile(tree, name, "exec"), ns)
+    return eval(compile(ast.Expression(last.value), name, "eval"), ns) if last is not None else None
+
+
+def test_every_notebook_parses():
     books = sorted(NB.glob("*.ipynb"))
-    assert books
+    assert {p.name for p in books} >= {"train_and_serve.ipynb", "fair_share_simulator.ipynb"}
     for path in books:
-        nb = json.loads(path.read_text())
-        assert nb["nbformat"] == 4
-        code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
-        for src in code:
-            ast.parse(src)
-        # The first cell (imports and parameter listing) runs as is.
-        ns: dict = {}
-        exec(compile(code[0], f"{path.name}[0]", "exec"), ns)
-        assert ns["entry"].name == "train_and_serve"
-        # The parameters the notebook passes are accepted by the pipeline.
-        ns["entry"].resolve({"epochs": "5", "workers": "2", "model_arch": "cnn", "model_name": "digits-nb"})
+        _code_cells(path)
+
+
+def test_train_and_serve_notebook_references_real_names():
+    code = _code_cells(NB / "train_and_serve.ipynb")
+    # The first cell (imports and parameter listing) runs as is.
+    ns: dict = {}
+    _run_cell(code[0], ns, "train_and_serve[0]")
+    assert ns["entry"].name == "train_and_serve"
+    # The parameters the notebook passes are accepted by the pipeline.
+    ns["entry"].resolve({"epochs": "5", "workers": "2", "model_arch": "cnn", "model_name": "digits-nb"})
+
+
+def test_fair_share_simulator_notebook_runs_every_cell(monkeypatch, capsys):
+    from matplotlib.figure import Figure
+
+    monkeypatch.chdir(NB)  # the notebook's paths are relative to its folder, as in Jupyter
+    code = _code_cells(NB / "fair_share_simulator.ipynb")
+    ns: dict = {}
+    values = [_run_cell(src, ns, f"fair_share_simulator[{i}]") for i, src in enumerate(code)]
+    policies = values[0]
+    assert policies == ["fifo", "static-priority", "drf", "slurm-fairshare", "kueue-afs", "fairshare"]
+    assert list(ns["results"]) == policies
+    fig = values[2]
+    assert isinstance(fig, Figure) and len(fig.axes) == 2
+    out = capsys.readouterr().out
+    table = out.split("against fifo")[0]
+    assert all(f"\n{p} " in table for p in policies)
+    # the longest waits are sorted, and the figures are those of the results
+    for name in ("fifo", "slurm-fairshare", "fairshare"):
+        rows = ns["longest_waits"](ns["results"][name])
+        hours = [h for _, _, h in rows]
+        assert len(rows) == 5 and hours == sorted(hours, reverse=True)
+        assert hours[0] == round(ns["results"][name].metrics["wait_max"] / 3600, 1)
+    assert ns["mine"]["fairshare"].metrics != ns["results"]["fairshare"].metrics  # the variant changed something
+    assert "jain_service    default" in out and "wait_max        default" in out and "x)" in out
