@@ -40,8 +40,14 @@ def water_fill(demand: np.ndarray, weights: np.ndarray, capacity: float) -> np.n
 def _water_fill(d: list[float], w: list[float], capacity: float) -> list[float]:
     """:func:`water_fill` on plain lists. Plain Python on purpose: with tens of users this is
     several times faster than numpy's per-call overhead, and it runs at every event."""
+    return _water_fill_level(d, w, capacity)[0]
+
+
+def _water_fill_level(d: list[float], w: list[float], capacity: float) -> tuple[list[float], float]:
+    """The allocation and the water level (inf when every demand is met). Users whose demand per
+    weight is above the level are capped at it."""
     if sum(d) <= capacity:
-        return list(d)
+        return list(d), math.inf
     order = sorted([(x / wi, i) for i, (x, wi) in enumerate(zip(d, w)) if x > 0])
     alloc = [0.0] * len(d)
     remaining = capacity
@@ -55,8 +61,16 @@ def _water_fill(d: list[float], w: list[float], capacity: float) -> list[float]:
         else:
             for _, j in order[k:]:
                 alloc[j] = level * w[j]
-            break
-    return alloc
+            return alloc, level
+    return alloc, math.inf  # not reached: demand above capacity saturates someone
+
+
+def _still_capped(demand_was: dict[int, float], demand: list[float], weights: list[float], level: float) -> bool:
+    """True when every user whose demand changed (index -> old demand) was above the water
+    ``level`` and still is: such users stay capped at it, so the allocation is exactly the same
+    and need not be recomputed (in a backlog, most arrivals and ends are of such users)."""
+    return level < math.inf and all(old > level * weights[u] and demand[u] > level * weights[u]
+                                    for u, old in demand_was.items())
 
 
 def jain(x: np.ndarray) -> float:
@@ -148,6 +162,9 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
     first_submit = t
     ai = 0
     demand_dirty = True
+    level = math.inf
+    demand_was: dict[int, float] = {}  # users whose demand changed since the last water-fill -> old demand
+
     while ai < n or running:
         t_next = min(workloads[order[ai]].submit_time if ai < n else math.inf, running[0][0] if running else math.inf)
         dt = t_next - t
@@ -165,6 +182,7 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
             pool.release(w, placement)
             u = uidx[w.user]
             move_held(u, -w.gpus)
+            demand_was.setdefault(u, demand[u])
             demand[u] -= w.gpus
             ctx.runtimes.record(w.user, w.gpus, e - start[pos[id(w)]])  # a real scheduler's estimate: history
             demand_dirty = True
@@ -178,7 +196,9 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
                 unschedulable.append(w.name)
                 continue
             queue.push(w)
-            demand[uidx[w.user]] += w.gpus
+            u = uidx[w.user]
+            demand_was.setdefault(u, demand[u])
+            demand[u] += w.gpus
             queued_sizes[w.gpus] = queued_sizes.get(w.gpus, 0) + 1
             demand_dirty = True
         if len(queue) and _something_may_fit(pool, queued_sizes):
@@ -212,9 +232,11 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
                 else:
                     del queued_sizes[w.gpus]
         if demand_dirty:
-            fair_int = fair_integrated_to(t)
-            fair_since = t
-            fair = _water_fill(demand, weights, C)
+            if not _still_capped(demand_was, demand, weights, level):
+                fair_int = fair_integrated_to(t)
+                fair_since = t
+                fair, level = _water_fill_level(demand, weights, C)
+            demand_was.clear()
             demand_dirty = False
     if tick is not None and ai > ticked:
         tick(ai - ticked)

@@ -463,3 +463,30 @@ def test_gang_above_the_reservation_cap_has_a_bounded_wait_only_when_asked():
     assert wait_of_big() > 9 * day  # no reservation: it starts only once the stream is over
     bounded = wait_of_big(FairShareConfig(oversize_reserve_after=day))
     assert day <= bounded <= day + 3 * hour  # reserves at 1 day, then drains for at most one run time
+
+
+def test_water_fill_is_skipped_only_when_the_allocation_cannot_change():
+    """The simulator recomputes the max-min fair allocation only when a changed user is not capped
+    at the water level before and after; whenever it skips, a full recompute gives the same."""
+    from kfp_pytorch.fairness_scheduler.simulator import _still_capped, _water_fill_level
+
+    rng = np.random.default_rng(0)
+    skipped = recomputed = 0
+    for _ in range(2000):
+        n = int(rng.integers(2, 8))
+        w = rng.choice([1.0, 2.0, 3.0], n).tolist()
+        d = rng.choice([0.0, 1.0, 2.0, 4.0, 8.0, 16.0], n).tolist()
+        cap = float(rng.choice([8.0, 16.0, 32.0]))
+        alloc, level = _water_fill_level(d, w, cap)
+        assert sum(alloc) == pytest.approx(min(sum(d), cap)) and all(a <= x + 1e-9 for a, x in zip(alloc, d))
+        new = list(d)
+        was = {}
+        for u in rng.choice(n, int(rng.integers(1, 3)), replace=False).tolist():
+            was[u] = d[u]
+            new[u] = max(0.0, d[u] + float(rng.choice([-8.0, -1.0, 1.0, 8.0])))
+        if _still_capped(was, new, w, level):
+            skipped += 1
+            assert _water_fill_level(new, w, cap) == (alloc, level)
+        else:
+            recomputed += 1
+    assert skipped > 100 and recomputed > 100  # both branches are exercised
