@@ -67,8 +67,8 @@ def run_protocol(trace: str | Path, policies: list[str], users: int = 20, zipf: 
     return {p: _simulate_one(workloads, p, args, progress) for p in policies}, info
 
 
-def workers_problems(workers: int, flag: str = "--workers") -> list[str]:
-    return [] if isinstance(workers, int) and workers >= 1 else [f"{flag}: must be an integer >= 1, got {workers!r}"]
+def workers_problems(workers: int) -> list[str]:
+    return [] if isinstance(workers, int) and workers >= 1 else [f"--workers: must be an integer >= 1, got {workers!r}"]
 
 
 def default_workers(n_policies: int) -> int:
@@ -186,10 +186,9 @@ def write_schedule(results: dict[str, SimResult], path: str | Path) -> int:
         out = csv.writer(f)
         out.writerow(SCHEDULE_COLUMNS)
         for name, r in results.items():
-            never = set(r.unschedulable)
             for w, st, en in zip(r.workloads, r.start.tolist(), r.end.tolist()):
-                if math.isnan(st):
-                    status, times = ("unschedulable" if w.name in never else "not started"), ("", "", "")
+                if math.isnan(st):  # a simulation runs until every job that fits the cluster has run
+                    status, times = "unschedulable", ("", "", "")
                 else:
                     status, times = "done", (f"{st:.3f}", f"{en:.3f}", f"{st - w.submit_time:.3f}")
                 out.writerow((name, w.name, w.user, f"{w.gpus:g}", f"{w.submit_time:.3f}", *times, status))
