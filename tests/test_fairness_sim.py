@@ -352,7 +352,8 @@ def test_simulate_cli_schedule_has_every_job_and_agrees_with_the_metrics(tmp_pat
 
 def test_policies_in_parallel_give_the_serial_results():
     """run_protocol with workers runs each policy in its own process: same metrics, same schedule,
-    the caller's order, the caller's workloads, and one progress count over every policy."""
+    the caller's order and the caller's workloads. A progress callable (what the workers feed the
+    shared bar with) is told of every arrival."""
     trace = TRACES / "cluster10.csv"
     serial, info = run_protocol(trace, list(POLICIES), workers=1)
     parallel, info2 = run_protocol(trace, list(POLICIES), workers=2)
