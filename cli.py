@@ -437,6 +437,54 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
             click.echo(f"schedule: {schedule_path} ({rows} rows)")
 
 
+@cli.command("goals")
+@click.option("--traces", "traces", multiple=True, type=click.Path(),
+              help="Trace CSV, or a folder of them; repeat for more.  [required]")
+@click.option("--seeds", default="0", show_default=True, help="User draws: 0-5, 0,3,7 or a mix.")
+@click.option("--sets", default="full", show_default=True,
+              help="Job mixes, comma-separated: full (the traces), halves, thirds, middle (cut by submission time).")
+@click.option("--config", "config", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Scheduler config YAML: the fairshare setting to judge (default: the built-in one).")
+@click.option("--placement", type=click.Choice(PLACEMENTS), default=None, help="Overrides the config's.")
+@click.option("--cache", "cache_dir", type=click.Path(file_okay=False), default=None,
+              help="Folder keeping the baselines' metrics, so the next setting re-runs fairshare only.")
+@click.option("--workers", type=int, default=None, help="Runs at once, one process each (default: the CPUs).")
+@click.option("-v", "--verbose", is_flag=True, help="Also list every run that misses a goal, with its figures.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary and every run's metrics and checks as JSON.")
+def goals_cmd(traces, seeds, sets, config, placement, cache_dir, workers, verbose, as_json):
+    """Judge the fairshare policy by issue #4's goals over many runs, against the baselines of each run.
+
+    fairness_scheduler/TUNING.md counts runs with this judge. Its 112-run set for comparing
+    settings: --sets full --seeds 0-5, then --sets halves --seeds 0-3."""
+    from kfp_pytorch.components.errors import ConfigError
+    from kfp_pytorch.fairness_scheduler.config import load_config
+    from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
+    from kfp_pytorch.fairness_scheduler.evaluate import (default_workers, evaluate_goals, format_goals,
+                                                         parse_seeds, set_problems, to_json, trace_files)
+
+    problems = []
+    try:
+        seed_list = parse_seeds(seeds)
+    except ValueError as e:
+        problems.append(str(e))
+    set_list = [x.strip() for x in sets.split(",") if x.strip()]
+    problems += set_problems(set_list)
+    problems += trace_files(list(traces))[1]
+    cfg = None
+    try:
+        cfg = load_config(_read_yaml(config, "--config") if config else {})
+    except ConfigError as e:
+        problems += e.problems
+    if workers is not None and workers < 1:
+        problems.append(f"--workers: must be an integer >= 1, got {workers}")
+    if problems:
+        raise SchedulerConfigError(problems)
+    runs = evaluate_goals(list(traces), seed_list, set_list, cfg.fairshare, placement or cfg.placement,
+                          workers or default_workers(), cache_dir, progress=not as_json and sys.stderr.isatty(),
+                          half_life=cfg.half_life)
+    click.echo(json.dumps(to_json(runs), indent=1) if as_json else format_goals(runs, verbose))
+
+
 def main(argv: list[str] | None = None) -> int:  # noqa: D103
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:

@@ -11,7 +11,7 @@ from .errors import SchedulerConfigError
 from .model import placement_problem
 from .policy import POLICIES
 from .simulator import METRICS, SimResult, simulate
-from .trace import capacity, protocol_nodes, protocol_users, protocol_workloads, read_trace
+from .trace import TraceJob, capacity, protocol_nodes, protocol_users, protocol_workloads, read_trace
 from .usage import format_duration
 
 
@@ -56,9 +56,17 @@ def run_protocol(trace: str | Path, policies: list[str], users: int = 20, zipf: 
     each simulation is deterministic, so the results are the same as one after the other."""
     if problems := option_problems(users, zipf, load, half_life, placement) + workers_problems(workers):
         raise SchedulerConfigError(problems)
-    jobs = read_trace(trace)
+    return run_jobs(read_trace(trace), policies, users, zipf, seed, load, half_life, fairshare, progress, placement,
+                    workers, trace=str(trace))
+
+
+def run_jobs(jobs: list[TraceJob], policies: list[str], users: int = 20, zipf: float = 1.1, seed: int = 0,
+             load: float = 0.9, half_life: float = 7 * 86400.0, fairshare: FairShareConfig | None = None,
+             progress: bool = False, placement: str = "binpack", workers: int = 1,
+             trace: str = "") -> tuple[dict[str, SimResult], dict]:
+    """:func:`run_protocol` on parsed jobs (a trace, or a cut of one: :func:`.trace.cut`)."""
     c = capacity(jobs, load)
-    info = {"trace": str(trace), "jobs": len(jobs), "capacity_gpus": c, "nodes": c // 8, "users": users,
+    info = {"trace": trace, "jobs": len(jobs), "capacity_gpus": c, "nodes": c // 8, "users": users,
             "zipf": zipf, "seed": seed, "load": load, "half_life_s": half_life, "placement": placement}
     workloads = protocol_workloads(jobs, users, zipf, seed)  # read-only to the simulator: one set for all
     args = (protocol_users(users), protocol_nodes(c), half_life, fairshare, placement)

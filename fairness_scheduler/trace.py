@@ -151,3 +151,32 @@ def protocol_workloads(jobs: list[TraceJob], n_users: int = 20, zipf: float = 1.
 
 def protocol_nodes(c: int, node_gpus: int = NODE_GPUS) -> list[Node]:
     return [Node(f"node-{i:03d}", Resources(node_gpus)) for i in range(c // node_gpus)]
+
+
+CUTS: dict[str, tuple[tuple[float, float, str], ...]] = {
+    "full": ((0.0, 1.0, ""),),
+    "halves": ((0.0, 0.5, "a"), (0.5, 1.0, "b")),
+    "thirds": ((0.0, 1 / 3, "t1"), (1 / 3, 2 / 3, "t2"), (2 / 3, 1.0, "t3")),
+    "middle": ((0.25, 0.75, "m"),),
+}
+"""Job mixes cut from a trace by submission-time quantiles: set -> (from, to, name suffix) per cut.
+A cut is a job mix no setting was tuned on (new user draws only change who owns the same jobs)."""
+
+
+def cut(jobs: list[TraceJob], lo: float, hi: float) -> list[TraceJob]:
+    """The jobs submitted from the ``lo`` to (not including) the ``hi`` quantile of submission
+    time, in file order, times re-based so the first submits at 0. The quantile ``q`` is the
+    submission time of the ``int(n * q)``-th job in time order (0 and 1: no bound); the halves
+    cut at the median, as ``make bench`` does."""
+    subs = sorted(j.submit for j in jobs)
+    n = len(subs)
+
+    def bound(q: float) -> float:
+        return -math.inf if q <= 0 else math.inf if q >= 1 else subs[min(int(n * q), n - 1)]
+
+    low, high = bound(lo), bound(hi)
+    sel = [j for j in jobs if low <= j.submit < high]
+    if not sel:
+        return []
+    t0 = min(j.submit for j in sel)
+    return [TraceJob(j.job_id, j.submit - t0, j.duration, j.gpus, j.line) for j in sel]

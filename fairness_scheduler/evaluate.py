@@ -1,0 +1,271 @@
+"""Judge a ``fairshare`` setting by the goals of issue #4 over many runs: traces, cuts of them
+(new job mixes) and user draws, each run against the five baselines of the same input.
+
+``fairness_scheduler/TUNING.md`` counts runs with this judge (``kfp-pytorch goals``).
+The goals count runs, and one job's start can flip a run, so compare settings over many runs,
+and jitter a weight to see the noise before believing a gap (TUNING.md: about ±3 runs in 112).
+
+I/O lives here (processes, the baseline cache); the verdicts are :mod:`.goals`'s, pure.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .config import FairShareConfig
+from .errors import SchedulerConfigError, TraceError
+from .goals import (BASELINES, FAIR_BASELINES, GOALS, Check, baselines_meeting_goals, check, meets_all,
+                    miss_score)
+from .report import run_jobs
+from .trace import CUTS, TraceJob, cut, read_trace
+
+CACHE_VERSION = 1
+"""Bump when a baseline's behaviour changes, so cached baseline metrics are not reused."""
+
+
+@dataclass
+class GoalRun:
+    """One run: a trace or a cut of one, under one user draw."""
+
+    set: str
+    trace: str
+    """The trace's file stem, plus the cut's suffix (``cluster03a``: the first half)."""
+    seed: int
+    metrics: dict[str, dict[str, float]]
+    """Every policy's metrics, the protocol's names."""
+    checks: dict[str, Check]
+    """``fairshare``'s goals."""
+    baselines_met: dict[str, bool]
+    """Whether each fair baseline, judged by the same goals, meets every one."""
+
+    @property
+    def met(self) -> bool:
+        return meets_all(self.checks)
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``0-5``, ``0,3,7`` or a mix (``0-3,8``), in the order given, without repeats."""
+    seeds: list[int] = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        try:
+            rng = range(int(lo), int(hi) + 1) if sep else [int(lo)]
+        except ValueError:
+            raise ValueError(f"--seeds: {part!r} is not a seed or a range like 0-5") from None
+        if sep and int(hi) < int(lo):
+            raise ValueError(f"--seeds: range {part!r} is empty (write low-high)")
+        seeds += [s for s in rng if s not in seeds]
+    if not seeds:
+        raise ValueError("--seeds: empty; give seeds like 0-5 or 0,3,7")
+    if any(s < 0 for s in seeds):
+        raise ValueError("--seeds: must be >= 0")
+    return seeds
+
+
+def set_problems(sets: list[str]) -> list[str]:
+    if not sets:
+        return [f"--sets: empty; use a comma-separated list of: {', '.join(CUTS)}"]
+    return [f"--sets: unknown set {s!r} (known: {', '.join(CUTS)})" for s in sets if s not in CUTS]
+
+
+def trace_files(paths: list[str | Path]) -> tuple[list[Path], list[str]]:
+    """CSV files named, or found (``*.csv``) in the folders named; problems for the rest."""
+    files: list[Path] = []
+    problems: list[str] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(p.glob("*.csv"))
+            if not found:
+                problems.append(f"--traces: no *.csv in folder {p}")
+            files += found
+        elif p.is_file():
+            files.append(p)
+        else:
+            problems.append(f"--traces: {p} does not exist")
+    if not paths:
+        problems.append("--traces: give trace CSVs or folders of them")
+    return files, problems
+
+
+@dataclass(frozen=True)
+class _Unit:
+    set: str
+    trace: str
+    seed: int
+    jobs: list[TraceJob]
+    policies: tuple[str, ...]
+    params: tuple
+
+
+def _run_unit(u: _Unit) -> dict[str, dict[str, float]]:
+    users, zipf, load, half_life, placement, fairshare = u.params
+    res, _ = run_jobs(u.jobs, list(u.policies), users, zipf, u.seed, load, half_life, fairshare,
+                      placement=placement, trace=u.trace)
+    return {p: r.metrics for p, r in res.items()}
+
+
+def _cache_key(jobs: list[TraceJob], seed: int, params: tuple) -> str:
+    users, zipf, load, half_life, placement, _ = params
+    h = hashlib.sha256(json.dumps([CACHE_VERSION, users, zipf, seed, load, half_life, placement]).encode())
+    for j in jobs:
+        h.update(f"{j.submit!r},{j.duration!r},{j.gpus}\n".encode())
+    return h.hexdigest()[:20]
+
+
+def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] = ("full",),
+                   fairshare: FairShareConfig | None = None, placement: str = "binpack", workers: int = 1,
+                   cache_dir: str | Path | None = None, progress: bool | Callable[[int, int], None] = False,
+                   users: int = 20, zipf: float = 1.1, load: float = 0.9,
+                   half_life: float = 7 * 86400.0) -> list[GoalRun]:
+    """``fairshare`` (with ``fairshare``'s setting) and the five baselines on every cut of every
+    trace in ``sets``, under every seed; each run judged by :func:`.goals.check`.
+
+    ``cache_dir`` keeps the baselines' metrics (they do not depend on the ``fairshare`` setting),
+    keyed by the jobs and the protocol options, so comparing settings re-runs only ``fairshare``.
+    ``workers`` runs that many runs at once, one process each; results do not depend on it."""
+    files, problems = trace_files(list(traces))
+    problems += set_problems(list(sets))
+    if not (isinstance(workers, int) and workers >= 1):
+        problems.append(f"--workers: must be an integer >= 1, got {workers!r}")
+    if problems:
+        raise SchedulerConfigError(problems)
+    parsed: dict[Path, list[TraceJob]] = {}
+    bad: list[TraceError] = []
+    for f in files:  # every bad trace is reported, before any run
+        try:
+            parsed[f] = read_trace(f)
+        except TraceError as e:
+            bad.append(e)
+    if bad:
+        raise TraceError("\n".join(e.message for e in bad), bad[0].hint)
+    params = (users, zipf, load, half_life, placement, fairshare)
+    cache = Path(cache_dir) if cache_dir else None
+    if cache:
+        cache.mkdir(parents=True, exist_ok=True)
+    units: list[_Unit] = []
+    cached: dict[int, dict] = {}
+    keys: dict[int, Path] = {}
+    for set_name in sets:
+        for f, jobs in parsed.items():
+            for lo, hi, suffix in CUTS[set_name]:
+                part = cut(jobs, lo, hi)
+                if not part:
+                    continue  # a trace too short to cut this way
+                for seed in seeds:
+                    policies = BASELINES + ("fairshare",)
+                    i = len(units)
+                    if cache:
+                        keys[i] = cache / f"{f.stem}{suffix}-s{seed}-{_cache_key(part, seed, params)}.json"
+                        if keys[i].exists():
+                            cached[i] = json.loads(keys[i].read_text())
+                            policies = ("fairshare",)
+                    units.append(_Unit(set_name, f.stem + suffix, seed, part, policies, params))
+    metrics = _run_all(units, workers, progress)
+    runs = []
+    for i, (u, m) in enumerate(zip(units, metrics)):
+        if i in cached:
+            m = {**cached[i], **m}
+        elif cache:
+            keys[i].write_text(json.dumps({p: m[p] for p in BASELINES}))
+        m = {p: m[p] for p in BASELINES + ("fairshare",)}
+        runs.append(GoalRun(u.set, u.trace, u.seed, m, check(u.trace, m), baselines_meeting_goals(u.trace, m)))
+    return runs
+
+
+def _run_all(units: list[_Unit], workers: int, progress) -> list[dict]:
+    """Every unit, largest first across ``workers`` processes (standard library pool: each run
+    is one pure task), results in the units' order."""
+    bar = None
+    if progress is True:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(units), desc="runs", unit="run", leave=False)
+    done = 0
+
+    def report() -> None:
+        nonlocal done
+        done += 1
+        if bar is not None:
+            bar.update(1)
+        elif callable(progress):
+            progress(done, len(units))
+
+    order = sorted(range(len(units)), key=lambda i: -len(units[i].jobs) * len(units[i].policies))
+    out: list[dict | None] = [None] * len(units)
+    try:
+        if workers == 1 or len(units) <= 1:
+            for i in order:
+                out[i] = _run_unit(units[i])
+                report()
+        else:
+            ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+            with ProcessPoolExecutor(min(workers, len(units)), mp_context=ctx) as ex:
+                futures = {ex.submit(_run_unit, units[i]): i for i in order}
+                for fut in as_completed(futures):
+                    out[futures[fut]] = fut.result()
+                    report()
+    finally:
+        if bar is not None:
+            bar.close()
+    return out
+
+
+def summarize(runs: list[GoalRun]) -> dict[str, dict]:
+    """Per set and overall (``all``): runs, runs meeting every goal for ``fairshare`` and for each
+    fair baseline, ``fairshare``'s misses per goal and its miss score (:func:`.goals.miss_score`)."""
+    out: dict[str, dict] = {}
+    for name in list(dict.fromkeys(r.set for r in runs)) + ["all"]:
+        sel = [r for r in runs if name in ("all", r.set)]
+        misses = Counter(g for r in sel for g, c in r.checks.items() if not c.met)
+        out[name] = {"runs": len(sel), "fairshare": sum(r.met for r in sel),
+                     **{p: sum(r.baselines_met.get(p, False) for r in sel) for p in FAIR_BASELINES},
+                     "missed": {g: misses.get(g, 0) for g in GOALS},
+                     "miss_score": round(sum(miss_score(r.checks) for r in sel), 1)}
+    return out
+
+
+def format_goals(runs: list[GoalRun], verbose: bool = False) -> str:
+    """A table of runs meeting every goal per set, ``fairshare``'s misses per goal, and (verbose)
+    every run that missed, with its figures."""
+    s = summarize(runs)
+    head = (f"{'set':<8}{'runs':>6}{'fairshare':>11}" + "".join(f"{p:>17}" for p in FAIR_BASELINES)
+            + f"{'fairshare miss score':>22}")
+    lines = ["runs meeting every goal of issue #4 (each policy against the baselines of the same run)", head]
+    for name, row in s.items():
+        if name == "all" and len(s) == 2:
+            continue  # one set: its row is the total
+        lines.append(f"{name:<8}{row['runs']:>6}{row['fairshare']:>11}"
+                     + "".join(f"{row[p]:>17}" for p in FAIR_BASELINES) + f"{row['miss_score']:>22.0f}")
+    lines.append("fairshare's misses by goal (runs): "
+                 + ", ".join(f"{g} {n}" for g, n in s["all"]["missed"].items()))
+    if verbose:
+        for r in runs:
+            if not r.met:
+                lines.append(f"  {r.trace}/seed {r.seed}: " + ", ".join(
+                    f"{g} {c.value:.4g} (target {c.target})" for g, c in r.checks.items() if not c.met))
+    return "\n".join(lines)
+
+
+def to_json(runs: list[GoalRun]) -> dict:
+    """``{"summary": summarize(runs), "runs": [...]}``, each run with its metrics and checks."""
+    return {"summary": summarize(runs),
+            "runs": [{"set": r.set, "trace": r.trace, "seed": r.seed, "met": r.met,
+                      "checks": {g: asdict(c) for g, c in r.checks.items()},
+                      "baselines_met": r.baselines_met, "metrics": r.metrics} for r in runs]}
+
+
+def default_workers() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

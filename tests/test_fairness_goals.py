@@ -1,0 +1,172 @@
+"""Issue #4's goals as a judge (pure), trace cuts, and `kfp-pytorch goals` over many runs."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kfp_pytorch.fairness_scheduler.evaluate import parse_seeds
+from kfp_pytorch.fairness_scheduler.goals import check, meets_all, miss_score
+from kfp_pytorch.fairness_scheduler.trace import CUTS, TraceJob, cut
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "itp-2021"
+
+
+def _metrics(**cand):
+    """FIFO, four baselines and a candidate; the candidate sits exactly on every generic target
+    unless overridden. Kueue's Jain index (0.90) is the best baseline's."""
+    fifo = {"jain_service": 0.70, "light_wait_p95": 1000.0, "wait_max": 10000.0, "utilization": 0.80,
+            "jct_mean": 5000.0, "min_service": 0.30}
+    base = {"fifo": fifo, "static-priority": {**fifo, "jain_service": 0.60}, "drf": {**fifo, "jain_service": 0.85},
+            "slurm-fairshare": {**fifo, "jain_service": 0.88}, "kueue-afs": {**fifo, "jain_service": 0.90}}
+    on_target = {"jain_service": 0.895, "light_wait_p95": 350.0, "wait_max": 15000.0, "utilization": 0.784,
+                 "jct_mean": 5250.0, "min_service": 0.30}
+    return {**base, "fairshare": {**on_target, **cand}}
+
+
+def test_the_goals_are_the_issues_targets_exactly():
+    # on every target: met (the issue says >= and <=)
+    assert meets_all(check("anytrace", _metrics()))
+    # just past each target, and only that goal is missed
+    for metric, value, goal in (("jain_service", 0.8949, "jain"), ("light_wait_p95", 350.5, "light_wait_p95"),
+                                ("wait_max", 15010.0, "wait_max"), ("utilization", 0.7839, "utilization"),
+                                ("jct_mean", 5251.0, "jct_mean"), ("min_service", 0.2999, "min_service")):
+        checks = check("anytrace", _metrics(**{metric: value}))
+        assert [g for g, c in checks.items() if not c.met] == [goal], goal
+    # the ratios to FIFO are what the checks report
+    checks = check("anytrace", _metrics())
+    assert checks["wait_max"].value == pytest.approx(1.5) and checks["utilization"].value == pytest.approx(0.98)
+    assert miss_score(checks) == 0
+    # the miss score: how far each missed goal is missed, in the goal's unit
+    checks = check("anytrace", _metrics(wait_max=16000.0, utilization=0.776, jain_service=0.885))
+    assert checks["wait_max"].margin == pytest.approx(-2.0)  # 1.6x FIFO's against 1.5x, in 0.05
+    assert checks["utilization"].margin == pytest.approx(-2.0)  # 0.97x against 0.98x, in 0.005
+    assert checks["jain"].margin == pytest.approx(-1.0)  # 0.885 against 0.895, in 0.01
+    assert checks["jct_mean"].margin == pytest.approx(0.0, abs=1e-9)
+    assert miss_score(checks) == pytest.approx(-5.0)
+
+
+def test_named_traces_have_the_stricter_targets_and_their_cuts_do_not():
+    m = _metrics(jain_service=0.93, min_service=0.5)  # Jain passes the baseline test, not >= 0.95
+    assert not check("cluster07", m)["jain"].met and not check("cluster09", m)["jain"].met
+    assert check("cluster07a", m)["jain"].met and check("cluster02", m)["jain"].met
+    assert not check("cluster07", m)["min_service"].met and check("cluster10", m)["min_service"].met  # >= 0.6
+    light = _metrics(light_wait_p95=200.0)  # 0.2x FIFO's
+    assert [check(n, light)["light_wait_p95"].met for n in ("cluster02", "cluster07", "cluster09", "cluster01",
+                                                             "cluster02t1")] == [False, False, False, True, True]
+
+
+def test_a_baseline_is_judged_against_the_other_baselines():
+    m = _metrics()
+    # Kueue's own Jain (0.90) is not its target: the best of the others is Slurm's 0.88
+    assert check("x", m, "kueue-afs")["jain"].target == ">= 0.8750"
+    assert check("x", m, "kueue-afs")["jain"].met
+    # fairshare's figures never set a baseline's target
+    m["fairshare"]["jain_service"] = 0.99
+    assert check("x", m, "slurm-fairshare")["jain"].target == ">= 0.8950"
+
+
+def _jobs(submits):
+    return [TraceJob(f"j{i}", float(s), 100.0, 1, i + 2) for i, s in enumerate(submits)]
+
+
+def test_cuts_split_a_trace_by_submission_quantiles():
+    jobs = _jobs([5, 1, 9, 3, 7, 2, 8, 4, 6, 10, 11, 12])  # file order is not time order
+    halves = [cut(jobs, lo, hi) for lo, hi, _ in CUTS["halves"]]
+    assert sorted(j.job_id for h in halves for j in h) == sorted(j.job_id for j in jobs)  # a partition
+    a, b = halves
+    assert len(a) == len(b) == 6
+    # re-based: each cut starts at 0; file order and line numbers are kept
+    assert min(j.submit for j in a) == 0 and min(j.submit for j in b) == 0
+    assert [j.job_id for j in a] == [j.job_id for j in jobs if j.submit < 7]
+    assert [j.line for j in b] == [j.line for j in jobs if j.submit >= 7]
+    thirds = [cut(jobs, lo, hi) for lo, hi, _ in CUTS["thirds"]]
+    assert [len(t) for t in thirds] == [4, 4, 4]
+    middle = cut(jobs, *CUTS["middle"][0][:2])
+    assert sorted(j.submit + 4 for j in middle) == [4, 5, 6, 7, 8, 9]  # quartiles at 4 and 10
+    assert cut(jobs, 0.0, 1.0) == [TraceJob(j.job_id, j.submit - 1, j.duration, j.gpus, j.line) for j in jobs]
+
+
+def test_seeds_parse_ranges_and_lists():
+    assert parse_seeds("0-3,7,2") == [0, 1, 2, 3, 7]
+    for bad, needle in (("a", "not a seed"), ("3-1", "is empty"), ("", "empty"), ("1-x", "not a seed")):
+        with pytest.raises(ValueError, match=needle):
+            parse_seeds(bad)
+
+
+def _goals(*args):
+    return subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "goals", *args], capture_output=True, text=True)
+
+
+def test_goals_cli_judges_each_run_and_reuses_cached_baselines(tmp_path):
+    cache = tmp_path / "cache"
+    args = ["--traces", str(TRACES / "cluster10.csv"), "--seeds", "0-1", "--sets", "full,halves",
+            "--cache", str(cache), "--workers", "2", "--json"]
+    out = _goals(*args)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    runs = data["runs"]
+    assert [(r["trace"], r["seed"]) for r in runs] == [("cluster10", 0), ("cluster10", 1), ("cluster10a", 0),
+                                                       ("cluster10a", 1), ("cluster10b", 0), ("cluster10b", 1)]
+    # every verdict re-derived here from the run's metrics, with the goals written out as the issue
+    # states them (cluster10 has only the generic targets)
+    for r in runs:
+        m = r["metrics"]
+        f, o = m["fifo"], m["fairshare"]
+        best = max(m[p]["jain_service"] for p in ("fifo", "static-priority", "drf", "slurm-fairshare", "kueue-afs"))
+        expect = {"jain": o["jain_service"] >= best - 0.005, "light_wait_p95": o["light_wait_p95"] <= 0.35 * f["light_wait_p95"],
+                  "wait_max": o["wait_max"] <= 1.5 * f["wait_max"], "utilization": o["utilization"] >= 0.98 * f["utilization"],
+                  "jct_mean": o["jct_mean"] <= 1.05 * f["jct_mean"], "min_service": o["min_service"] >= f["min_service"]}
+        assert {g: c["met"] for g, c in r["checks"].items()} == expect, r["trace"]
+        assert r["met"] == all(expect.values())
+    s = data["summary"]
+    assert s["full"]["runs"] == 2 and s["halves"]["runs"] == 4 and s["all"]["runs"] == 6
+    assert s["all"]["fairshare"] == sum(r["met"] for r in runs)
+    assert s["all"]["slurm-fairshare"] == sum(r["baselines_met"]["slurm-fairshare"] for r in runs)
+    assert sum(s["all"]["missed"].values()) == sum(not c["met"] for r in runs for c in r["checks"].values())
+    assert s["all"]["miss_score"] == pytest.approx(
+        sum(c["margin"] for r in runs for c in r["checks"].values() if not c["met"]), abs=0.05)
+    assert s["all"]["miss_score"] < 0
+    assert 0 < s["all"]["fairshare"] < 6  # this set has both passes and misses, so the check above bites
+    # the baselines come from the cache on the next run: a doctored FIFO figure changes the verdict
+    files = sorted(cache.glob("cluster10-s0-*.json"))
+    assert len(files) == 1 and len(list(cache.glob("*.json"))) == 6
+    doctored = json.loads(files[0].read_text())
+    doctored["fifo"]["wait_max"] = runs[0]["metrics"]["fairshare"]["wait_max"] / 2  # ours now 2x FIFO's
+    files[0].write_text(json.dumps(doctored))
+    again = json.loads(_goals(*args).stdout)
+    assert again["runs"][0]["checks"]["wait_max"]["met"] is False
+    assert again["runs"][0]["metrics"]["fairshare"] == runs[0]["metrics"]["fairshare"]
+    assert again["runs"][1:] == runs[1:]
+    # a fairshare setting changes fairshare's figures only
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("fairshare: {age_exponent: 1.0}\n")
+    other = json.loads(_goals(*args, "--config", str(cfg)).stdout)
+    assert [r["metrics"]["fairshare"] for r in other["runs"]] != [r["metrics"]["fairshare"] for r in runs]
+    assert [r["metrics"]["kueue-afs"] for r in other["runs"]] == [r["metrics"]["kueue-afs"] for r in runs]
+    # the table
+    table = _goals(*args[:-1], "--verbose")
+    assert table.returncode == 0 and "fairshare's misses by goal" in table.stdout
+    assert "halves" in table.stdout and "cluster10b/seed 0:" in table.stdout
+
+
+def test_goals_cli_bad_input_lists_every_problem(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("fairshare: {weight_age: -1}\n")
+    out = _goals("--traces", str(empty), "--traces", str(tmp_path / "nope.csv"), "--seeds", "5-2",
+                 "--sets", "full,quarters", "--config", str(cfg), "--workers", "0")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    for needle in (f"--traces: no *.csv in folder {empty}", "nope.csv does not exist", "--seeds: range '5-2' is empty",
+                   "--sets: unknown set 'quarters'", "fairshare.weight_age: must be >= 0", "--workers: must be"):
+        assert needle in out.stderr, needle
+    out = _goals()
+    assert out.returncode == 2 and "--traces: give trace CSVs" in out.stderr
+    # every bad trace is named, file:line, before anything runs
+    (tmp_path / "a.csv").write_text("job_id,submission_time,duration,num_gpu\na,0,x,1\n")
+    (tmp_path / "b.csv").write_text("job_id,submission_time,duration,num_gpu\nb,0,10,-1\n")
+    out = _goals("--traces", str(tmp_path / "a.csv"), "--traces", str(tmp_path / "b.csv"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"{tmp_path / 'a.csv'}:2:" in out.stderr and f"{tmp_path / 'b.csv'}:2:" in out.stderr
