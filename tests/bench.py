@@ -307,94 +307,56 @@ def bench_k8s(tmp: Path) -> None:
     row("create -> component sees Running (ms)", statistics.median(latency), 0, None, "report", None, "ms")
 
 
-def _fairness_checks(name: str, m: dict, candidate: str = "fairshare") -> dict:
-    """The issue #4 goals for ``candidate`` on one trace: {goal: (value, target text, met)}.
-
-    For ``fairshare`` the Jain target is the best baseline's; a baseline judged by the same goals
-    (to show how hard they are) is held to the best of the *other* baselines."""
-    f, o = m["fifo"], m[candidate]
-    best = max(v["jain_service"] for p, v in m.items() if p not in (candidate, "fairshare"))
-    strict = name in ("cluster07", "cluster09")
-    light_target = 0.15 if name in ("cluster02", "cluster07", "cluster09") else 0.35
-    return {
-        "jain": (o["jain_service"], f">= {best - 0.005:.3f}" + (" & >= 0.95" if strict else ""),
-                 o["jain_service"] >= best - 0.005 and (not strict or o["jain_service"] >= 0.95)),
-        "light_wait_p95/fifo": (o["light_wait_p95"] / max(f["light_wait_p95"], 1e-9), f"<= {light_target}",
-                                o["light_wait_p95"] <= light_target * f["light_wait_p95"] + 1e-9),
-        "wait_max/fifo": (o["wait_max"] / max(f["wait_max"], 1e-9), "<= 1.5",
-                          o["wait_max"] <= 1.5 * f["wait_max"] + 1e-9),
-        "utilization/fifo": (o["utilization"] / f["utilization"], ">= 0.98",
-                             o["utilization"] >= 0.98 * f["utilization"]),
-        "jct_mean/fifo": (o["jct_mean"] / f["jct_mean"], "<= 1.05", o["jct_mean"] <= 1.05 * f["jct_mean"]),
-        "min_service": (o["min_service"], f">= {f['min_service']:.3f}" + (" & >= 0.6" if strict else ""),
-                        o["min_service"] >= f["min_service"] and (not strict or o["min_service"] >= 0.6)),
-    }
-
-
-FAIRNESS_POLICIES = ["fifo", "static-priority", "drf", "slurm-fairshare", "kueue-afs", "fairshare"]
 FAIR_BASELINES = ["drf", "slurm-fairshare", "kueue-afs"]
+RATIO_GOALS = ("light_wait_p95", "wait_max", "utilization", "jct_mean")
 
 
-def _baselines_meeting_goals(name: str, m: dict) -> dict[str, bool]:
-    """Whether each fair baseline, judged by the goals set for ``fairshare``, meets every one."""
-    return {p: all(c[2] for c in _fairness_checks(name, m, p).values()) for p in FAIR_BASELINES}
+def _runs(seeds, sets=("full",), placement: str = "binpack"):
+    """``fairshare`` and the baselines on every trace (or cut) and seed, judged by the issue #4
+    goals: the same judge as ``kfp-pytorch goals`` (``fairness_scheduler/evaluate.py``)."""
+    from kfp_pytorch.fairness_scheduler.evaluate import evaluate_goals
+
+    return evaluate_goals([TRACES], list(seeds), list(sets), placement=placement,
+                          workers=min(2, os.cpu_count() or 1))
 
 
-def _judge(trace: str | Path, seed: int = 0, placement: str = "binpack") -> tuple[dict, dict, dict[str, bool]]:
-    """Every policy on one trace, side by side: (run info, fairshare's goal checks, which fair
-    baselines meet every goal)."""
-    from kfp_pytorch.fairness_scheduler.report import run_protocol
+def _label(goal: str) -> str:
+    return goal + "/fifo" if goal in RATIO_GOALS else goal
 
-    res, info = run_protocol(trace, FAIRNESS_POLICIES, seed=seed, placement=placement)
-    metrics = {p: r.metrics for p, r in res.items()}
-    name = Path(trace).stem
-    return info, _fairness_checks(name, metrics), _baselines_meeting_goals(name, metrics)
+
+def _baseline_counts(runs) -> dict[str, int]:
+    return {p: sum(r.baselines_met[p] for r in runs) for p in FAIR_BASELINES}
 
 
 def bench_fairness(tmp: Path) -> None:
     """The issue #4 goals for `fairshare` against the baselines, every trace, protocol defaults."""
+    from kfp_pytorch.fairness_scheduler.goals import missed
+    from kfp_pytorch.fairness_scheduler.trace import capacity, read_trace
+
     print("fairness goals: fairshare vs the baselines on every trace (ratios to FIFO unless noted)")
-    traces = sorted(TRACES.glob("*.csv"))
-    passed = 0
-    baselines = dict.fromkeys(FAIR_BASELINES, 0)
-    for tr in traces:
-        info, checks, met_by = _judge(tr)
-        ok = all(c[2] for c in checks.values())
-        passed += ok
-        GOAL_GRID["full traces"][(tr.stem, 0)] = _missed(checks)
-        for p, b_ok in met_by.items():
-            baselines[p] += b_ok
-        print(f"  {tr.stem} (C={info['capacity_gpus']}): {'PASS' if ok else 'MISS'}  " + "  ".join(
-            f"{k} {v:.3f}{'' if good else '(!' + t + ')'}" for k, (v, t, good) in checks.items()), flush=True)
-        ROWS.append({"figure": f"fairness goals {tr.stem}", "ok": ok,
-                     "checks": {k: {"value": v, "target": t, "ok": g} for k, (v, t, g) in checks.items()}})
-    print(f"  traces meeting every goal: {passed}/{len(traces)}; the same goals met by the fair baselines "
-          "(Jain against the other baselines): " + ", ".join(f"{p} {n}/{len(traces)}" for p, n in baselines.items()))
+    runs = _runs([0])
+    for r in runs:
+        GOAL_GRID["full traces"][(r.trace, 0)] = missed(r.checks)
+        c = capacity(read_trace(TRACES / f"{r.trace}.csv"))
+        print(f"  {r.trace} (C={c}): {'PASS' if r.met else 'MISS'}  " + "  ".join(
+            f"{_label(k)} {v.value:.3f}{'' if v.met else '(!' + v.target + ')'}" for k, v in r.checks.items()),
+            flush=True)
+        ROWS.append({"figure": f"fairness goals {r.trace}", "ok": r.met,
+                     "checks": {_label(k): {"value": v.value, "target": v.target, "ok": v.met}
+                                for k, v in r.checks.items()}})
+    passed, baselines = sum(r.met for r in runs), _baseline_counts(runs)
+    print(f"  traces meeting every goal: {passed}/{len(runs)}; the same goals met by the fair baselines "
+          "(Jain against the other baselines): " + ", ".join(f"{p} {n}/{len(runs)}" for p, n in baselines.items()))
     ROWS.append({"figure": "fairness goals, seed 0, traces meeting every goal", "fairshare": passed, **baselines,
-                 "runs": len(traces)})
+                 "runs": len(runs)})
 
 
-def _missed(checks: dict) -> list[str]:
-    return [k.split("/")[0] for k, c in checks.items() if not c[2]]
+def _goal_cells(runs) -> list[str]:
+    """Goals met of 6 per trace, with those missed."""
+    from kfp_pytorch.fairness_scheduler.goals import missed
 
-
-def _goal_row(seed: int, placement: str = "binpack") -> tuple[list[str], int, dict[str, int], dict[str, list[str]]]:
-    """One line of goals met per trace (of 6) for a user draw and a placement convention, the
-    traces meeting every goal, how many the fair baselines meet when judged by the same goals,
-    and the goals missed per trace."""
-    cells, met = [], 0
-    baselines = dict.fromkeys(FAIR_BASELINES, 0)
-    missed = {}
-    for tr in sorted(TRACES.glob("*.csv")):
-        _, checks, met_by = _judge(tr, seed, placement)
-        missed[tr.stem] = _missed(checks)
-        n_ok = sum(c[2] for c in checks.values())
-        met += n_ok == len(checks)
-        for p, b_ok in met_by.items():
-            baselines[p] += b_ok
-        cells.append(f"{tr.stem[-2:]}:{n_ok}" + ("" if n_ok == len(checks) else
-                     "(" + ",".join(missed[tr.stem]) + ")"))
-    return cells, met, baselines, missed
+    return [f"{r.trace[-2:]}:{sum(c.met for c in r.checks.values())}"
+            + ("" if r.met else "(" + ",".join(missed(r.checks)) + ")") for r in runs]
 
 
 def bench_fairness_seeds(tmp: Path) -> None:
@@ -402,91 +364,58 @@ def bench_fairness_seeds(tmp: Path) -> None:
     traces: same jobs, different owners). Seeds 0-2 were used to tune the defaults; seeds 3-5
     showed that square-root age generalises better; seeds 6-11 were run once, to confirm it.
     Prints goals met per trace and seed."""
-    from concurrent.futures import ProcessPoolExecutor
+    from kfp_pytorch.fairness_scheduler.goals import missed
 
     seeds = list(range(1, 12))
     print("fairness goals, other user draws (protocol seeds 1-11): goals met of 6 per trace")
-    with ProcessPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as ex:
-        rows = dict(zip(seeds, ex.map(_goal_row, seeds)))
-    for seed, (cells, _, _, missed) in rows.items():
-        print(f"  seed {seed:2d}: " + "  ".join(cells), flush=True)
-        GOAL_GRID["full traces"].update({(trace, seed): m for trace, m in missed.items()})
+    runs = _runs(seeds)
+    for seed in seeds:
+        mine = [r for r in runs if r.seed == seed]
+        print(f"  seed {seed:2d}: " + "  ".join(_goal_cells(mine)), flush=True)
+        GOAL_GRID["full traces"].update({(r.trace, seed): missed(r.checks) for r in mine})
     groups = {"seeds 1-2 (tuning)": (1, 2), "seeds 3-5": (3, 4, 5), "seeds 6-11 (confirmation)": range(6, 12)}
-    totals = {name: sum(rows[s][1] for s in group) for name, group in groups.items()}
+    totals = {name: sum(r.met for r in runs if r.seed in group) for name, group in groups.items()}
+    n_traces = len(runs) // len(seeds)
     print("  trace x seed runs meeting every goal: " + ", ".join(
-        f"{name} {met}/{8 * len(groups[name])}" for name, met in totals.items()))
+        f"{name} {met}/{n_traces * len(groups[name])}" for name, met in totals.items()))
     for name, met in totals.items():
-        ROWS.append({"figure": f"fairness goals, {name}", "met": met, "runs": 8 * len(groups[name])})
-    runs = 8 * len(seeds)
-    base = {p: sum(rows[s][2][p] for s in seeds) for p in FAIR_BASELINES}
-    print(f"  seeds 1-11, runs meeting every goal: fairshare {sum(r[1] for r in rows.values())}/{runs}; the fair "
-          "baselines judged by the same goals: " + ", ".join(f"{p} {n}/{runs}" for p, n in base.items()))
-    ROWS.append({"figure": "fairness goals, seeds 1-11, fair baselines judged by the same goals", **base, "runs": runs})
-
-
-def _split_halves(out: Path) -> list[Path]:
-    """Each trace cut in two at its median submission time (times re-based to 0): 16 job mixes
-    that no setting was tuned on, a closer stand-in for held-back traces than new user draws."""
-    import csv
-
-    from kfp_pytorch.fairness_scheduler.trace import COLUMNS, read_trace
-
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for tr in sorted(TRACES.glob("*.csv")):
-        jobs = read_trace(tr)
-        mid = sorted(j.submit for j in jobs)[len(jobs) // 2]
-        for part, sel in (("a", [j for j in jobs if j.submit < mid]), ("b", [j for j in jobs if j.submit >= mid])):
-            t0 = min(j.submit for j in sel)
-            path = out / f"{tr.stem}{part}.csv"
-            with open(path, "w", newline="") as f:
-                w = csv.writer(f)
-                w.writerow(COLUMNS)
-                w.writerows([j.job_id, j.submit - t0, j.duration, j.gpus] for j in sel)
-            paths.append(path)
-    return paths
-
-
-def _halves_cell(args: tuple[str, int]) -> tuple[str, bool, dict[str, bool], list[str]]:
-    path, seed = args
-    _, checks, met_by = _judge(path, seed)
-    return Path(path).stem, all(c[2] for c in checks.values()), met_by, _missed(checks)
+        ROWS.append({"figure": f"fairness goals, {name}", "met": met, "runs": n_traces * len(groups[name])})
+    base = _baseline_counts(runs)
+    print(f"  seeds 1-11, runs meeting every goal: fairshare {sum(r.met for r in runs)}/{len(runs)}; the fair "
+          "baselines judged by the same goals: " + ", ".join(f"{p} {n}/{len(runs)}" for p, n in base.items()))
+    ROWS.append({"figure": "fairness goals, seeds 1-11, fair baselines judged by the same goals", **base,
+                 "runs": len(runs)})
 
 
 def bench_fairness_halves(tmp: Path) -> None:
-    """Robustness to new job mixes: every trace's two halves, user draws 0-3, the issue's goals
-    with the generic targets (the named traces' stricter ones do not apply to halves); the fair
-    baselines are judged by the same goals."""
-    from concurrent.futures import ProcessPoolExecutor
+    """Robustness to new job mixes: every trace's two halves (cut at the median submission time),
+    user draws 0-3, the issue's goals with the generic targets (the named traces' stricter ones do
+    not apply to halves); the fair baselines are judged by the same goals."""
+    from kfp_pytorch.fairness_scheduler.goals import missed
 
-    paths = _split_halves(tmp / "halves")
-    seeds = range(4)
-    runs_args = [(str(p), s) for p in paths for s in seeds]
-    with ProcessPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as ex:
-        cells = list(ex.map(_halves_cell, runs_args))
+    runs = _runs(range(4), ["halves"])
     print("fairness goals on half traces (each trace cut at its median submission; seeds 0-3): "
           "draws meeting every goal per half")
-    per = {}
-    for (name, ok, _, missed), (_, seed) in zip(cells, runs_args):
-        per[name] = per.get(name, 0) + ok
-        GOAL_GRID["half traces"][(name, seed)] = missed
+    per: dict[str, int] = {}
+    for r in runs:
+        per[r.trace] = per.get(r.trace, 0) + r.met
+        GOAL_GRID["half traces"][(r.trace, r.seed)] = missed(r.checks)
     print("  " + "  ".join(f"{n[-3:]}:{k}" for n, k in per.items()))
-    runs = len(cells)
-    ours = sum(c[1] for c in cells)
-    base = {p: sum(c[2][p] for c in cells) for p in FAIR_BASELINES}
-    print(f"  runs meeting every goal: fairshare {ours}/{runs}; the fair baselines judged by the same goals: "
-          + ", ".join(f"{p} {n}/{runs}" for p, n in base.items()))
-    ROWS.append({"figure": "fairness goals, half traces, seeds 0-3", "fairshare": ours, **base, "runs": runs})
+    ours, base = sum(r.met for r in runs), _baseline_counts(runs)
+    print(f"  runs meeting every goal: fairshare {ours}/{len(runs)}; the fair baselines judged by the same goals: "
+          + ", ".join(f"{p} {n}/{len(runs)}" for p, n in base.items()))
+    ROWS.append({"figure": "fairness goals, half traces, seeds 0-3", "fairshare": ours, **base, "runs": len(runs)})
 
 
 def bench_fairness_spread(tmp: Path) -> None:
     """Robustness to the placement convention: every policy with ``spread`` (kube-scheduler's
     default scoring) instead of ``binpack``; FIFO's own figures move with it on cluster02/03/07."""
     print("fairness goals, seed 0, every policy with --placement spread: goals met of 6 per trace")
-    cells, met, _, _ = _goal_row(0, "spread")
-    print("  " + "  ".join(cells), flush=True)
-    print(f"  traces meeting every goal: {met}/8")
-    ROWS.append({"figure": "fairness goals, spread placement", "met": met, "runs": 8})
+    runs = _runs([0], placement="spread")
+    met = sum(r.met for r in runs)
+    print("  " + "  ".join(_goal_cells(runs)), flush=True)
+    print(f"  traces meeting every goal: {met}/{len(runs)}")
+    ROWS.append({"figure": "fairness goals, spread placement", "met": met, "runs": len(runs)})
 
 
 def _cycle_setup(n_pending: int, n_users: int = 1000, n_nodes: int = 1000, seed: int = 0):
