@@ -451,7 +451,9 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
 @click.option("--workers", type=int, default=None, help="Runs at once, one process each (default: the CPUs).")
 @click.option("-v", "--verbose", is_flag=True, help="Also list every run that misses a goal, with its figures.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary and every run's metrics and checks as JSON.")
-def goals_cmd(traces, seeds, sets, config, placement, cache_dir, workers, verbose, as_json):
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="PNG grid: one cell per trace and seed, coloured by the goals missed.")
+def goals_cmd(traces, seeds, sets, config, placement, cache_dir, workers, verbose, as_json, plot_path):
     """Judge the fairshare policy by issue #4's goals over many runs, against the baselines of each run.
 
     fairness_scheduler/TUNING.md counts runs with this judge. Its 112-run set for comparing
@@ -459,7 +461,7 @@ def goals_cmd(traces, seeds, sets, config, placement, cache_dir, workers, verbos
     from kfp_pytorch.components.errors import ConfigError
     from kfp_pytorch.fairness_scheduler.config import load_config
     from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
-    from kfp_pytorch.fairness_scheduler.evaluate import (default_workers, evaluate_goals, format_goals,
+    from kfp_pytorch.fairness_scheduler.evaluate import (default_workers, evaluate_goals, format_goals, goal_grid,
                                                          parse_seeds, set_problems, to_json, trace_files)
 
     problems = []
@@ -477,12 +479,18 @@ def goals_cmd(traces, seeds, sets, config, placement, cache_dir, workers, verbos
         problems += e.problems
     if workers is not None and workers < 1:
         problems.append(f"--workers: must be an integer >= 1, got {workers}")
+    if plot_path and (problem := _output_problem(plot_path, "--plot", PLOT_FORMATS)):
+        problems.append(problem)
     if problems:
         raise SchedulerConfigError(problems)
     runs = evaluate_goals(list(traces), seed_list, set_list, cfg.fairshare, placement or cfg.placement,
                           workers or default_workers(), cache_dir, progress=not as_json and sys.stderr.isatty(),
                           half_life=cfg.half_life)
     click.echo(json.dumps(to_json(runs), indent=1) if as_json else format_goals(runs, verbose))
+    if plot_path:
+        goal_grid(runs).savefig(plot_path, dpi=110)
+        if not as_json:
+            click.echo(f"plot: {plot_path}")
 
 
 def main(argv: list[str] | None = None) -> int:  # noqa: D103

@@ -256,6 +256,44 @@ def format_goals(runs: list[GoalRun], verbose: bool = False) -> str:
     return "\n".join(lines)
 
 
+SET_TITLES = {"full": "full traces", "halves": "half traces", "thirds": "thirds", "middle": "middle halves"}
+_SHORT = {"jain": "J", "light_wait_p95": "L", "wait_max": "W", "utilization": "U", "jct_mean": "C", "min_service": "M"}
+
+
+def goal_grid(runs: list[GoalRun]):
+    """One panel per set, one cell per trace (or cut) and user draw: green where ``fairshare``
+    meets every goal, else yellow to red by the number missed, labelled with the goals missed.
+    A pyplot-free matplotlib Figure (neither needs nor changes a backend)."""
+    import numpy as np
+    from matplotlib.colors import ListedColormap
+    from matplotlib.figure import Figure
+
+    cmap = ListedColormap(["#66bb6a", "#ffe082", "#ffab40", "#e53935"])  # 0, 1, 2, 3+ goals missed
+    sets = list(dict.fromkeys(r.set for r in runs))
+    rows = {name: sorted({r.trace for r in runs if r.set == name}) for name in sets}
+    fig = Figure(figsize=(max(9.0, 7.0 * len(sets)), max(4.0, 0.3 * max(len(v) for v in rows.values()) + 2.5)))
+    axes = fig.subplots(1, len(sets), squeeze=False)[0]
+    for ax, name in zip(axes, sets):
+        mine = [r for r in runs if r.set == name]
+        traces, seeds = rows[name], sorted({r.seed for r in mine})
+        n_missed = np.full((len(traces), len(seeds)), np.nan)
+        for r in mine:
+            miss = [g for g, c in r.checks.items() if not c.met]
+            n_missed[traces.index(r.trace), seeds.index(r.seed)] = len(miss)
+            ax.text(seeds.index(r.seed), traces.index(r.trace), "".join(_SHORT[g] for g in miss) or "ok",
+                    ha="center", va="center", fontsize=8)
+        ax.imshow(np.minimum(n_missed, 3), cmap=cmap, vmin=-0.5, vmax=3.5, aspect="auto")
+        ax.set_title(f"{SET_TITLES.get(name, name)}: {sum(r.met for r in mine)}/{len(mine)} runs meet every goal")
+        ax.set_xticks(range(len(seeds)), [str(x) for x in seeds])
+        ax.set_yticks(range(len(traces)), [t.replace("cluster", "") for t in traces])
+        ax.set_xlabel("user-draw seed")
+    fig.suptitle("fairshare against the issue #4 goals, same run as the baselines\nmissed: J Jain's index, "
+                 "L light users' p95 wait, W worst wait, U utilization, C mean JCT, M worst-served user",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def to_json(runs: list[GoalRun]) -> dict:
     """``{"summary": summarize(runs), "runs": [...]}``, each run with its metrics and checks."""
     return {"summary": summarize(runs),

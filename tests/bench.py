@@ -49,8 +49,8 @@ sys.path.insert(0, str(HERE))
 from servers import start_seaweedfs  # noqa: E402
 
 ROWS: list[dict] = []
-GOAL_GRID: dict[str, dict[tuple[str, int], list[str]]] = {"full traces": {}, "half traces": {}}
-"""Missed goals of ``fairshare`` per (trace, user-draw seed), for the goal-grid plot."""
+GOAL_RUNS: list = []
+"""Every run the fairness benches judged (``evaluate.GoalRun``), for the goal-grid plot."""
 
 
 def row(figure, value, baseline, ratio, target, ok, unit=""):
@@ -330,13 +330,12 @@ def _baseline_counts(runs) -> dict[str, int]:
 
 def bench_fairness(tmp: Path) -> None:
     """The issue #4 goals for `fairshare` against the baselines, every trace, protocol defaults."""
-    from kfp_pytorch.fairness_scheduler.goals import missed
     from kfp_pytorch.fairness_scheduler.trace import capacity, read_trace
 
     print("fairness goals: fairshare vs the baselines on every trace (ratios to FIFO unless noted)")
     runs = _runs([0])
+    GOAL_RUNS.extend(runs)
     for r in runs:
-        GOAL_GRID["full traces"][(r.trace, 0)] = missed(r.checks)
         c = capacity(read_trace(TRACES / f"{r.trace}.csv"))
         print(f"  {r.trace} (C={c}): {'PASS' if r.met else 'MISS'}  " + "  ".join(
             f"{_label(k)} {v.value:.3f}{'' if v.met else '(!' + v.target + ')'}" for k, v in r.checks.items()),
@@ -364,15 +363,13 @@ def bench_fairness_seeds(tmp: Path) -> None:
     traces: same jobs, different owners). Seeds 0-2 were used to tune the defaults; seeds 3-5
     showed that square-root age generalises better; seeds 6-11 were run once, to confirm it.
     Prints goals met per trace and seed."""
-    from kfp_pytorch.fairness_scheduler.goals import missed
-
     seeds = list(range(1, 12))
     print("fairness goals, other user draws (protocol seeds 1-11): goals met of 6 per trace")
     runs = _runs(seeds)
+    GOAL_RUNS.extend(runs)
     for seed in seeds:
         mine = [r for r in runs if r.seed == seed]
         print(f"  seed {seed:2d}: " + "  ".join(_goal_cells(mine)), flush=True)
-        GOAL_GRID["full traces"].update({(r.trace, seed): missed(r.checks) for r in mine})
     groups = {"seeds 1-2 (tuning)": (1, 2), "seeds 3-5": (3, 4, 5), "seeds 6-11 (confirmation)": range(6, 12)}
     totals = {name: sum(r.met for r in runs if r.seed in group) for name, group in groups.items()}
     n_traces = len(runs) // len(seeds)
@@ -391,15 +388,13 @@ def bench_fairness_halves(tmp: Path) -> None:
     """Robustness to new job mixes: every trace's two halves (cut at the median submission time),
     user draws 0-3, the issue's goals with the generic targets (the named traces' stricter ones do
     not apply to halves); the fair baselines are judged by the same goals."""
-    from kfp_pytorch.fairness_scheduler.goals import missed
-
     runs = _runs(range(4), ["halves"])
+    GOAL_RUNS.extend(runs)
     print("fairness goals on half traces (each trace cut at its median submission; seeds 0-3): "
           "draws meeting every goal per half")
     per: dict[str, int] = {}
     for r in runs:
         per[r.trace] = per.get(r.trace, 0) + r.met
-        GOAL_GRID["half traces"][(r.trace, r.seed)] = missed(r.checks)
     print("  " + "  ".join(f"{n[-3:]}:{k}" for n, k in per.items()))
     ours, base = sum(r.met for r in runs), _baseline_counts(runs)
     print(f"  runs meeting every goal: fairshare {ours}/{len(runs)}; the fair baselines judged by the same goals: "
@@ -485,44 +480,6 @@ BENCHES = {"train": bench_train, "data": bench_data, "serve": bench_serve, "pipe
            "fairness-spread": bench_fairness_spread, "k8s": bench_k8s}
 
 
-def plot_goal_grid(path: Path) -> None:
-    """One cell per trace and user draw: green where ``fairshare`` meets every goal of issue #4,
-    else red by the number missed, labelled with the goals missed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap
-
-    short = {"jain": "J", "light_wait_p95": "L", "wait_max": "W", "utilization": "U", "jct_mean": "C",
-             "min_service": "M"}
-    cmap = ListedColormap(["#66bb6a", "#ffe082", "#ffab40", "#e53935"])  # 0, 1, 2, 3+ goals missed
-    sets = [(title, grid) for title, grid in GOAL_GRID.items() if grid]
-    fig, axes = plt.subplots(1, len(sets), figsize=(max(9, 7 * len(sets)), 6.5), squeeze=False)
-    for ax, (title, grid) in zip(axes[0], sets):
-        traces = sorted({t for t, _ in grid})
-        seeds = sorted({s for _, s in grid})
-        n_missed = np.full((len(traces), len(seeds)), np.nan)
-        for (t, s), missed in grid.items():
-            n_missed[traces.index(t), seeds.index(s)] = len(missed)
-        ax.imshow(np.minimum(n_missed, 3), cmap=cmap, vmin=-0.5, vmax=3.5, aspect="auto")
-        for (t, s), missed in grid.items():
-            ax.text(seeds.index(s), traces.index(t), "".join(short.get(m, "?") for m in missed) or "ok",
-                    ha="center", va="center", fontsize=8)
-        met = sum(not m for m in grid.values())
-        ax.set_title(f"{title}: {met}/{len(grid)} runs meet every goal")
-        ax.set_xticks(range(len(seeds)), [str(s) for s in seeds])
-        ax.set_yticks(range(len(traces)), [t.replace("cluster", "") for t in traces])
-        ax.set_xlabel("user-draw seed")
-    fig.suptitle("fairshare against the issue #4 goals, same run as the baselines\nmissed: J Jain's index, "
-                 "L light users' p95 wait, W worst wait, U utilization, C mean JCT, M worst-served user",
-                 fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--only", default=",".join(BENCHES))
@@ -533,8 +490,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kfp-pytorch-bench-") as tmp:
         for name in args.only.split(","):
             BENCHES[name.strip()](Path(tmp))
-    if any(GOAL_GRID.values()):
-        plot_goal_grid(Path(args.plot))
+    if GOAL_RUNS:
+        from kfp_pytorch.fairness_scheduler.evaluate import goal_grid
+
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        goal_grid(GOAL_RUNS).savefig(args.plot, dpi=110)
         print(f"goal grid: {args.plot}")
     if args.json:
         Path(args.json).write_text(json.dumps(ROWS, indent=1))

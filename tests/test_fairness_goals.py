@@ -145,10 +145,25 @@ def test_goals_cli_judges_each_run_and_reuses_cached_baselines(tmp_path):
     other = json.loads(_goals(*args, "--config", str(cfg)).stdout)
     assert [r["metrics"]["fairshare"] for r in other["runs"]] != [r["metrics"]["fairshare"] for r in runs]
     assert [r["metrics"]["kueue-afs"] for r in other["runs"]] == [r["metrics"]["kueue-afs"] for r in runs]
-    # the table
-    table = _goals(*args[:-1], "--verbose")
+    # the table, and the grid
+    table = _goals(*args[:-1], "--verbose", "--plot", str(tmp_path / "grid.png"))
     assert table.returncode == 0 and "fairshare's misses by goal" in table.stdout
     assert "halves" in table.stdout and "cluster10b/seed 0:" in table.stdout
+    assert (tmp_path / "grid.png").stat().st_size > 10_000
+
+
+def test_goal_grid_has_a_cell_per_run_labelled_with_the_goals_missed():
+    from kfp_pytorch.fairness_scheduler.evaluate import GoalRun, goal_grid
+
+    m = _metrics()
+    runs = [GoalRun("full", "cluster01", 0, m, check("cluster01", m), {}),
+            GoalRun("full", "cluster01", 1, m, check("cluster01", _metrics(wait_max=20000.0, jct_mean=9000.0)), {}),
+            GoalRun("halves", "cluster01a", 0, m, check("cluster01a", m), {})]
+    fig = goal_grid(runs)
+    panels = [ax for ax in fig.axes if ax.get_title()]
+    assert [ax.get_title() for ax in panels] == ["full traces: 1/2 runs meet every goal",
+                                                 "half traces: 1/1 runs meet every goal"]
+    assert sorted(t.get_text() for t in panels[0].texts) == ["WC", "ok"]
 
 
 def test_goals_cli_bad_input_lists_every_problem(tmp_path):
@@ -157,9 +172,10 @@ def test_goals_cli_bad_input_lists_every_problem(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("fairshare: {weight_age: -1}\n")
     out = _goals("--traces", str(empty), "--traces", str(tmp_path / "nope.csv"), "--seeds", "5-2",
-                 "--sets", "full,quarters", "--config", str(cfg), "--workers", "0")
+                 "--sets", "full,quarters", "--config", str(cfg), "--workers", "0", "--plot", str(tmp_path / "g.txt"))
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     for needle in (f"--traces: no *.csv in folder {empty}", "nope.csv does not exist", "--seeds: range '5-2' is empty",
+                   "--plot: ",
                    "--sets: unknown set 'quarters'", "fairshare.weight_age: must be >= 0", "--workers: must be"):
         assert needle in out.stderr, needle
     out = _goals()
