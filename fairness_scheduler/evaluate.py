@@ -24,6 +24,7 @@ from .errors import SchedulerConfigError, TraceError
 from .goals import (BASELINES, FAIR_BASELINES, GOALS, Check, baselines_meeting_goals, check, meets_all,
                     miss_score)
 from .report import run_jobs
+from .simulator import METRICS
 from .trace import CUTS, TraceJob, cut, read_trace
 
 CACHE_VERSION = 1
@@ -92,6 +93,10 @@ def trace_files(paths: list[str | Path]) -> tuple[list[Path], list[str]]:
             files.append(p)
         else:
             problems.append(f"--traces: {p} does not exist")
+    unique: dict[Path, Path] = {}  # each file once, in the order first named
+    for f in files:
+        unique.setdefault(f.resolve(), f)
+    files = list(unique.values())
     if not paths:
         problems.append("--traces: give trace CSVs or folders of them")
     return files, problems
@@ -120,6 +125,29 @@ def _cache_key(jobs: list[TraceJob], seed: int, params: tuple) -> str:
     for j in jobs:
         h.update(f"{j.submit!r},{j.duration!r},{j.gpus}\n".encode())
     return h.hexdigest()[:20]
+
+
+def _read_cached(path: Path) -> dict | None:
+    """The baselines' metrics kept at ``path``, or None when missing or unusable (cut short,
+    edited, or from another version): the run is then simply made again."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(data, dict) and all(isinstance(data.get(p), dict) and set(METRICS) <= set(data[p])
+                                        for p in BASELINES)
+    return data if ok else None
+
+
+def _write_cached(path: Path, data: dict) -> None:
+    """Atomically (a reader never sees half a file), best effort: a cache that cannot be written
+    costs time, not results."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] = ("full",),
@@ -151,7 +179,11 @@ def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] =
     params = (users, zipf, load, half_life, placement, fairshare)
     cache = Path(cache_dir) if cache_dir else None
     if cache:
-        cache.mkdir(parents=True, exist_ok=True)
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SchedulerConfigError([f"--cache: cannot create folder {cache}: {e.strerror or e}"],
+                                       "give a writable folder, or leave --cache out") from None
     units: list[_Unit] = []
     cached: dict[int, dict] = {}
     keys: dict[int, Path] = {}
@@ -166,8 +198,8 @@ def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] =
                     i = len(units)
                     if cache:
                         keys[i] = cache / f"{f.stem}{suffix}-s{seed}-{_cache_key(part, seed, params)}.json"
-                        if keys[i].exists():
-                            cached[i] = json.loads(keys[i].read_text())
+                        if (hit := _read_cached(keys[i])) is not None:
+                            cached[i] = hit
                             policies = ("fairshare",)
                     units.append(_Unit(set_name, f.stem + suffix, seed, part, policies, params))
     metrics = _run_all(units, workers, progress)
@@ -176,7 +208,7 @@ def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] =
         if i in cached:
             m = {**cached[i], **m}
         elif cache:
-            keys[i].write_text(json.dumps({p: m[p] for p in BASELINES}))
+            _write_cached(keys[i], {p: m[p] for p in BASELINES})
         m = {p: m[p] for p in BASELINES + ("fairshare",)}
         runs.append(GoalRun(u.set, u.trace, u.seed, m, check(u.trace, m), baselines_meeting_goals(u.trace, m)))
     return runs

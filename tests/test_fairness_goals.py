@@ -135,7 +135,12 @@ def test_goals_cli_judges_each_run_and_reuses_cached_baselines(tmp_path):
     doctored = json.loads(files[0].read_text())
     doctored["fifo"]["wait_max"] = runs[0]["metrics"]["fairshare"]["wait_max"] / 2  # ours now 2x FIFO's
     files[0].write_text(json.dumps(doctored))
-    again = json.loads(_goals(*args).stdout)
+    half = sorted(cache.glob("cluster10a-s1-*.json"))[0]
+    half.write_text('{"fifo": {"wait_p50": 1')  # cut short (a killed run): made again, not trusted
+    again = json.loads(_goals(*args, "--traces", str(TRACES) + "/./cluster10.csv").stdout)  # named twice: run once
+    assert len(again["runs"]) == 6 and json.loads(half.read_text()) == {p: runs[3]["metrics"][p] for p in
+                                                                         ("fifo", "static-priority", "drf",
+                                                                          "slurm-fairshare", "kueue-afs")}
     assert again["runs"][0]["checks"]["wait_max"]["met"] is False
     assert again["runs"][0]["metrics"]["fairshare"] == runs[0]["metrics"]["fairshare"]
     assert again["runs"][1:] == runs[1:]
@@ -180,6 +185,8 @@ def test_goals_cli_bad_input_lists_every_problem(tmp_path):
         assert needle in out.stderr, needle
     out = _goals()
     assert out.returncode == 2 and "--traces: give trace CSVs" in out.stderr
+    out = _goals("--traces", str(TRACES / "cluster10.csv"), "--cache", str(cfg / "sub"))  # under a file
+    assert out.returncode == 2 and "--cache: cannot create folder" in out.stderr and "Traceback" not in out.stderr
     # every bad trace is named, file:line, before anything runs
     (tmp_path / "a.csv").write_text("job_id,submission_time,duration,num_gpu\na,0,x,1\n")
     (tmp_path / "b.csv").write_text("job_id,submission_time,duration,num_gpu\nb,0,10,-1\n")
