@@ -461,8 +461,9 @@ def goals_cmd(traces, seeds, sets, config, placement, cache_dir, workers, verbos
     from kfp_pytorch.components.errors import ConfigError
     from kfp_pytorch.fairness_scheduler.config import load_config
     from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
-    from kfp_pytorch.fairness_scheduler.evaluate import (default_workers, evaluate_goals, format_goals, goal_grid,
-                                                         parse_seeds, set_problems, to_json, trace_files)
+    from kfp_pytorch.fairness_scheduler.evaluate import (evaluate_goals, format_goals, goal_grid, parse_seeds,
+                                                         set_problems, to_json, trace_files)
+    from kfp_pytorch.fairness_scheduler.report import usable_cpus, workers_problems
 
     problems = []
     try:
@@ -477,14 +478,14 @@ def goals_cmd(traces, seeds, sets, config, placement, cache_dir, workers, verbos
         cfg = load_config(_read_yaml(config, "--config") if config else {})
     except ConfigError as e:
         problems += e.problems
-    if workers is not None and workers < 1:
-        problems.append(f"--workers: must be an integer >= 1, got {workers}")
+    if workers is not None:
+        problems += workers_problems(workers)
     if plot_path and (problem := _output_problem(plot_path, "--plot", PLOT_FORMATS)):
         problems.append(problem)
     if problems:
         raise SchedulerConfigError(problems)
     runs = evaluate_goals(list(traces), seed_list, set_list, cfg.fairshare, placement or cfg.placement,
-                          workers or default_workers(), cache_dir, progress=not as_json and sys.stderr.isatty(),
+                          workers or usable_cpus(), cache_dir, progress=not as_json and sys.stderr.isatty(),
                           half_life=cfg.half_life)
     click.echo(json.dumps(to_json(runs), indent=1) if as_json else format_goals(runs, verbose))
     if plot_path:

@@ -23,7 +23,7 @@ from .config import FairShareConfig
 from .errors import SchedulerConfigError, TraceError
 from .goals import (BASELINES, FAIR_BASELINES, GOALS, Check, baselines_meeting_goals, check, meets_all,
                     miss_score)
-from .report import run_jobs
+from .report import run_jobs, workers_problems
 from .simulator import METRICS
 from .trace import CUTS, TraceJob, cut, read_trace
 
@@ -163,8 +163,7 @@ def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] =
     ``workers`` runs that many runs at once, one process each; results do not depend on it."""
     files, problems = trace_files(list(traces))
     problems += set_problems(list(sets))
-    if not (isinstance(workers, int) and workers >= 1):
-        problems.append(f"--workers: must be an integer >= 1, got {workers!r}")
+    problems += workers_problems(workers)
     if problems:
         raise SchedulerConfigError(problems)
     parsed: dict[Path, list[TraceJob]] = {}
@@ -332,10 +331,3 @@ def to_json(runs: list[GoalRun]) -> dict:
             "runs": [{"set": r.set, "trace": r.trace, "seed": r.seed, "met": r.met,
                       "checks": {g: asdict(c) for g, c in r.checks.items()},
                       "baselines_met": r.baselines_met, "metrics": r.metrics} for r in runs]}
-
-
-def default_workers() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1

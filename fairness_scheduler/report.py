@@ -79,13 +79,17 @@ def workers_problems(workers: int) -> list[str]:
     return [] if isinstance(workers, int) and workers >= 1 else [f"--workers: must be an integer >= 1, got {workers!r}"]
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may use (its affinity mask on Linux)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def default_workers(n_policies: int) -> int:
     """One process per policy, up to the CPUs this process may use."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(cpus, n_policies))
+    return max(1, min(usable_cpus(), n_policies))
 
 
 def _simulate_one(workloads, policy: str, args: tuple, progress) -> SimResult:
