@@ -16,13 +16,13 @@ import os
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .config import FairShareConfig
 from .errors import SchedulerConfigError, TraceError
 from .goals import (BASELINES, FAIR_BASELINES, GOALS, Check, baselines_meeting_goals, check, meets_all,
-                    miss_score)
+                    miss_score, missed, shared_misses)
 from .report import run_jobs, workers_problems
 from .simulator import METRICS
 from .trace import CUTS, TraceJob, cut, read_trace
@@ -45,6 +45,9 @@ class GoalRun:
     """``fairshare``'s goals."""
     baselines_met: dict[str, bool]
     """Whether each fair baseline, judged by the same goals, meets every one."""
+    shared: list[str] = field(default_factory=list)
+    """``fairshare``'s missed goals that no fair baseline meets in this run either
+    (:func:`.goals.shared_misses`)."""
 
     @property
     def met(self) -> bool:
@@ -209,7 +212,9 @@ def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] =
         elif cache:
             _write_cached(keys[i], {p: m[p] for p in BASELINES})
         m = {p: m[p] for p in BASELINES + ("fairshare",)}
-        runs.append(GoalRun(u.set, u.trace, u.seed, m, check(u.trace, m), baselines_meeting_goals(u.trace, m)))
+        checks = check(u.trace, m)
+        runs.append(GoalRun(u.set, u.trace, u.seed, m, checks, baselines_meeting_goals(u.trace, m),
+                            shared_misses(u.trace, m, checks)))
     return runs
 
 
@@ -253,14 +258,19 @@ def _run_all(units: list[_Unit], workers: int, progress) -> list[dict]:
 
 def summarize(runs: list[GoalRun]) -> dict[str, dict]:
     """Per set and overall (``all``): runs, runs meeting every goal for ``fairshare`` and for each
-    fair baseline, ``fairshare``'s misses per goal and its miss score (:func:`.goals.miss_score`)."""
+    fair baseline, ``fairshare``'s misses per goal and its miss score (:func:`.goals.miss_score`);
+    ``shared``: of those misses, the ones no fair baseline met in the same run either, per goal;
+    ``shared_only``: runs missed only by such goals."""
     out: dict[str, dict] = {}
     for name in list(dict.fromkeys(r.set for r in runs)) + ["all"]:
         sel = [r for r in runs if name in ("all", r.set)]
         misses = Counter(g for r in sel for g, c in r.checks.items() if not c.met)
+        shared = Counter(g for r in sel for g in r.shared)
         out[name] = {"runs": len(sel), "fairshare": sum(r.met for r in sel),
                      **{p: sum(r.baselines_met.get(p, False) for r in sel) for p in FAIR_BASELINES},
                      "missed": {g: misses.get(g, 0) for g in GOALS},
+                     "shared": {g: shared.get(g, 0) for g in GOALS},
+                     "shared_only": sum(not r.met and len(r.shared) == len(missed(r.checks)) for r in sel),
                      "miss_score": round(sum(miss_score(r.checks) for r in sel), 1)}
     return out
 
@@ -277,13 +287,18 @@ def format_goals(runs: list[GoalRun], verbose: bool = False) -> str:
             continue  # one set: its row is the total
         lines.append(f"{name:<8}{row['runs']:>6}{row['fairshare']:>11}"
                      + "".join(f"{row[p]:>17}" for p in FAIR_BASELINES) + f"{row['miss_score']:>22.0f}")
+    total = s["all"]
     lines.append("fairshare's misses by goal (runs): "
-                 + ", ".join(f"{g} {n}" for g, n in s["all"]["missed"].items()))
+                 + ", ".join(f"{g} {n}" for g, n in total["missed"].items()))
+    lines.append("  of those, no fair baseline met the goal in the same run either: "
+                 + ", ".join(f"{g} {n}" for g, n in total["shared"].items())
+                 + f" ({total['shared_only']} of {total['runs'] - total['fairshare']} missed runs miss only such goals)")
     if verbose:
         for r in runs:
             if not r.met:
                 lines.append(f"  {r.trace}/seed {r.seed}: " + ", ".join(
-                    f"{g} {c.value:.4g} (target {c.target})" for g, c in r.checks.items() if not c.met))
+                    f"{g} {c.value:.4g} (target {c.target}{'; no fair baseline meets it' if g in r.shared else ''})"
+                    for g, c in r.checks.items() if not c.met))
     return "\n".join(lines)
 
 
@@ -311,7 +326,8 @@ def goal_grid(runs: list[GoalRun]):
         for r in mine:
             miss = [g for g, c in r.checks.items() if not c.met]
             n_missed[traces.index(r.trace), seeds.index(r.seed)] = len(miss)
-            ax.text(seeds.index(r.seed), traces.index(r.trace), "".join(_SHORT[g] for g in miss) or "ok",
+            label = "".join(_SHORT[g].lower() if g in r.shared else _SHORT[g] for g in miss)
+            ax.text(seeds.index(r.seed), traces.index(r.trace), label or "ok",
                     ha="center", va="center", fontsize=8)
         ax.imshow(np.minimum(n_missed, 3), cmap=cmap, vmin=-0.5, vmax=3.5, aspect="auto")
         ax.set_title(f"{SET_TITLES.get(name, name)}: {sum(r.met for r in mine)}/{len(mine)} runs meet every goal")
@@ -319,7 +335,8 @@ def goal_grid(runs: list[GoalRun]):
         ax.set_yticks(range(len(traces)), [t.replace("cluster", "") for t in traces])
         ax.set_xlabel("user-draw seed")
     fig.suptitle("fairshare against the issue #4 goals, same run as the baselines\nmissed: J Jain's index, "
-                 "L light users' p95 wait, W worst wait, U utilization, C mean JCT, M worst-served user",
+                 "L light users' p95 wait, W worst wait, U utilization, C mean JCT, M worst-served user\n"
+                 "(lower case: no fair baseline met that goal in the run either)",
                  fontsize=10)
     fig.tight_layout()
     return fig
@@ -330,4 +347,5 @@ def to_json(runs: list[GoalRun]) -> dict:
     return {"summary": summarize(runs),
             "runs": [{"set": r.set, "trace": r.trace, "seed": r.seed, "met": r.met,
                       "checks": {g: asdict(c) for g, c in r.checks.items()},
-                      "baselines_met": r.baselines_met, "metrics": r.metrics} for r in runs]}
+                      "baselines_met": r.baselines_met, "shared_misses": r.shared, "metrics": r.metrics}
+                     for r in runs]}

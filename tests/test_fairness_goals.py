@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kfp_pytorch.fairness_scheduler.evaluate import parse_seeds
-from kfp_pytorch.fairness_scheduler.goals import check, meets_all, miss_score
+from kfp_pytorch.fairness_scheduler.goals import check, meets_all, miss_score, shared_misses
 from kfp_pytorch.fairness_scheduler.trace import CUTS, TraceJob, cut
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "itp-2021"
@@ -65,6 +65,20 @@ def test_a_baseline_is_judged_against_the_other_baselines():
     # fairshare's figures never set a baseline's target
     m["fairshare"]["jain_service"] = 0.99
     assert check("x", m, "slurm-fairshare")["jain"].target == ">= 0.8950"
+
+
+def test_a_miss_that_no_fair_baseline_avoids_is_told_apart():
+    m = _metrics(jain_service=0.80, wait_max=20000.0, utilization=0.70)
+    for p in ("drf", "slurm-fairshare", "kueue-afs"):
+        m[p]["utilization"] = 0.77  # 0.9625x FIFO's: every fair baseline misses utilization too
+    checks = check("x", m)
+    assert [g for g, c in checks.items() if not c.met] == ["jain", "wait_max", "utilization"]
+    # Kueue reached the Jain index (its own target is the best of the others) and every baseline kept
+    # the worst wait at FIFO's: only utilization is a miss that no fair baseline avoids
+    assert shared_misses("x", m, checks) == ["utilization"]
+    m["drf"]["utilization"] = 0.784  # one fair baseline meets it: no longer shared
+    assert shared_misses("x", m, check("x", m)) == []
+    assert shared_misses("x", _metrics(), check("x", _metrics())) == []  # nothing missed, nothing shared
 
 
 def _jobs(submits):
@@ -128,6 +142,11 @@ def test_goals_cli_judges_each_run_and_reuses_cached_baselines(tmp_path):
     assert s["all"]["miss_score"] == pytest.approx(
         sum(c["margin"] for r in runs for c in r["checks"].values() if not c["met"]), abs=0.05)
     assert s["all"]["miss_score"] < 0
+    for r in runs:  # a shared miss is one of ours that no fair baseline meets, judged the same way
+        for g in r["shared_misses"]:
+            assert not r["checks"][g]["met"]
+            assert not any(check(r["trace"], r["metrics"], p)[g].met for p in ("drf", "slurm-fairshare", "kueue-afs"))
+    assert sum(s["all"]["shared"].values()) == sum(len(r["shared_misses"]) for r in runs)
     assert 0 < s["all"]["fairshare"] < 6  # this set has both passes and misses, so the check above bites
     # the baselines come from the cache on the next run: a doctored FIFO figure changes the verdict
     files = sorted(cache.glob("cluster10-s0-*.json"))
@@ -158,17 +177,25 @@ def test_goals_cli_judges_each_run_and_reuses_cached_baselines(tmp_path):
 
 
 def test_goal_grid_has_a_cell_per_run_labelled_with_the_goals_missed():
-    from kfp_pytorch.fairness_scheduler.evaluate import GoalRun, goal_grid
+    from kfp_pytorch.fairness_scheduler.evaluate import GoalRun, goal_grid, summarize
+    from kfp_pytorch.fairness_scheduler.goals import GOALS
 
     m = _metrics()
+    two = _metrics(wait_max=20000.0, jct_mean=9000.0)
     runs = [GoalRun("full", "cluster01", 0, m, check("cluster01", m), {}),
-            GoalRun("full", "cluster01", 1, m, check("cluster01", _metrics(wait_max=20000.0, jct_mean=9000.0)), {}),
-            GoalRun("halves", "cluster01a", 0, m, check("cluster01a", m), {})]
+            GoalRun("full", "cluster01", 1, m, check("cluster01", two), {}, shared=["jct_mean"]),
+            GoalRun("halves", "cluster01a", 0, m, check("cluster01a", m), {}),
+            GoalRun("halves", "cluster01a", 1, m, check("cluster01a", _metrics(jct_mean=9000.0)), {},
+                    shared=["jct_mean"])]
     fig = goal_grid(runs)
     panels = [ax for ax in fig.axes if ax.get_title()]
     assert [ax.get_title() for ax in panels] == ["full traces: 1/2 runs meet every goal",
-                                                 "half traces: 1/1 runs meet every goal"]
-    assert sorted(t.get_text() for t in panels[0].texts) == ["WC", "ok"]
+                                                 "half traces: 1/2 runs meet every goal"]
+    # upper case: a goal some fair baseline met in that run; lower case: none did
+    assert sorted(t.get_text() for t in panels[0].texts) == ["Wc", "ok"]
+    s = summarize(runs)
+    assert s["all"]["missed"]["jct_mean"] == 2 and s["all"]["shared"] == {**{g: 0 for g in GOALS}, "jct_mean": 2}
+    assert s["full"]["shared_only"] == 0 and s["halves"]["shared_only"] == 1
 
 
 def test_goals_cli_bad_input_lists_every_problem(tmp_path):
