@@ -21,8 +21,8 @@ from pathlib import Path
 
 from .config import FairShareConfig
 from .errors import SchedulerConfigError, TraceError
-from .goals import (BASELINES, FAIR_BASELINES, GOALS, Check, baselines_meeting_goals, check, meets_all,
-                    miss_score, missed, shared_misses)
+from .goals import (BASELINES, FAIR_BASELINES, GOALS, Check, baseline_checks, check, meets_all, miss_score,
+                    missed, shared_misses)
 from .report import run_jobs, workers_problems
 from .simulator import METRICS
 from .trace import CUTS, TraceJob, cut, read_trace
@@ -212,9 +212,9 @@ def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] =
         elif cache:
             _write_cached(keys[i], {p: m[p] for p in BASELINES})
         m = {p: m[p] for p in BASELINES + ("fairshare",)}
-        checks = check(u.trace, m)
-        runs.append(GoalRun(u.set, u.trace, u.seed, m, checks, baselines_meeting_goals(u.trace, m),
-                            shared_misses(u.trace, m, checks)))
+        checks, baselines = check(u.trace, m), baseline_checks(u.trace, m)
+        runs.append(GoalRun(u.set, u.trace, u.seed, m, checks, {p: meets_all(c) for p, c in baselines.items()},
+                            shared_misses(checks, baselines)))
     return runs
 
 

@@ -118,15 +118,15 @@ def missed(checks: dict[str, Check]) -> list[str]:
     return [g for g, c in checks.items() if not c.met]
 
 
-def shared_misses(trace_name: str, metrics: dict[str, dict[str, float]], checks: dict[str, Check]) -> list[str]:
-    """The goals that ``checks`` misses and that no fair baseline in ``metrics`` meets either, each
-    judged by the same targets. Such a miss is set by the run's job mix and user draw as far as the
-    known fair policies show: none of them orders its way past it. (Jain's goal is rarely among
-    them: the best baseline is held only to the best of the others.)"""
-    others = [check(trace_name, metrics, p) for p in FAIR_BASELINES if p in metrics]
-    return [g for g, c in checks.items() if not c.met and not any(o[g].met for o in others)]
+def baseline_checks(trace_name: str, metrics: dict[str, dict[str, float]]) -> dict[str, dict[str, Check]]:
+    """Every goal for each fair baseline in ``metrics``, judged as ``fairshare`` is (Jain against
+    the best of the *other* baselines)."""
+    return {p: check(trace_name, metrics, p) for p in FAIR_BASELINES if p in metrics}
 
 
-def baselines_meeting_goals(trace_name: str, metrics: dict[str, dict[str, float]]) -> dict[str, bool]:
-    """Whether each fair baseline in ``metrics``, judged by the same goals, meets every one."""
-    return {p: meets_all(check(trace_name, metrics, p)) for p in FAIR_BASELINES if p in metrics}
+def shared_misses(checks: dict[str, Check], baselines: dict[str, dict[str, Check]]) -> list[str]:
+    """The goals that ``checks`` misses and that no fair baseline (:func:`baseline_checks`) meets
+    either. Such a miss is set by the run's job mix and user draw as far as the known fair
+    policies show: none of them orders its way past it. (Jain's goal is rarely among them: the
+    best baseline is held only to the best of the others.)"""
+    return [g for g, c in checks.items() if not c.met and not any(b[g].met for b in baselines.values())]

@@ -307,7 +307,6 @@ def bench_k8s(tmp: Path) -> None:
     row("create -> component sees Running (ms)", statistics.median(latency), 0, None, "report", None, "ms")
 
 
-FAIR_BASELINES = ["drf", "slurm-fairshare", "kueue-afs"]
 RATIO_GOALS = ("light_wait_p95", "wait_max", "utilization", "jct_mean")
 
 
@@ -325,6 +324,8 @@ def _label(goal: str) -> str:
 
 
 def _baseline_counts(runs) -> dict[str, int]:
+    from kfp_pytorch.fairness_scheduler.goals import FAIR_BASELINES
+
     return {p: sum(r.baselines_met[p] for r in runs) for p in FAIR_BASELINES}
 
 

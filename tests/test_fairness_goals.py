@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kfp_pytorch.fairness_scheduler.evaluate import parse_seeds
-from kfp_pytorch.fairness_scheduler.goals import check, meets_all, miss_score, shared_misses
+from kfp_pytorch.fairness_scheduler.goals import baseline_checks, check, meets_all, miss_score, shared_misses
 from kfp_pytorch.fairness_scheduler.trace import CUTS, TraceJob, cut
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "itp-2021"
@@ -75,10 +75,10 @@ def test_a_miss_that_no_fair_baseline_avoids_is_told_apart():
     assert [g for g, c in checks.items() if not c.met] == ["jain", "wait_max", "utilization"]
     # Kueue reached the Jain index (its own target is the best of the others) and every baseline kept
     # the worst wait at FIFO's: only utilization is a miss that no fair baseline avoids
-    assert shared_misses("x", m, checks) == ["utilization"]
+    assert shared_misses(checks, baseline_checks("x", m)) == ["utilization"]
     m["drf"]["utilization"] = 0.784  # one fair baseline meets it: no longer shared
-    assert shared_misses("x", m, check("x", m)) == []
-    assert shared_misses("x", _metrics(), check("x", _metrics())) == []  # nothing missed, nothing shared
+    assert shared_misses(check("x", m), baseline_checks("x", m)) == []
+    assert shared_misses(check("x", _metrics()), baseline_checks("x", _metrics())) == []  # nothing missed
 
 
 def _jobs(submits):
