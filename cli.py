@@ -365,14 +365,38 @@ def storage_check(uri):
         sys.exit(1)
 
 
+def _config_and_half_life(config: str | None, half_life: str | None, problems: list[str]):
+    """The scheduler config (``--config``, else the defaults) and the usage half-life in seconds:
+    ``--half-life`` if given, else the config's. Problems are appended, not raised, so one error
+    lists every bad option; ``(None, 1.0)`` stands in for what could not be read."""
+    from kfp_pytorch.components.errors import ConfigError
+    from kfp_pytorch.fairness_scheduler.config import load_config
+    from kfp_pytorch.fairness_scheduler.usage import parse_duration
+
+    cfg = None
+    try:
+        cfg = load_config(_read_yaml(config, "--config") if config else {})
+    except ConfigError as e:
+        problems += e.problems
+    if half_life is None:
+        return cfg, cfg.half_life if cfg else 1.0
+    try:
+        return cfg, parse_duration(half_life)
+    except ValueError:
+        problems.append(f"--half-life: must be a duration like 7d, 12h or seconds, got {half_life!r}")
+        return cfg, 1.0
+
+
 @cli.command("simulate")
 @click.option("--trace", "trace", required=True, type=click.Path(dir_okay=False), help="Trace CSV (itp-2021 format).")
 @click.option("--policies", default="all", show_default=True, help="all, or a comma-separated list.")
-@click.option("--users", default=20, show_default=True, type=int)
+@click.option("--users", default=20, show_default=True, type=int,
+              help="Users drawn by the Zipf law; the lighter half are the light users.")
 @click.option("--zipf", default=1.1, show_default=True, type=float)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--load", default=0.9, show_default=True, type=float)
-@click.option("--half-life", "half_life", default="7d", show_default=True, help="Usage half-life: 7d, 12h, seconds.")
+@click.option("--half-life", "half_life", default=None,
+              help="Usage half-life: 7d, 12h, seconds. Overrides the config's (default 7d).")
 @click.option("--config", "config", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Scheduler config YAML (fairshare weights).")
 @click.option("--placement", type=click.Choice(PLACEMENTS), default=None,
@@ -389,32 +413,19 @@ def storage_check(uri):
 def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, placement, as_json, plot_path,
                  schedule_path, workers):
     """Replay a GPU-cluster trace under several scheduling policies, side by side."""
-    from kfp_pytorch.components.errors import ConfigError
-    from kfp_pytorch.fairness_scheduler.config import load_config
     from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
     from kfp_pytorch.fairness_scheduler.report import (default_workers, format_table, option_problems,
                                                        parse_policies, plot, policy_problems, run_protocol,
                                                        workers_problems, write_schedule)
-    from kfp_pytorch.fairness_scheduler.usage import parse_duration
 
     # Every bad option and config field in one error, so one run shows all there is to fix.
     problems = policy_problems(policies)
-    try:
-        hl = parse_duration(half_life)
-    except ValueError:
-        hl = None
-        problems.append(f"--half-life: must be a duration like 7d, 12h or seconds, got {half_life!r}")
-    cfg = None
-    try:
-        cfg = load_config(_read_yaml(config, "--config") if config else {})
-    except ConfigError as e:
-        problems += e.problems
+    cfg, hl = _config_and_half_life(config, half_life, problems)
     if plot_path and (problem := _output_problem(plot_path, "--plot", PLOT_FORMATS)):
         problems.append(problem)
     if schedule_path and (problem := _output_problem(schedule_path, "--schedule", (".csv",))):
         problems.append(problem)
-    problems += option_problems(users, zipf, load, hl if hl is not None else 1.0,
-                                placement or (cfg.placement if cfg else "binpack"))
+    problems += option_problems(users, zipf, load, hl, placement or (cfg.placement if cfg else "binpack"))
     if workers is not None:
         problems += workers_problems(workers)
     if problems:
@@ -446,6 +457,13 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
 @click.option("--config", "config", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Scheduler config YAML: the fairshare setting to judge (default: the built-in one).")
 @click.option("--placement", type=click.Choice(PLACEMENTS), default=None, help="Overrides the config's.")
+@click.option("--users", default=20, show_default=True, type=int,
+              help="Protocol options, as simulate's: the goals' targets are set at their defaults; other "
+                   "values stress-test the setting beyond them.")
+@click.option("--zipf", default=1.1, show_default=True, type=float)
+@click.option("--load", default=0.9, show_default=True, type=float)
+@click.option("--half-life", "half_life", default=None,
+              help="Usage half-life of every policy: 7d, 12h, seconds. Overrides the config's (default 7d).")
 @click.option("--cache", "cache_dir", type=click.Path(file_okay=False), default=None,
               help="Folder keeping the baselines' metrics, so the next setting re-runs fairshare only.")
 @click.option("--workers", type=int, default=None, help="Runs at once, one process each (default: the CPUs).")
@@ -453,17 +471,16 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
 @click.option("--json", "as_json", is_flag=True, help="Print the summary and every run's metrics and checks as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="PNG grid: one cell per trace and seed, coloured by the goals missed.")
-def goals_cmd(traces, seeds, sets, config, placement, cache_dir, workers, verbose, as_json, plot_path):
+def goals_cmd(traces, seeds, sets, config, placement, users, zipf, load, half_life, cache_dir, workers, verbose,
+              as_json, plot_path):
     """Judge the fairshare policy by issue #4's goals over many runs, against the baselines of each run.
 
     fairness_scheduler/TUNING.md counts runs with this judge. Its 112-run set for comparing
     settings: --sets full --seeds 0-5, then --sets halves --seeds 0-3."""
-    from kfp_pytorch.components.errors import ConfigError
-    from kfp_pytorch.fairness_scheduler.config import load_config
     from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
     from kfp_pytorch.fairness_scheduler.evaluate import (evaluate_goals, format_goals, goal_grid, parse_seeds,
                                                          set_problems, to_json, trace_files)
-    from kfp_pytorch.fairness_scheduler.report import usable_cpus, workers_problems
+    from kfp_pytorch.fairness_scheduler.report import option_problems, usable_cpus, workers_problems
 
     problems = []
     try:
@@ -473,11 +490,8 @@ def goals_cmd(traces, seeds, sets, config, placement, cache_dir, workers, verbos
     set_list = [x.strip() for x in sets.split(",") if x.strip()]
     problems += set_problems(set_list)
     problems += trace_files(list(traces))[1]
-    cfg = None
-    try:
-        cfg = load_config(_read_yaml(config, "--config") if config else {})
-    except ConfigError as e:
-        problems += e.problems
+    cfg, hl = _config_and_half_life(config, half_life, problems)
+    problems += option_problems(users, zipf, load, hl, placement or (cfg.placement if cfg else "binpack"))
     if workers is not None:
         problems += workers_problems(workers)
     if plot_path and (problem := _output_problem(plot_path, "--plot", PLOT_FORMATS)):
@@ -486,7 +500,7 @@ def goals_cmd(traces, seeds, sets, config, placement, cache_dir, workers, verbos
         raise SchedulerConfigError(problems)
     runs = evaluate_goals(list(traces), seed_list, set_list, cfg.fairshare, placement or cfg.placement,
                           workers or usable_cpus(), cache_dir, progress=not as_json and sys.stderr.isatty(),
-                          half_life=cfg.half_life)
+                          users=users, zipf=zipf, load=load, half_life=hl)
     click.echo(json.dumps(to_json(runs), indent=1) if as_json else format_goals(runs, verbose))
     if plot_path:
         goal_grid(runs).savefig(plot_path, dpi=110)

@@ -18,7 +18,7 @@ from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError, TraceErr
 from kfp_pytorch.fairness_scheduler.ledger import Interval, UsageLedger, interval_usage
 from kfp_pytorch.fairness_scheduler.model import Node, Resources, UserConfig, Workload, gang_for_gpus
 from kfp_pytorch.fairness_scheduler.policy import POLICIES
-from kfp_pytorch.fairness_scheduler.report import run_protocol, write_schedule
+from kfp_pytorch.fairness_scheduler.report import run_jobs, run_protocol, write_schedule
 from kfp_pytorch.fairness_scheduler.simulator import METRICS, jain, simulate, water_fill
 from kfp_pytorch.fairness_scheduler.trace import (assign_users, capacity, protocol_nodes, protocol_users,
                                                    protocol_workloads, read_trace)
@@ -386,6 +386,37 @@ def test_simulate_table_reads_in_hours_and_days_and_compares_with_fifo():
     for name, cell in zip(names, row[1:]):
         assert float(cell.rstrip("x")) == pytest.approx(metrics["fairshare"][name] / metrics["fifo"][name], abs=6e-4)
 
+
+def test_simulate_takes_the_half_life_from_the_config_unless_given(tmp_path):
+    """The config's half_life is the usage half-life of every policy; --half-life overrides it."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("half_life: 1d\n")
+
+    def jain_of(*extra):
+        out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace",
+                              str(TRACES / "cluster10.csv"), "--policies", "slurm-fairshare,fairshare", "--json",
+                              *extra], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return {p: m["jain_service"] for p, m in json.loads(out.stdout).items()}
+
+    default, one_day = jain_of(), jain_of("--half-life", "1d")
+    assert one_day != default
+    assert jain_of("--config", str(cfg)) == one_day
+    assert jain_of("--config", str(cfg), "--half-life", "7d") == default
+
+
+def test_light_users_are_the_lighter_half_of_any_user_count():
+    """The protocol's light users are 10 of its 20; other user counts take their lighter half."""
+    jobs = read_trace(TRACES / "cluster10.csv")
+    cap = capacity(jobs)
+    for users in (20, 10):
+        res, _ = run_jobs(jobs, ["fifo"], users=users)
+        got = res["fifo"]
+        wl = protocol_workloads(jobs, users)
+        half = simulate(wl, protocol_users(users), protocol_nodes(cap), "fifo", light_users=users // 2)
+        assert got.metrics == half.metrics
+    ten_of_ten = simulate(protocol_workloads(jobs, 10), protocol_users(10), protocol_nodes(cap), "fifo", light_users=10)
+    assert ten_of_ten.metrics["light_wait_p95"] != got.metrics["light_wait_p95"]
 
 def test_simulate_cli_bad_input(tmp_path):
     bad = write(tmp_path, "job_id,submission_time,duration,num_gpu\na,0,10,1\nb,1,oops,1\n")
