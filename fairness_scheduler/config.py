@@ -41,7 +41,16 @@ class FairShareConfig:
     weight_size: float = 0.0
     """Weight of the size factor Z (favour small gangs); off by default."""
     age_cap: float = 7 * 86400.0
-    """Seconds of wait at which A reaches 1 (Slurm's PriorityMaxAge default: 7 days)."""
+    """Seconds of wait at which A reaches 1 (Slurm's PriorityMaxAge default: 7 days), unless
+    ``age_cap_typical_waits`` typical waits are longer."""
+    age_cap_typical_waits: float = 10.0
+    """The age cap stretches to this many current typical waits when they are longer than
+    ``age_cap``: in a backlog where every job waits days, a fixed 7-day age saturates and swamps
+    fair share, and the order decays towards FIFO. In a calm cluster (typical wait under 17 h) it
+    changes nothing. The worst wait is then bounded by the starvation rule, which every workload
+    is under (``starve_min_fraction``). At load 1.0 (protocol otherwise) every goal is met in
+    13 of 48 runs instead of 6, and at Zipf 0.8 in 7 instead of 3; at the protocol defaults the
+    same as before, within the noise (TUNING.md). 0: the fixed cap."""
     age_exponent: float = 0.5
     """Shape of the age factor: 1 is Slurm's linear age; below 1 age rises fastest in the first
     hours of a wait, so a job that has waited a while is no longer overtaken by every fresh job of
@@ -80,9 +89,14 @@ class FairShareConfig:
     """The large-gang term never raises the threshold above this (seconds), so every gang within
     the reservation cap keeps a bounded wait even where large gangs' waits keep growing."""
     reserve_min_fraction: float = 0.25
-    """Gangs asking for at least this fraction of the cluster are starving once past the
-    threshold. Small jobs are not starved by backfill for long (some GPU frees up soon), large
-    gangs are: they need many nodes empty at once, which greedy backfill almost never leaves."""
+    """Gangs asking for at least this fraction of the cluster are *large*: their waits make the
+    large-gang typical wait (``large_gang_wait_factor``). Greedy backfill starves them, as they
+    need many nodes empty at once, which it almost never leaves."""
+    starve_min_fraction: float = 0.0
+    """Workloads asking for at least this fraction of the cluster are starving once past the
+    threshold (0: every workload). Small jobs are rarely starved by backfill, but the heavy
+    users' ones can be starved by order, once the age cap stretches in a backlog
+    (``age_cap_typical_waits``); the rule is their wait bound. 0.25 was the default before."""
     hard_starvation_factor: float = 4.0
     """A starving gang is *hard*-starving past this many thresholds: from then on it goes before
     protected users too, so a steady stream of light work cannot starve it."""
@@ -140,7 +154,7 @@ _DURATIONS = {"half_life", "age_cap", "starvation_after", "typical_wait_half_lif
 _POSITIVE = {"age_cap", "age_exponent", "typical_wait_half_life", "large_gang_wait_half_life"}
 """Fields that must be > 0 (a zero half-life has no decay rate), not merely >= 0."""
 _INTEGERS = {"max_reservations", "defrag_reservations"}
-_FRACTIONS = {"current_weight", "reserve_cap", "reserve_min_fraction"}
+_FRACTIONS = {"current_weight", "reserve_cap", "reserve_min_fraction", "starve_min_fraction"}
 
 
 def _num(problems, path, value, lo=None, lo_open=False, duration=False):

@@ -220,13 +220,17 @@ class FairShare(Policy):
     - ``F`` is the fair-share factor of the user's *effective usage*: the decayed history (the
       thesis: who used a lot lately yields), optionally blended with the current allocation
       (``current_weight``: a user who just flooded the cluster yields before history catches up);
-    - ``A = min(wait / age_cap, 1) ** age_exponent`` grows with the workload's own wait, fastest
-      at first (square root by default; 1 is Slurm's linear age);
+    - ``A = min(wait / cap, 1) ** age_exponent`` grows with the workload's own wait, fastest
+      at first (square root by default; 1 is Slurm's linear age); ``cap`` is ``age_cap`` or, in
+      a backlog, ``age_cap_typical_waits`` typical waits, so age does not saturate for every job
+      at once;
     - ``T`` maps the user's static tier onto [0, 1];
     - ``Z = 1 - size / capacity`` optionally favours small gangs (off by default).
 
     Starvation (carried out by :func:`.admission.admit`): greedy backfill never leaves many nodes
-    empty at once, so a large gang may wait for ever. A large gang that has waited ``threshold``
+    empty at once, so a large gang may wait for ever, and a heavy user's small job may wait long
+    behind fair share. A workload (of ``starve_min_fraction`` of the cluster or more; by default
+    any) that has waited ``threshold``
     (a multiple of the current typical wait, at least ``starvation_after``; for a gang within
     ``reserve_cap`` also a multiple of large gangs' own typical wait, up to
     ``large_gang_wait_ceiling``) is *starving*: it
@@ -265,6 +269,10 @@ class FairShare(Policy):
         self.drain_threshold = max(self.threshold, min(c.large_gang_wait_factor * ctx.large_gang_wait,
                                                        c.large_gang_wait_ceiling))
         self.reservable = c.reserve_cap * self.cap_norm + 1e-12
+        # In a backlog the age cap stretches with the typical wait, so age does not saturate
+        # for every job at once and leave fair share (the thesis' factor) to break ties only.
+        self.age_cap = max(c.age_cap, c.age_cap_typical_waits * ctx.typical_wait)
+        self.starve_from = c.starve_min_fraction * self.cap_norm
 
     def effective_usage(self, u: str) -> float:
         c = self.cfg
@@ -292,7 +300,7 @@ class FairShare(Policy):
 
     def key(self, w, now):
         c = self.cfg
-        age = min(max(now - w.submit_time, 0.0) / c.age_cap, 1.0)
+        age = min(max(now - w.submit_time, 0.0) / self.age_cap, 1.0)
         p = self.f[w.user] + c.weight_age * age ** c.age_exponent
         if c.weight_size:
             p += c.weight_size * (1.0 - self.ctx.norm(w.total) / self.cap_norm)
@@ -309,7 +317,7 @@ class FairShare(Policy):
         wait = now - w.submit_time
         if wait < self.threshold:  # the cheap test first: almost every head fails it
             return False
-        return (self.ctx.norm(w.total) >= self.cfg.reserve_min_fraction * self.cap_norm
+        return (self.ctx.norm(w.total) >= self.starve_from
                 and wait >= self._threshold(w))
 
     def is_hard_starving(self, w, now):

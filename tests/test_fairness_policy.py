@@ -87,10 +87,10 @@ def test_parse_duration(text, seconds):
 USERS = [UserConfig("heavy", 1, 3), UserConfig("light", 1, 1)]
 
 
-def order(policy_name, jobs, usage=None, held=None, now=1000.0, cfg=None):
+def order(policy_name, jobs, usage=None, held=None, now=1000.0, cfg=None, typical_wait=0.0):
     pool = NodePool(nodes(1))
     p = make_policy(policy_name, cfg)
-    p.prepare(ctx(USERS, pool, now, usage, held))
+    p.prepare(ctx(USERS, pool, now, usage, held, typical_wait))
     return [j.name for j in sorted(jobs, key=lambda j: p.key(j, now))]
 
 
@@ -117,6 +117,32 @@ def test_age_rises_fastest_early_unless_linear_is_asked_for():
     linear = FairShareConfig(age_exponent=1.0)
     assert order("fairshare", jobs, usage, now=86400.0, cfg=linear) == ["l-fresh", "h-day-old"]
     assert order("slurm-fairshare", jobs, usage, now=86400.0) == ["l-fresh", "h-day-old"]
+
+
+def test_age_cap_stretches_with_the_typical_wait_in_a_backlog():
+    """Above, in a calm cluster, a day of wait lifts heavy's job over a fresh light one. Where jobs
+    typically wait 2 days, the cap is 10 typical waits (20 days): a day is worth sqrt(1/20) of the
+    age weight (224 points, not 378), and fair share decides again. Typical waits of 12 h leave the
+    7-day cap as it is; ``age_cap_typical_waits: 0`` keeps it fixed."""
+    jobs = [W("h-day-old").user("heavy").at(0).build(), W("l-fresh").user("light").at(86400).build()]
+    usage = {"heavy": 0.7, "light": 0.3}
+    assert order("fairshare", jobs, usage, now=86400.0, typical_wait=2 * DAY) == ["l-fresh", "h-day-old"]
+    assert order("fairshare", jobs, usage, now=86400.0, typical_wait=DAY / 2) == ["h-day-old", "l-fresh"]
+    fixed = FairShareConfig(age_cap_typical_waits=0)
+    assert order("fairshare", jobs, usage, now=86400.0, cfg=fixed, typical_wait=2 * DAY) == ["h-day-old", "l-fresh"]
+
+
+def test_every_workload_may_starve_unless_a_minimum_size_is_set():
+    """With the age cap stretched in a backlog, the starvation rule bounds every job's wait, not only
+    large gangs': a heavy user's 1-GPU job past the threshold (max(1 d, 4 typical waits)) is starving."""
+    c = ctx(USERS, NodePool(nodes(4)), now=3 * DAY)
+    one_gpu, gang = W("one").user("heavy").gpus(1).at(0).build(), W("gang").user("heavy").gpus(16).at(0).build()
+    p = make_policy("fairshare")
+    p.prepare(c)
+    assert p.is_starving(one_gpu, 3 * DAY) and not p.is_starving(one_gpu, DAY / 2)
+    big_only = make_policy("fairshare", FairShareConfig(starve_min_fraction=0.25))
+    big_only.prepare(c)
+    assert not big_only.is_starving(one_gpu, 3 * DAY) and big_only.is_starving(gang, 3 * DAY)
 
 
 def test_fair_tree_ranks_users_by_level_fair_share():
@@ -248,7 +274,8 @@ def test_starving_gang_above_the_reservation_cap_says_so_and_starts_first_when_i
     cfg = FairShareConfig(starvation_after=100, starvation_factor=0)  # hard-starving at 400 s
 
     def cycle(pool):
-        q = queue(W("small").user("l").gpus(2).at(0).build(), W("big").user("h").gpus(16).at(0).build())
+        # the light user's job has waited 50 s: under the threshold, so it is not starving itself
+        q = queue(W("small").user("l").gpus(2).at(950).build(), W("big").user("h").gpus(16).at(0).build())
         c = ctx(users, pool, now=1000.0, usage={"h": 1e6, "l": 1.0})
         return admit(q, pool, make_policy("fairshare", cfg), c, reserve_cap=0.5)
 
