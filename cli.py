@@ -501,7 +501,15 @@ def goals_cmd(traces, seeds, sets, config, placement, users, zipf, load, half_li
     runs = evaluate_goals(list(traces), seed_list, set_list, cfg.fairshare, placement or cfg.placement,
                           workers or usable_cpus(), cache_dir, progress=not as_json and sys.stderr.isatty(),
                           users=users, zipf=zipf, load=load, half_life=hl)
-    click.echo(json.dumps(to_json(runs), indent=1) if as_json else format_goals(runs, verbose))
+    protocol = {"users": users, "zipf": zipf, "load": load, "half_life_s": hl}
+    changed = [f"--{k} {v:g}" for k, v, d in (("users", users, 20), ("zipf", zipf, 1.1), ("load", load, 0.9),
+                                              ("half-life", hl, 7 * 86400.0)) if v != d]
+    if as_json:
+        click.echo(json.dumps({"protocol": protocol, **to_json(runs)}, indent=1))
+    else:
+        if changed:  # the goals' targets were set at the protocol defaults: say these runs are not there
+            click.echo(f"protocol changed from the defaults the goals were set at: {', '.join(changed)}")
+        click.echo(format_goals(runs, verbose))
     if plot_path:
         goal_grid(runs).savefig(plot_path, dpi=110)
         if not as_json:

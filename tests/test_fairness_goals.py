@@ -231,7 +231,9 @@ def test_goals_cli_runs_the_protocol_options_it_is_given(tmp_path):
             "--half-life", "1d", "--workers", "1", "--json"]
     out = _goals(*args)
     assert out.returncode == 0, out.stderr
-    (run,) = json.loads(out.stdout)["runs"]
+    data = json.loads(out.stdout)
+    assert data["protocol"] == {"users": 10, "zipf": 0.8, "load": 0.7, "half_life_s": 86400.0}
+    (run,) = data["runs"]
     sim = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(TRACES / "cluster10.csv"),
                           "--users", "10", "--zipf", "0.8", "--load", "0.7", "--half-life", "1d", "--json"],
                          capture_output=True, text=True)
@@ -245,3 +247,6 @@ def test_goals_cli_runs_the_protocol_options_it_is_given(tmp_path):
     from_cfg = _goals("--traces", str(TRACES / "cluster10.csv"), "--users", "10", "--zipf", "0.8", "--load", "0.7",
                       "--config", str(cfg), "--workers", "1", "--json")
     assert json.loads(from_cfg.stdout)["runs"][0]["metrics"] == run["metrics"]
+    text = _goals(*[a for a in args if a != "--json"])
+    assert text.returncode == 0 and text.stdout.splitlines()[0] == (
+        "protocol changed from the defaults the goals were set at: --users 10, --zipf 0.8, --load 0.7, --half-life 86400")
