@@ -480,7 +480,7 @@ def goals_cmd(traces, seeds, sets, config, placement, users, zipf, load, half_li
     from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
     from kfp_pytorch.fairness_scheduler.evaluate import (evaluate_goals, format_goals, goal_grid, parse_seeds,
                                                          set_problems, to_json, trace_files)
-    from kfp_pytorch.fairness_scheduler.report import option_problems, usable_cpus, workers_problems
+    from kfp_pytorch.fairness_scheduler.report import PROTOCOL_DEFAULTS, option_problems, usable_cpus, workers_problems
 
     problems = []
     try:
@@ -502,8 +502,8 @@ def goals_cmd(traces, seeds, sets, config, placement, users, zipf, load, half_li
                           workers or usable_cpus(), cache_dir, progress=not as_json and sys.stderr.isatty(),
                           users=users, zipf=zipf, load=load, half_life=hl)
     protocol = {"users": users, "zipf": zipf, "load": load, "half_life_s": hl}
-    changed = [f"--{k} {v:g}" for k, v, d in (("users", users, 20), ("zipf", zipf, 1.1), ("load", load, 0.9),
-                                              ("half-life", hl, 7 * 86400.0)) if v != d]
+    changed = [f"--{k.removesuffix('_s').replace('_', '-')} {v:g}" for k, v in protocol.items()
+               if v != PROTOCOL_DEFAULTS[k]]
     if as_json:
         click.echo(json.dumps({"protocol": protocol, **to_json(runs)}, indent=1))
     else:

@@ -48,6 +48,11 @@ def option_problems(users: int, zipf: float, load: float, half_life: float, plac
     return problems
 
 
+PROTOCOL_DEFAULTS = {"users": 20, "zipf": 1.1, "load": 0.9, "half_life_s": 7 * 86400.0}
+"""The benchmark protocol's defaults (shared/traces/itp-2021/README.md), at which issue #4's goals
+are set."""
+
+
 def run_protocol(trace: str | Path, policies: list[str], users: int = 20, zipf: float = 1.1, seed: int = 0,
                  load: float = 0.9, half_life: float = 7 * 86400.0, fairshare: FairShareConfig | None = None,
                  progress: bool = False, placement: str = "binpack",
