@@ -516,6 +516,139 @@ def goals_cmd(traces, seeds, sets, config, placement, users, zipf, load, half_li
             click.echo(f"plot: {plot_path}")
 
 
+@cli.group("ledger")
+def ledger_grp():
+    """The fairness scheduler's usage ledger: where each user stands, and compaction."""
+
+
+def _ledger_options(f):
+    f = click.option("--at", "at", default="now", show_default=True,
+                     help="When: now, seconds since the epoch, or an ISO 8601 date-time (UTC unless it names a zone).")(f)
+    f = click.option("--half-life", "half_life", default=None,
+                     help="Usage half-life: 7d, 12h, seconds (default: the ledger's own).")(f)
+    f = click.option("--ledger", "ledger_url", envvar="KFP_PYTORCH_LEDGER", required=True,
+                     help="The scheduler's ledger: sqlite:///PATH or a SQLAlchemy URL (or KFP_PYTORCH_LEDGER).")(f)
+    return f
+
+
+def _ledger_time_and_half_life(at: str, half_life: str | None, problems: list[str]) -> tuple[float, float | None]:
+    import time
+
+    from kfp_pytorch.fairness_scheduler.usage import parse_duration, parse_time
+
+    t = hl = None
+    try:
+        t = parse_time(at, time.time())
+    except ValueError:
+        problems.append(f"--at: must be now, seconds since the epoch or an ISO 8601 date-time, got {at!r}")
+    if half_life is not None:
+        try:
+            hl = parse_duration(half_life)
+            if not hl > 0:
+                raise ValueError
+        except ValueError:
+            problems.append(f"--half-life: must be a duration > 0 like 7d, 12h or seconds, got {half_life!r}")
+    return t, hl
+
+
+@ledger_grp.command("show")
+@_ledger_options
+@click.option("--config", "config", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Scheduler config YAML: users' shares and tiers, fairshare weights (and half_life).")
+@click.option("--capacity", "capacity", default="gpu=1", show_default=True,
+              help="The cluster's gpu=N,cpu=N,memory=N (GB): how usage share weighs the resource kinds, "
+                   "as the scheduler does. The default counts GPU-seconds only.")
+@click.option("--json", "as_json", is_flag=True, help="Print the standings as JSON.")
+def ledger_show(ledger_url, at, half_life, config, capacity, as_json):
+    """Each user's decayed usage, share and fair-share factor, highest priority first (Slurm's sshare).
+
+    Usage counts once a workload's interval is recorded in the ledger."""
+    from kfp_pytorch.fairness_scheduler.config import load_config
+    from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
+    from kfp_pytorch.fairness_scheduler.ledger import UsageLedger
+    from kfp_pytorch.fairness_scheduler.standing import (describe_half_life, format_standings, parse_capacity,
+                                                         user_standings)
+    from kfp_pytorch.fairness_scheduler.usage import format_time
+
+    problems: list[str] = []
+    t, hl = _ledger_time_and_half_life(at, half_life, problems)
+    cfg = None
+    try:
+        raw = _read_yaml(config, "--config") if config else {}
+        cfg = load_config(raw)
+        if hl is None and isinstance(raw, dict) and "half_life" in raw:
+            hl = cfg.half_life  # the scheduler opens its ledger with the config's half-life
+    except KfpPytorchError as e:
+        problems += getattr(e, "problems", [str(e)])
+    cap, cap_problems = parse_capacity(capacity)
+    problems += cap_problems
+    if problems:
+        raise SchedulerConfigError(problems)
+    led = UsageLedger(ledger_url, hl, must_exist=True)
+    try:
+        rows = user_standings(led.usage(t), cfg, cap, t)
+        n_open = led.intervals_count()
+    finally:
+        led.close()
+    fs = cfg.fairshare
+    if as_json:
+        click.echo(json.dumps({"ledger": ledger_url, "at": t, "at_utc": format_time(t), "half_life_s": led.half_life,
+                               "open_intervals": n_open, "compacted_before": led.compacted_before,
+                               "capacity": {"gpu": cap.gpu, "cpu": cap.cpu, "memory_gb": cap.memory_gb},
+                               "users": [r.to_json() for r in rows]}, indent=1))
+        return
+    compacted = (f"compacted up to {format_time(led.compacted_before)}" if led.compacted_before is not None
+                 else "never compacted")
+    header = [f"usage ledger {ledger_url} at {format_time(t)}: half-life {describe_half_life(led.half_life)}, "
+              f"{n_open} intervals, {compacted}",
+              "usage share U counts GPU-seconds only (--capacity gpu=N,cpu=N,memory=N weighs CPU and memory too)"
+              if not (cap.cpu or cap.memory_gb) else
+              f"usage share U weighs each resource by the cluster's capacity: {cap.gpu:g} GPUs, {cap.cpu:g} CPUs, "
+              f"{cap.memory_gb:g} GB",
+              f"user prio = {fs.weight_fairshare:g}·F + {fs.weight_priority:g}·T; each job adds its age "
+              f"(up to {fs.weight_age:g})"]
+    if not rows:
+        header.append("no usage recorded and no users in the config")
+    click.echo(format_standings(rows, header))
+
+
+@ledger_grp.command("compact")
+@_ledger_options
+@click.option("--older-than", "older_than", required=True,
+              help="Fold intervals that ended at least this long before --at (30d, 12h, seconds).")
+@click.option("--json", "as_json", is_flag=True)
+def ledger_compact(ledger_url, at, half_life, older_than, as_json):
+    """Fold old usage intervals into per-user decayed aggregates (one transaction).
+
+    Usage stays exact; run-time estimates for backfilling come from the intervals that remain."""
+    from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
+    from kfp_pytorch.fairness_scheduler.ledger import UsageLedger
+    from kfp_pytorch.fairness_scheduler.usage import format_time, parse_duration
+
+    problems: list[str] = []
+    t, hl = _ledger_time_and_half_life(at, half_life, problems)
+    try:
+        age = parse_duration(older_than)
+        if not age >= 0:
+            raise ValueError
+    except ValueError:
+        problems.append(f"--older-than: must be a duration >= 0 like 30d, 12h or seconds, got {older_than!r}")
+    if problems:
+        raise SchedulerConfigError(problems)
+    led = UsageLedger(ledger_url, hl, must_exist=True)
+    try:
+        before = t - age
+        folded = led.compact(before)
+        left = led.intervals_count()
+    finally:
+        led.close()
+    if as_json:
+        click.echo(json.dumps({"folded": folded, "before": before, "remaining": left}))
+    else:
+        click.echo(f"folded {folded} intervals that ended by {format_time(before)} into per-user aggregates; "
+                   f"{left} remain")
+
+
 def main(argv: list[str] | None = None) -> int:  # noqa: D103
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:

@@ -9,7 +9,10 @@ Tables:
   resources: user, workload, GPUs/CPUs/GB, start, end. Append-only.
 - ``usage_aggregates``: per user, decayed GPU-s/CPU-s/GB-s *as of* a time: the intervals that
   compaction folded in.
-- ``ledger_meta``: half-life and the compaction watermark.
+- ``ledger_meta``: the half-life the ledger was written with and the compaction watermark.
+  Aggregates were decayed with that half-life, so once there are any, opening the ledger with
+  another one is refused (the aggregates cannot be re-decayed); before that, the first write
+  records the new one.
 
 Crash safety: each ``record`` is one transaction; compaction folds intervals into aggregates and
 deletes them in *one* transaction, so a ``kill -9`` at any point leaves either the state before
@@ -51,23 +54,44 @@ def interval_usage(r: Resources, start: float, end: float, now: float, half_life
     return r.scale(k)
 
 
+def _check_sqlite_file(url: str) -> None:
+    """SQLite creates a missing file on connect: a mistyped path would read as an empty ledger."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        u = make_url(url)
+    except Exception:
+        return  # create_engine reports a bad URL
+    if u.get_backend_name() == "sqlite" and u.database and u.database != ":memory:" and not Path(u.database).is_file():
+        raise LedgerError(f"no usage ledger at {u.database}",
+                          "check --ledger: it is the scheduler's ledger URL, created when the scheduler first starts")
+
+
 def _decay(r: Resources, dt: float, half_life: float) -> Resources:
     if dt <= 0 or math.isinf(half_life):
         return r
     return r.scale(2.0 ** (-dt / half_life))
 
 
+DEFAULT_HALF_LIFE = 7 * 86400.0
+
+
 class UsageLedger:
-    def __init__(self, url: str | Path = "sqlite:///fairshare-ledger.db", half_life: float = 7 * 86400.0):
+    """``half_life`` None: the one the ledger was written with, else 7 days. ``must_exist``: open
+    only a ledger that is there (for reading it), never create one."""
+
+    def __init__(self, url: str | Path = "sqlite:///fairshare-ledger.db", half_life: float | None = None,
+                 must_exist: bool = False):
         from sqlalchemy import (Column, Float, Integer, MetaData, String, Table, create_engine, event)
 
-        if not half_life > 0:  # NaN too; math.inf means no decay
+        if half_life is not None and not half_life > 0:  # NaN too; math.inf means no decay
             raise LedgerError(f"half_life: must be > 0 seconds, got {half_life!r}", "Slurm's default is 7 days (604800)")
         url = str(url)
         if "://" not in url:
             url = f"sqlite:///{url}"
         self.url = url
-        self.half_life = half_life
+        if must_exist:
+            _check_sqlite_file(url)
         try:
             self.engine = create_engine(url, future=True)
         except ImportError as e:  # the URL names a driver that is not installed
@@ -98,12 +122,50 @@ class UsageLedger:
             Column("as_of", Float, nullable=False))
         self.meta = Table("ledger_meta", md, Column("key", String(64), primary_key=True),
                           Column("value", String(256), nullable=False))
+        if must_exist:
+            self._check_tables()
         try:
             md.create_all(self.engine)
         except Exception as e:
             raise LedgerError(f"cannot create the ledger tables at {url}: {e}",
                               "check that the database server is up and that the URL's user may create tables") from e
+        meta = self._read_meta()
+        stored = float(meta["half_life"]) if "half_life" in meta else None
+        self.half_life = half_life if half_life is not None else (stored or DEFAULT_HALF_LIFE)
+        self._meta_half_life = stored
+        self.compacted_before: float | None = float(meta["compacted_before"]) if "compacted_before" in meta else None
+        """Intervals that ended at or before this were folded into the aggregates (None: never compacted)."""
         self.recover()
+        if stored is not None and not math.isclose(stored, self.half_life) and self._base:
+            raise LedgerError(
+                f"usage ledger {url} holds usage compacted with a half-life of {stored:g} s; it cannot be read "
+                f"with {self.half_life:g} s (compacted usage cannot be re-decayed)",
+                f"read it with a half-life of {stored:g} s (--half-life, or the scheduler config's half_life), "
+                "or start a new ledger to change the half-life")
+
+    def _check_tables(self) -> None:
+        from sqlalchemy import inspect
+
+        try:
+            names = set(inspect(self.engine).get_table_names())
+        except Exception as e:
+            raise LedgerError(f"cannot open usage ledger {self.url}: {e}",
+                              "check --ledger (sqlite:///PATH of the scheduler's ledger, or a database URL) "
+                              "and that the database server is up") from e
+        missing = [t for t in ("usage_intervals", "usage_aggregates", "ledger_meta") if t not in names]
+        if missing:
+            raise LedgerError(f"{self.url} holds no usage ledger (missing tables: {', '.join(missing)})",
+                              "check --ledger: it is the scheduler's ledger URL, created when the scheduler first starts")
+
+    def _read_meta(self) -> dict[str, str]:
+        from sqlalchemy import select
+
+        with self.engine.connect() as conn:
+            return {r.key: r.value for r in conn.execute(select(self.meta)).all()}
+
+    def _set_meta(self, conn, key: str, value: float) -> None:
+        conn.execute(self.meta.delete().where(self.meta.c.key == key))
+        conn.execute(self.meta.insert().values(key=key, value=repr(float(value))))
 
     # -- writes --------------------------------------------------------------------------------
     def record(self, iv: Interval) -> None:
@@ -120,6 +182,9 @@ class UsageLedger:
             conn.execute(self.intervals.insert().values(
                 workload=iv.workload, user=iv.user, gpu=iv.resources.gpu, cpu=iv.resources.cpu,
                 memory_gb=iv.resources.memory_gb, start=iv.start, end=iv.end))
+            if self._meta_half_life != self.half_life:
+                self._set_meta(conn, "half_life", self.half_life)
+        self._meta_half_life = self.half_life
         self._add(iv.user, iv.resources, iv.start, iv.end)
 
     def compact(self, before: float) -> int:
@@ -144,6 +209,10 @@ class UsageLedger:
                 conn.execute(self.aggregates.insert().values(user=user, gpu_s=res.gpu, cpu_s=res.cpu,
                                                              gb_s=res.memory_gb, as_of=as_of))
             conn.execute(delete(self.intervals).where(self.intervals.c.end <= before))
+            self._set_meta(conn, "half_life", h)
+            watermark = max(before, self.compacted_before) if self.compacted_before is not None else before
+            self._set_meta(conn, "compacted_before", watermark)
+        self._meta_half_life, self.compacted_before = h, watermark
         self.recover()
         return len(rows)
 

@@ -255,14 +255,14 @@ class FairShare(Policy):
         self.usage_hist, self.shares = _usage_shares(ctx)
         tiers = [s.config.priority for s in ctx.users.values()] or [1]
         lo, hi = min(tiers), max(tiers)
-        self.base = {u: c.weight_priority * ((s.config.priority - lo) / (hi - lo) if hi > lo else 0.0)
-                     for u, s in ctx.users.items()}
+        self.tier = {u: (s.config.priority - lo) / (hi - lo) if hi > lo else 0.0 for u, s in ctx.users.items()}
+        """T per user, in [0, 1]."""
         self.cap_norm = max(ctx.norm(ctx.capacity), 1e-12)
         self.held = {u: ctx.norm(s.held) / self.cap_norm for u, s in ctx.users.items()}
-        if c.fairshare_mode == "fairtree":
-            self.f = self._fair_tree()
-        else:
-            self.f = {u: self._factor(u) for u in ctx.users}
+        self.fs = self._fair_tree() if c.fairshare_mode == "fairtree" else {u: self._factor(u) for u in ctx.users}
+        """F per user, in [0, 1]."""
+        self.f = {u: c.weight_fairshare * self.fs[u] + c.weight_priority * self.tier[u] for u in ctx.users}
+        """The user's part of P: ``w_fs * F + w_prio * T`` (age and size are the workload's)."""
         self.threshold = max(c.starvation_after, c.starvation_factor * ctx.typical_wait)
         # Gangs a reservation may hold nodes for also wait out their own kind's typical wait
         # (bounded by the ceiling): their starvation costs a drain. Gangs above the cap never drain.
@@ -279,14 +279,12 @@ class FairShare(Policy):
         return (1.0 - c.current_weight) * self.usage_hist[u] + c.current_weight * self.held[u]
 
     def _factor(self, u: str) -> float:
-        c = self.cfg
+        """F of ``classic`` and ``ratio``, in [0, 1]."""
         eff, s = self.effective_usage(u), self.shares[u]
-        f = s / (s + eff) if c.fairshare_mode == "ratio" else 2.0 ** (-eff / s)
-        return c.weight_fairshare * f + self.base[u]
+        return s / (s + eff) if self.cfg.fairshare_mode == "ratio" else 2.0 ** (-eff / s)
 
     def _fair_tree(self) -> dict[str, float]:
         """Slurm Fair Tree on a flat tree: rank by level fair share S/U, factor rank/n (ties equal)."""
-        c = self.cfg
         level = {}
         for u, s in self.shares.items():
             eff = self.effective_usage(u)
@@ -296,7 +294,7 @@ class FairShare(Policy):
         first = {}
         for i, v in enumerate(ordered):
             first.setdefault(v, i)  # tied users take the rank of the first of them
-        return {u: c.weight_fairshare * (n - first[level[u]]) / n + self.base[u] for u in level}
+        return {u: (n - first[level[u]]) / n for u in level}
 
     def key(self, w, now):
         c = self.cfg
@@ -309,8 +307,10 @@ class FairShare(Policy):
     def on_admit(self, w, ctx):
         if not self.cfg.current_weight or self.cfg.fairshare_mode == "fairtree":
             return False  # Fair Tree ranks every user at once: once per cycle, in prepare
-        self.held[w.user] += ctx.norm(w.total) / self.cap_norm
-        self.f[w.user] = self._factor(w.user)
+        c, u = self.cfg, w.user
+        self.held[u] += ctx.norm(w.total) / self.cap_norm
+        self.fs[u] = self._factor(u)
+        self.f[u] = c.weight_fairshare * self.fs[u] + c.weight_priority * self.tier[u]
         return True
 
     def is_starving(self, w, now):

@@ -47,6 +47,31 @@ def parse_duration(text: str | float | int) -> float:
     return float(s)
 
 
+def parse_time(text: str, now: float) -> float:
+    """``now``, seconds since the epoch, or an ISO 8601 date-time (UTC unless it names a zone)
+    -> seconds since the epoch. Raises ValueError."""
+    from datetime import datetime, timezone
+
+    s = str(text).strip()
+    if s.lower() == "now":
+        return now
+    try:
+        v = float(s)
+    except ValueError:
+        t = datetime.fromisoformat(s)
+        return (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).timestamp()
+    if not math.isfinite(v):
+        raise ValueError(f"not a finite time: {text!r}")
+    return v
+
+
+def format_time(t: float) -> str:
+    """Seconds since the epoch as an ISO 8601 UTC date-time: ``2026-11-30T22:40:00Z``."""
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def format_duration(seconds: float) -> str:
     """The inverse of :func:`parse_duration`, for people: ``42s``, ``12.5m``, ``5.2h``, ``3.10d``."""
     a = abs(seconds)

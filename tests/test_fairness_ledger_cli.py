@@ -1,0 +1,155 @@
+"""``kfp-pytorch ledger show|compact``: users' standing from a real ledger (sqlite and PostgreSQL),
+computed by the policy the scheduler orders with; the half-life kept with the ledger."""
+import json
+import sqlite3
+
+import pytest
+
+from kfp_pytorch.cli import main
+from kfp_pytorch.fairness_scheduler.config import load_config
+from kfp_pytorch.fairness_scheduler.errors import LedgerError
+from kfp_pytorch.fairness_scheduler.ledger import Interval, UsageLedger, interval_usage
+from kfp_pytorch.fairness_scheduler.model import Resources, Workload
+from kfp_pytorch.fairness_scheduler.policy import CycleContext, FairShare, UserState
+
+H = 3600.0
+NOW = 100_000.0
+CONFIG = "users:\n  - {name: alice, shares: 2, priority: 3}\n  - {name: bob}\n  - {name: dave, priority: 2}\n"
+INTERVALS = [("w1", "alice", Resources(8, 32, 256), 0, 20_000), ("w2", "alice", Resources(4, 16, 64), 50_000, 90_000),
+             ("w3", "bob", Resources(1, 4, 16), 80_000, 99_000), ("w4", "carol", Resources(16, 64, 512), 60_000, 95_000)]
+
+
+def _ledger(url):
+    led = UsageLedger(url, half_life=H)
+    for name, user, r, s, e in INTERVALS:
+        led.record(Interval(name, user, r, s, e))
+    led.close()
+
+
+def _run(capsys, *args):
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_show_gives_each_users_standing_as_the_policy_orders_them(ledger_url, tmp_path, capsys):
+    _ledger(ledger_url)
+    cfg = tmp_path / "scheduler.yaml"
+    cfg.write_text(CONFIG)
+    rc, out, err = _run(capsys, "ledger", "show", "--ledger", ledger_url, "--at", str(NOW), "--config", str(cfg), "--json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["half_life_s"] == H and data["open_intervals"] == 4 and data["compacted_before"] is None
+    rows = {r["user"]: r for r in data["users"]}
+    # config users and the ledger's unlisted user (default shares), no one else
+    assert set(rows) == {"alice", "bob", "carol", "dave"}
+    gpu_s = {u: sum(interval_usage(r, s, e, NOW, H).gpu for _, uu, r, s, e in INTERVALS if uu == u)
+             for u in rows}
+    total = sum(gpu_s.values())
+    shares = {"alice": 2, "bob": 1, "carol": 1, "dave": 1}
+    for u, r in rows.items():
+        assert r["usage"]["gpu_s"] == pytest.approx(gpu_s[u])
+        assert r["usage_share"] == pytest.approx(gpu_s[u] / total)
+        assert r["share"] == pytest.approx(shares[u] / 5)
+        assert r["fairshare_factor"] == pytest.approx(2 ** (-r["usage_share"] / r["share"]))  # Slurm classic
+        assert r["protected"] == (r["usage_share"] < 0.75 * r["share"])
+    assert rows["alice"]["tier_factor"] == 1 and rows["dave"]["tier_factor"] == 0.5 and rows["bob"]["tier_factor"] == 0
+    assert rows["dave"]["fairshare_factor"] == 1 and rows["dave"]["user_priority"] == pytest.approx(1005)
+    # the listed order is the order in which the scheduler ranks equally old jobs of these users
+    users = {n: UserState(load_config({"users": [{"name": "alice", "shares": 2, "priority": 3}, {"name": "bob"},
+                                                 {"name": "dave", "priority": 2}]}).user(n),
+                          usage=Resources(gpu=gpu_s[n])) for n in rows}
+    policy = FairShare()
+    policy.prepare(CycleContext(NOW, users, Resources(gpu=1)))
+    jobs = [Workload(f"j-{u}", u, NOW - 60, (Resources(1),), seq=i) for i, u in enumerate(sorted(rows))]
+    assert [r["user"] for r in data["users"]] == [w.user for w in sorted(jobs, key=lambda w: policy.key(w, NOW))]
+    assert [r["user"] for r in data["users"]][-1] == "carol"  # the heaviest, least recently decayed
+
+    rc, text, _ = _run(capsys, "ledger", "show", "--ledger", ledger_url, "--at", str(NOW), "--config", str(cfg))
+    assert rc == 0
+    lines = text.splitlines()
+    assert "half-life 60.0m, 4 intervals, never compacted" in lines[0] and "GPU-seconds only" in lines[1]
+    body = [ln.split()[0] for ln in lines[5:]]
+    assert body == [r["user"] for r in data["users"]]
+
+
+def test_capacity_weighs_cpu_and_memory_as_the_scheduler_does(tmp_path, capsys):
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+    led = UsageLedger(url, half_life=H)
+    led.record(Interval("gpu-job", "a", Resources(gpu=1), 0, 3600))
+    led.record(Interval("cpu-job", "b", Resources(cpu=64), 0, 3600))
+    led.close()
+    _, out, _ = _run(capsys, "ledger", "show", "--ledger", url, "--at", "3600", "--json")
+    rows = {r["user"]: r for r in json.loads(out)["users"]}
+    assert rows["a"]["usage_share"] == 1 and rows["b"]["usage_share"] == 0  # GPU-seconds only
+    _, out, _ = _run(capsys, "ledger", "show", "--ledger", url, "--at", "3600", "--capacity", "gpu=8,cpu=64", "--json")
+    rows = {r["user"]: r for r in json.loads(out)["users"]}
+    # 1 of 8 GPUs against 64 of 64 CPUs for the same hour: b used 8 times a's share of the cluster
+    assert rows["b"]["usage_share"] == pytest.approx(8 / 9) and rows["a"]["usage_share"] == pytest.approx(1 / 9)
+
+
+def test_compact_keeps_usage_and_records_the_watermark(ledger_url, capsys):
+    _ledger(ledger_url)
+    show = ("ledger", "show", "--ledger", ledger_url, "--at", str(NOW), "--json")
+    _, before, _ = _run(capsys, *show)
+    rc, out, err = _run(capsys, "ledger", "compact", "--ledger", ledger_url, "--at", str(NOW), "--older-than", "10000s",
+                        "--json")
+    assert rc == 0, err
+    assert json.loads(out) == {"folded": 2, "before": NOW - 10_000, "remaining": 2}  # w1 and w4 ended by 90,000
+    _, after, _ = _run(capsys, *show)
+    b, a = json.loads(before), json.loads(after)
+    assert a["open_intervals"] == 2 and a["compacted_before"] == NOW - 10_000
+    for rb, ra in zip(b["users"], a["users"]):
+        assert ra["user"] == rb["user"] and ra["usage"]["gpu_s"] == pytest.approx(rb["usage"]["gpu_s"], rel=1e-12)
+    # an earlier cut folds nothing more and keeps the later watermark
+    rc, out, _ = _run(capsys, "ledger", "compact", "--ledger", ledger_url, "--at", str(NOW), "--older-than", "1d")
+    assert rc == 0 and out.startswith("folded 0 intervals")
+    _, text, _ = _run(capsys, "ledger", "show", "--ledger", ledger_url, "--at", str(NOW))
+    assert "2 intervals, compacted up to 1970-01-02T01:00:00Z" in text.splitlines()[0]
+
+
+def test_the_half_life_stays_with_the_ledger(tmp_path):
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+    led = UsageLedger(url, half_life=H)
+    led.record(Interval("w1", "a", Resources(1), 0, 100))
+    led.close()
+    assert UsageLedger(url).half_life == H  # the one it was written with, not the 7-day default
+    # before compaction every interval is still there: another half-life is exact, and the next write keeps it
+    other = UsageLedger(url, half_life=2 * H)
+    other.record(Interval("w2", "a", Resources(1), 100, 200))
+    assert other.compact(150) == 1
+    other.close()
+    assert UsageLedger(url).half_life == 2 * H
+    with pytest.raises(LedgerError, match=r"compacted with a half-life of 7200 s[\s\S]*--half-life"):
+        UsageLedger(url, half_life=H)
+
+
+def test_ledger_cli_refuses_what_is_not_a_ledger_and_creates_nothing(tmp_path, capsys):
+    missing = tmp_path / "typo.db"
+    rc, _, err = _run(capsys, "ledger", "show", "--ledger", str(missing))
+    assert rc == 1 and f"no usage ledger at {missing}" in err and "hint: check --ledger" in err
+    assert not missing.exists()
+    empty = tmp_path / "other.db"
+    sqlite3.connect(empty).close()
+    rc, _, err = _run(capsys, "ledger", "compact", "--ledger", f"sqlite:///{empty}", "--older-than", "30d")
+    assert rc == 1 and "holds no usage ledger (missing tables: usage_intervals" in err and "Traceback" not in err
+    assert sqlite3.connect(empty).execute("select count(*) from sqlite_master").fetchone() == (0,)
+    # every bad option in one error, before the ledger is opened
+    rc, _, err = _run(capsys, "ledger", "show", "--ledger", str(missing), "--at", "yesterday", "--half-life", "0",
+                      "--capacity", "gpu=x,disk=3")
+    assert rc == 2 and "Traceback" not in err
+    for needle in ("--at: must be now, seconds since the epoch or an ISO 8601", "--half-life: must be a duration > 0",
+                   "--capacity: gpu must be a number >= 0, got 'x'", "--capacity: 'disk=3' is not one of"):
+        assert needle in err, err
+    rc, _, err = _run(capsys, "ledger", "compact", "--ledger", str(missing), "--older-than", "soon")
+    assert rc == 2 and "--older-than: must be a duration >= 0" in err
+
+
+def test_at_takes_iso_dates_in_utc_unless_zoned():
+    from kfp_pytorch.fairness_scheduler.usage import format_time, parse_time
+
+    assert parse_time("1970-01-02T00:00:00", 5.0) == 86400 and parse_time("1970-01-02T01:00:00+01:00", 5.0) == 86400
+    assert parse_time("now", 5.0) == 5.0 and parse_time("12.5", 5.0) == 12.5
+    assert format_time(86400) == "1970-01-02T00:00:00Z"
+    with pytest.raises(ValueError):
+        parse_time("inf", 5.0)
