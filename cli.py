@@ -607,6 +607,9 @@ def ledger_show(ledger_url, at, half_life, config, capacity, as_json):
               f"{cap.memory_gb:g} GB",
               f"user prio = {fs.weight_fairshare:g}·F + {fs.weight_priority:g}·T; each job adds its age "
               f"(up to {fs.weight_age:g})"]
+    if fs.current_weight:
+        header.append(f"current_weight {fs.current_weight:g}: the scheduler also counts what users hold now; "
+                      "the ledger has only recorded intervals, so F here counts that as 0")
     if not rows:
         header.append("no usage recorded and no users in the config")
     click.echo(format_standings(rows, header))
