@@ -122,6 +122,14 @@ class UsageLedger:
             Column("as_of", Float, nullable=False))
         self.meta = Table("ledger_meta", md, Column("key", String(64), primary_key=True),
                           Column("value", String(256), nullable=False))
+        try:
+            self._open(md, half_life, must_exist)
+        except LedgerError:
+            self.engine.dispose()  # no pooled connection outlives a refused open
+            raise
+
+    def _open(self, md, half_life: float | None, must_exist: bool) -> None:
+        url = self.url
         if must_exist:
             self._check_tables()
         try:
