@@ -391,14 +391,15 @@ def _config_and_half_life(config: str | None, half_life: str | None, problems: l
 @click.option("--trace", "trace", required=True, type=click.Path(dir_okay=False), help="Trace CSV (itp-2021 format).")
 @click.option("--policies", default="all", show_default=True, help="all, or a comma-separated list.")
 @click.option("--users", default=20, show_default=True, type=int,
-              help="Users drawn by the Zipf law; the lighter half are the light users.")
+              help="Users drawn by the Zipf law; the lighter half are the light users. A trace with a user "
+                   "column keeps its own users (--users, --zipf and --seed then do not apply).")
 @click.option("--zipf", default=1.1, show_default=True, type=float)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--load", default=0.9, show_default=True, type=float)
 @click.option("--half-life", "half_life", default=None,
               help="Usage half-life: 7d, 12h, seconds. Overrides the config's (default 7d).")
 @click.option("--config", "config", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Scheduler config YAML (fairshare weights).")
+              help="Scheduler config YAML: fairshare weights; shares and tiers of a trace's own users.")
 @click.option("--placement", type=click.Choice(PLACEMENTS), default=None,
               help="Node for pods below a node's size: fullest that fits (binpack, the default) or "
                    "emptiest (spread, kube-scheduler's default scoring). Overrides the config's.")
@@ -433,7 +434,7 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
     names = parse_policies(policies)
     results, info = run_protocol(trace, names, users, zipf, seed, load, hl, cfg.fairshare,
                                  progress=not as_json and sys.stderr.isatty(), placement=placement or cfg.placement,
-                                 workers=workers or default_workers(len(names)))
+                                 workers=workers or default_workers(len(names)), user_config=cfg.user)
     if as_json:
         click.echo(json.dumps({p: r.metrics for p, r in results.items()}, indent=1))
     else:
@@ -500,7 +501,7 @@ def goals_cmd(traces, seeds, sets, config, placement, users, zipf, load, half_li
         raise SchedulerConfigError(problems)
     runs = evaluate_goals(list(traces), seed_list, set_list, cfg.fairshare, placement or cfg.placement,
                           workers or usable_cpus(), cache_dir, progress=not as_json and sys.stderr.isatty(),
-                          users=users, zipf=zipf, load=load, half_life=hl)
+                          users=users, zipf=zipf, load=load, half_life=hl, user_config=cfg.user)
     protocol = {"users": users, "zipf": zipf, "load": load, "half_life_s": hl}
     changed = [f"--{k.removesuffix('_s').replace('_', '-')} {v:g}" for k, v in protocol.items()
                if v != PROTOCOL_DEFAULTS[k]]

@@ -25,7 +25,8 @@ from .goals import (BASELINES, FAIR_BASELINES, GOALS, Check, baseline_checks, ch
                     missed, shared_misses)
 from .report import run_jobs, workers_problems
 from .simulator import METRICS
-from .trace import CUTS, TraceJob, cut, read_trace
+from .model import UserConfig
+from .trace import CUTS, TraceJob, cut, read_trace, trace_users
 
 CACHE_VERSION = 1
 """Bump when a baseline's behaviour changes, so cached baseline metrics are not reused."""
@@ -48,6 +49,8 @@ class GoalRun:
     shared: list[str] = field(default_factory=list)
     """``fairshare``'s missed goals that no fair baseline meets in this run either
     (:func:`.goals.shared_misses`)."""
+    own_users: bool = False
+    """The trace names its jobs' users: they are kept, so the seed (a user draw) did not apply."""
 
     @property
     def met(self) -> bool:
@@ -113,20 +116,25 @@ class _Unit:
     jobs: list[TraceJob]
     policies: tuple[str, ...]
     params: tuple
+    own_users: bool = False
 
 
 def _run_unit(u: _Unit) -> dict[str, dict[str, float]]:
-    users, zipf, load, half_life, placement, fairshare = u.params
+    users, zipf, load, half_life, placement, fairshare, user_config = u.params
     res, _ = run_jobs(u.jobs, list(u.policies), users, zipf, u.seed, load, half_life, fairshare,
-                      placement=placement, trace=u.trace)
+                      placement=placement, trace=u.trace, user_config=user_config)
     return {p: r.metrics for p, r in res.items()}
 
 
 def _cache_key(jobs: list[TraceJob], seed: int, params: tuple) -> str:
-    users, zipf, load, half_life, placement, _ = params
+    users, zipf, load, half_life, placement, _, user_config = params
     h = hashlib.sha256(json.dumps([CACHE_VERSION, users, zipf, seed, load, half_life, placement]).encode())
+    named = trace_users(jobs)
+    if named:  # a trace's own users, and the shares and tiers the config gives them
+        people = [user_config(n) if user_config else UserConfig(n) for n in named]
+        h.update(json.dumps([[u.name, u.shares, u.priority, u.gpu_quota] for u in people]).encode())
     for j in jobs:
-        h.update(f"{j.submit!r},{j.duration!r},{j.gpus}\n".encode())
+        h.update(f"{j.submit!r},{j.duration!r},{j.gpus}{'' if j.user is None else ',' + j.user}\n".encode())
     return h.hexdigest()[:20]
 
 
@@ -157,9 +165,12 @@ def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] =
                    fairshare: FairShareConfig | None = None, placement: str = "binpack", workers: int = 1,
                    cache_dir: str | Path | None = None, progress: bool | Callable[[int, int], None] = False,
                    users: int = 20, zipf: float = 1.1, load: float = 0.9,
-                   half_life: float = 7 * 86400.0) -> list[GoalRun]:
+                   half_life: float = 7 * 86400.0,
+                   user_config: Callable[[str], UserConfig] | None = None) -> list[GoalRun]:
     """``fairshare`` (with ``fairshare``'s setting) and the five baselines on every cut of every
-    trace in ``sets``, under every seed; each run judged by :func:`.goals.check`.
+    trace in ``sets``, under every seed; each run judged by :func:`.goals.check`. A trace with a
+    ``user`` column keeps its users, so it runs under the first seed only (user draws do not
+    apply); ``user_config`` gives their shares and tiers (see :func:`.report.run_jobs`).
 
     ``cache_dir`` keeps the baselines' metrics (they do not depend on the ``fairshare`` setting),
     keyed by the jobs and the protocol options, so comparing settings re-runs only ``fairshare``.
@@ -178,7 +189,7 @@ def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] =
             bad.append(e)
     if bad:
         raise TraceError("\n".join(e.message for e in bad), bad[0].hint)
-    params = (users, zipf, load, half_life, placement, fairshare)
+    params = (users, zipf, load, half_life, placement, fairshare, user_config)
     cache = Path(cache_dir) if cache_dir else None
     if cache:
         try:
@@ -195,7 +206,7 @@ def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] =
                 part = cut(jobs, lo, hi)
                 if not part:
                     continue  # a trace too short to cut this way
-                for seed in seeds:
+                for seed in (seeds[:1] if trace_users(part) else seeds):
                     policies = BASELINES + ("fairshare",)
                     i = len(units)
                     if cache:
@@ -203,7 +214,8 @@ def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] =
                         if (hit := _read_cached(keys[i])) is not None:
                             cached[i] = hit
                             policies = ("fairshare",)
-                    units.append(_Unit(set_name, f.stem + suffix, seed, part, policies, params))
+                    units.append(_Unit(set_name, f.stem + suffix, seed, part, policies, params,
+                                       bool(trace_users(part))))
     metrics = _run_all(units, workers, progress)
     runs = []
     for i, (u, m) in enumerate(zip(units, metrics)):
@@ -214,7 +226,7 @@ def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] =
         m = {p: m[p] for p in BASELINES + ("fairshare",)}
         checks, baselines = check(u.trace, m), baseline_checks(u.trace, m)
         runs.append(GoalRun(u.set, u.trace, u.seed, m, checks, {p: meets_all(c) for p, c in baselines.items()},
-                            shared_misses(checks, baselines)))
+                            shared_misses(checks, baselines), u.own_users))
     return runs
 
 
@@ -293,6 +305,9 @@ def format_goals(runs: list[GoalRun], verbose: bool = False) -> str:
     lines.append("  of those, no fair baseline met the goal in the same run either: "
                  + ", ".join(f"{g} {n}" for g, n in total["shared"].items())
                  + f" ({total['shared_only']} of {total['runs'] - total['fairshare']} missed runs miss only such goals)")
+    own = sorted({r.trace for r in runs if r.own_users})
+    if own:
+        lines.append(f"kept their own users (a user column), so ran once, not per seed: {', '.join(own)}")
     if verbose:
         for r in runs:
             if not r.met:
@@ -345,7 +360,7 @@ def goal_grid(runs: list[GoalRun]):
 def to_json(runs: list[GoalRun]) -> dict:
     """``{"summary": summarize(runs), "runs": [...]}``, each run with its metrics and checks."""
     return {"summary": summarize(runs),
-            "runs": [{"set": r.set, "trace": r.trace, "seed": r.seed, "met": r.met,
+            "runs": [{"set": r.set, "trace": r.trace, "seed": r.seed, "own_users": r.own_users, "met": r.met,
                       "checks": {g: asdict(c) for g, c in r.checks.items()},
                       "baselines_met": r.baselines_met, "shared_misses": r.shared, "metrics": r.metrics}
                      for r in runs]}

@@ -5,13 +5,14 @@ import csv
 import math
 import os
 from pathlib import Path
+from typing import Callable
 
 from .config import FairShareConfig
 from .errors import SchedulerConfigError
-from .model import placement_problem
+from .model import UserConfig, placement_problem
 from .policy import POLICIES
 from .simulator import METRICS, SimResult, simulate
-from .trace import TraceJob, capacity, protocol_nodes, protocol_users, protocol_workloads, read_trace
+from .trace import TraceJob, capacity, protocol_nodes, protocol_users, protocol_workloads, read_trace, trace_users
 from .usage import format_duration
 
 
@@ -56,27 +57,40 @@ are set."""
 def run_protocol(trace: str | Path, policies: list[str], users: int = 20, zipf: float = 1.1, seed: int = 0,
                  load: float = 0.9, half_life: float = 7 * 86400.0, fairshare: FairShareConfig | None = None,
                  progress: bool = False, placement: str = "binpack",
-                 workers: int = 1) -> tuple[dict[str, SimResult], dict]:
+                 workers: int = 1, user_config: Callable[[str], UserConfig] | None = None
+                 ) -> tuple[dict[str, SimResult], dict]:
     """Every policy on the same input. ``workers`` > 1 runs policies in that many processes at once;
     each simulation is deterministic, so the results are the same as one after the other."""
     if problems := option_problems(users, zipf, load, half_life, placement) + workers_problems(workers):
         raise SchedulerConfigError(problems)
     return run_jobs(read_trace(trace), policies, users, zipf, seed, load, half_life, fairshare, progress, placement,
-                    workers, trace=str(trace))
+                    workers, trace=str(trace), user_config=user_config)
 
 
 def run_jobs(jobs: list[TraceJob], policies: list[str], users: int = 20, zipf: float = 1.1, seed: int = 0,
              load: float = 0.9, half_life: float = 7 * 86400.0, fairshare: FairShareConfig | None = None,
              progress: bool = False, placement: str = "binpack", workers: int = 1,
-             trace: str = "") -> tuple[dict[str, SimResult], dict]:
-    """:func:`run_protocol` on parsed jobs (a trace, or a cut of one: :func:`.trace.cut`)."""
+             trace: str = "", user_config: Callable[[str], UserConfig] | None = None
+             ) -> tuple[dict[str, SimResult], dict]:
+    """:func:`run_protocol` on parsed jobs (a trace, or a cut of one: :func:`.trace.cut`).
+
+    Jobs with users of their own (a ``user`` column) keep them: ``users``, ``zipf`` and ``seed`` do
+    not apply, and each user's shares and tier come from ``user_config`` (the scheduler config's
+    :meth:`.config.SchedulerConfig.user`; default: 1 share, tier 1)."""
     c = capacity(jobs, load)
-    info = {"trace": trace, "jobs": len(jobs), "capacity_gpus": c, "nodes": c // 8, "users": users,
-            "zipf": zipf, "seed": seed, "load": load, "half_life_s": half_life, "placement": placement}
+    named = trace_users(jobs)
+    if named:
+        people = [user_config(n) if user_config else UserConfig(n) for n in named]
+        info_users = {"users": len(named), "users_from": "trace"}
+    else:
+        people = protocol_users(users)
+        info_users = {"users": users, "zipf": zipf, "seed": seed}
+    info = {"trace": trace, "jobs": len(jobs), "capacity_gpus": c, "nodes": c // 8, **info_users, "load": load,
+            "half_life_s": half_life, "placement": placement}
     workloads = protocol_workloads(jobs, users, zipf, seed)  # read-only to the simulator: one set for all
     # The protocol's light users are the 10 of its 20 with the least submitted GPU-time: the lighter
-    # half, which is what other user counts get too.
-    args = (protocol_users(users), protocol_nodes(c), half_life, fairshare, placement, max(1, users // 2))
+    # half, which is what other user counts (and a trace's own users) get too.
+    args = (people, protocol_nodes(c), half_life, fairshare, placement, max(1, len(people) // 2))
     if workers > 1 and len(policies) > 1:
         return _run_parallel(workloads, policies, args, workers, progress), info
     return {p: _simulate_one(workloads, p, args, progress) for p in policies}, info
@@ -168,9 +182,11 @@ def format_table(results: dict[str, SimResult], info: dict) -> str:
     """Metrics per policy (times in s/m/h/d) and, when ``fifo`` ran, each policy against it."""
     w = 15
     head = f"{'policy':<16}" + "".join(f"{m:>{w}}" for m in METRICS)
+    who = (f"{info['users']} users from the trace's user column" if info.get("users_from") == "trace" else
+           f"{info['users']} users, zipf {info['zipf']}, seed {info['seed']}")
     lines = [f"trace {info['trace']}: {info['jobs']} jobs, C = {info['capacity_gpus']} GPUs "
-             f"({info['nodes']} nodes of 8), {info['users']} users, zipf {info['zipf']}, seed {info['seed']}, "
-             f"load {info['load']}, placement {info.get('placement', 'binpack')}", head, "-" * len(head)]
+             f"({info['nodes']} nodes of 8), {who}, load {info['load']}, placement {info.get('placement', 'binpack')}",
+             head, "-" * len(head)]
     for p, r in results.items():
         cells = [f"{r.metrics[m]:>{w}.4f}" if m in _FRACTION_METRICS else f"{format_duration(r.metrics[m]):>{w}}"
                  for m in METRICS]

@@ -1,14 +1,18 @@
 """Trace CSVs (``shared/traces/itp-2021`` format) and the fair-share benchmark protocol.
 
 Columns: ``job_id, submission_time, duration, num_gpu`` (seconds from trace start, seconds of
-run time, GPUs). The published traces have no users and no cluster size, so the protocol fixes
-both (see that folder's README, implemented here exactly):
+run time, GPUs), and optionally ``user``. The published traces have no users and no cluster size,
+so the protocol fixes both (see that folder's README, implemented here exactly):
 
 - users: ``rng = numpy.random.default_rng(seed)``; ``rng.choice(users, size=n, p=p)`` in file
   order, ``p[k] ~ 1 / (k + 1) ** zipf``;
 - shares 1 each; static priority 3 for users 0-4, 2 for 5-9, 1 for the rest;
 - capacity ``C = max(ceil(mean_demand / load / 8) * 8, max_job_gpus rounded up to 8)``,
   ``mean_demand = sum(gpus * duration) / (last submission - first submission)``; nodes of 8 GPUs.
+
+A trace of one's own cluster may name each job's ``user``: the jobs then keep their real users
+(the Zipf draw does not apply), with shares and tiers from the scheduler config's ``users``
+(1 share and tier 1 for those it does not list). Capacity follows the protocol either way.
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ from .errors import TraceError
 from .model import Node, Resources, UserConfig, Workload, gang_for_gpus
 
 COLUMNS = ("job_id", "submission_time", "duration", "num_gpu")
+USER_COLUMN = "user"
+"""Optional: the job's real user (a trace of one's own cluster)."""
 NODE_GPUS = 8
 
 
@@ -33,6 +39,8 @@ class TraceJob:
     duration: float
     gpus: int
     line: int
+    user: str | None = None
+    """From the trace's ``user`` column; None: the protocol draws one."""
 
 
 MAX_LISTED = 20  # bad rows named in one error; the count says how many more there are
@@ -81,22 +89,27 @@ def _read_rows(reader, path: Path, jobs: list[TraceJob], problems: list[str]) ->
         raise TraceError(f"{path}:1: missing column(s) {', '.join(missing)} (header: {','.join(header)})",
                          "the header must name " + ", ".join(COLUMNS))
     idx = [header.index(c) for c in COLUMNS]
+    user_idx = header.index(USER_COLUMN) if USER_COLUMN in header else None
     for row in reader:
         if not row or all(not c.strip() for c in row):
             continue
         line = reader.line_num
-        job = _parse_row(row, len(header), idx, line)
+        job = _parse_row(row, len(header), idx, line, user_idx)
         if isinstance(job, str):
             problems.append(f"{path}:{line}: {job}")
         else:
             jobs.append(job)
 
 
-def _parse_row(row: list[str], n_fields: int, idx: list[int], line: int) -> TraceJob | str:
+def _parse_row(row: list[str], n_fields: int, idx: list[int], line: int, user_idx: int | None = None
+               ) -> TraceJob | str:
     """One row as a TraceJob, or what is wrong with it."""
     if len(row) < n_fields:
         return f"expected {n_fields} fields, got {len(row)}: {','.join(row)}"
     jid, sub, dur, gpu = (row[i].strip() for i in idx)
+    user = row[user_idx].strip() if user_idx is not None else None
+    if user == "":
+        return f"empty user in {','.join(row)} (the header has a user column: name every job's user)"
     try:
         submit, duration, gpus_f = float(sub), float(dur), float(gpu)
     except ValueError:
@@ -109,7 +122,7 @@ def _parse_row(row: list[str], n_fields: int, idx: list[int], line: int) -> Trac
         return f"negative submission_time {sub}"
     if gpus_f < 1 or gpus_f != int(gpus_f):
         return f"num_gpu must be a positive integer, got {gpu}"
-    return TraceJob(jid, submit, duration, int(gpus_f), line)
+    return TraceJob(jid, submit, duration, int(gpus_f), line, user)
 
 
 def zipf_probabilities(n_users: int, zipf: float) -> np.ndarray:
@@ -139,14 +152,21 @@ def capacity(jobs: list[TraceJob], load: float = 0.9, node_gpus: int = NODE_GPUS
     return max(by_load, biggest)
 
 
+def trace_users(jobs: list[TraceJob]) -> list[str]:
+    """The users a trace names, sorted by name ([] without a ``user`` column)."""
+    return sorted({j.user for j in jobs if j.user is not None})
+
+
 def protocol_workloads(jobs: list[TraceJob], n_users: int = 20, zipf: float = 1.1, seed: int = 0
                        ) -> list[Workload]:
-    users = assign_users(len(jobs), n_users, zipf, seed)
-    out = []
-    for seq, (j, u) in enumerate(zip(jobs, users)):
-        out.append(Workload(j.job_id, user_name(int(u)), j.submit, gang_for_gpus(j.gpus, NODE_GPUS),
-                            duration=j.duration, seq=seq))
-    return out
+    """The trace's jobs as gangs, owned by the users the protocol draws (or, for a trace with a
+    ``user`` column, by those users: ``n_users``, ``zipf`` and ``seed`` do not apply)."""
+    if jobs and jobs[0].user is not None:
+        owners = [j.user for j in jobs]
+    else:
+        owners = [user_name(int(u)) for u in assign_users(len(jobs), n_users, zipf, seed)]
+    return [Workload(j.job_id, u, j.submit, gang_for_gpus(j.gpus, NODE_GPUS), duration=j.duration, seq=seq)
+            for seq, (j, u) in enumerate(zip(jobs, owners))]
 
 
 def protocol_nodes(c: int, node_gpus: int = NODE_GPUS) -> list[Node]:
@@ -179,4 +199,4 @@ def cut(jobs: list[TraceJob], lo: float, hi: float) -> list[TraceJob]:
     if not sel:
         return []
     t0 = min(j.submit for j in sel)
-    return [TraceJob(j.job_id, j.submit - t0, j.duration, j.gpus, j.line) for j in sel]
+    return [TraceJob(j.job_id, j.submit - t0, j.duration, j.gpus, j.line, j.user) for j in sel]

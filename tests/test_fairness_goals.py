@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kfp_pytorch.fairness_scheduler.evaluate import parse_seeds
@@ -250,3 +251,64 @@ def test_goals_cli_runs_the_protocol_options_it_is_given(tmp_path):
     text = _goals(*[a for a in args if a != "--json"])
     assert text.returncode == 0 and text.stdout.splitlines()[0] == (
         "protocol changed from the defaults the goals were set at: --users 10, --zipf 0.8, --load 0.7, --half-life 86400")
+
+
+def _with_users(tmp_path, owners, name="own.csv"):
+    """cluster10 with a user column: ``owners(i)`` names the i-th job's user."""
+    import csv
+
+    src = (TRACES / "cluster10.csv").read_text().splitlines()
+    rows = list(csv.reader(src))
+    out = tmp_path / name
+    with open(out, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(rows[0] + ["user"])
+        for i, row in enumerate(rows[1:]):
+            w.writerow(row + [owners(i)])
+    return out
+
+
+def test_a_trace_with_its_own_users_keeps_them(tmp_path):
+    """A user column replaces the protocol's draw: the protocol's own draw written into the
+    column, with the protocol's tiers in the config, is exactly the protocol's run; the seed and
+    Zipf options no longer apply; users the config does not list get 1 share and tier 1."""
+    from kfp_pytorch.fairness_scheduler.report import run_jobs
+    from kfp_pytorch.fairness_scheduler.trace import assign_users, protocol_users, read_trace, user_name
+
+    drawn = assign_users(260, 20, 1.1, 0)
+    own = _with_users(tmp_path, lambda i: user_name(int(drawn[i])))
+    tiers = tmp_path / "tiers.yaml"
+    tiers.write_text("users:\n" + "".join(f"  - {{name: {u.name}, priority: {u.priority}}}\n" for u in protocol_users()))
+    sim = [sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--workers", "2"]
+    protocol = subprocess.run(sim + ["--trace", str(TRACES / "cluster10.csv"), "--json"], capture_output=True, text=True)
+    kept = subprocess.run(sim + ["--trace", str(own), "--seed", "5", "--zipf", "2", "--config", str(tiers), "--json"],
+                          capture_output=True, text=True)
+    assert kept.returncode == 0, kept.stderr
+    assert json.loads(kept.stdout) == json.loads(protocol.stdout)
+    table = subprocess.run(sim + ["--trace", str(own), "--policies", "fifo"], capture_output=True, text=True)
+    assert "20 users from the trace's user column" in table.stdout.splitlines()[0]
+    # no tiers in a config: every user is tier 1, so the static-priority order is FIFO's
+    res, info = run_jobs(read_trace(own), ["fifo", "static-priority"])
+    assert info["users_from"] == "trace" and res["static-priority"].metrics == res["fifo"].metrics
+    assert sorted(res["fifo"].service) == sorted({user_name(int(u)) for u in drawn})
+    # two users: the lighter half is one user, and only its jobs make light users' p95 wait
+    two, _ = run_jobs(read_trace(_with_users(tmp_path, lambda i: "big" if i % 4 else "small", "two.csv")), ["fifo"])
+    r = two["fifo"]
+    small = [w for w in r.workloads if w.user == "small"]
+    waits = [r.start[i] - w.submit_time for i, w in enumerate(r.workloads) if w.user == "small"]
+    assert len(small) == 65 and r.metrics["light_wait_p95"] == pytest.approx(float(np.percentile(waits, 95)))
+
+
+def test_goals_runs_a_trace_with_its_own_users_once_and_caches_by_user(tmp_path):
+    cache = tmp_path / "cache"
+    own = _with_users(tmp_path, lambda i: f"u{i % 3}")
+    args = ["--traces", str(own), "--seeds", "0-2", "--cache", str(cache), "--workers", "1"]
+    data = json.loads(_goals(*args, "--json").stdout)
+    assert [(r["trace"], r["seed"], r["own_users"]) for r in data["runs"]] == [("own", 0, True)]
+    assert "kept their own users (a user column), so ran once, not per seed: own" in _goals(*args).stdout
+    # the same jobs with other owners: the cached baselines of the first owners are not reused
+    _with_users(tmp_path, lambda i: f"u{i % 2}")
+    other = json.loads(_goals(*args, "--json").stdout)["runs"][0]["metrics"]
+    fresh = json.loads(_goals("--traces", str(own), "--workers", "1", "--json").stdout)["runs"][0]["metrics"]
+    assert other == fresh and other["kueue-afs"] != data["runs"][0]["metrics"]["kueue-afs"]
+    assert len(list(cache.glob("own-s0-*.json"))) == 2

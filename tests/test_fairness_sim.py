@@ -41,12 +41,25 @@ def write(tmp_path, text, name="t.csv"):
     ("job_id,submission_time,duration,num_gpu\na,0,10,1\nb,5,-3,1\n", ":3:", "negative duration"),
     ("job_id,submission_time,duration,num_gpu\na,0,10,0\n", ":2:", "num_gpu must be a positive integer"),
     ("job_id,submission_time,duration,num_gpu\na,0,10\n", ":2:", "expected 4 fields"),
+    ("job_id,submission_time,duration,num_gpu,user\na,0,10,1,ann\nb,1,10,1, \n", ":3:", "empty user in b,1,10,1"),
 ])
 def test_malformed_rows_name_file_and_line(tmp_path, body, where, what):
     p = write(tmp_path, body)
     with pytest.raises(TraceError) as e:
         read_trace(p)
     assert f"{p}{where}" in str(e.value) and what in str(e.value)
+
+
+def test_a_user_column_is_read_and_kept_by_cuts(tmp_path):
+    from kfp_pytorch.fairness_scheduler.trace import cut, trace_users
+
+    p = write(tmp_path, "user,job_id,submission_time,duration,num_gpu\n bob ,a,0,10,1\nann,b,5,10,2\nbob,c,9,1,8\n")
+    jobs = read_trace(p)
+    assert [j.user for j in jobs] == ["bob", "ann", "bob"] and trace_users(jobs) == ["ann", "bob"]
+    assert [(j.user, j.submit) for j in cut(jobs, 0.5, 1.0)] == [("ann", 0.0), ("bob", 4.0)]
+    ws = protocol_workloads(jobs, seed=3)  # the column, not the draw
+    assert [w.user for w in ws] == ["bob", "ann", "bob"]
+    assert trace_users(read_trace(TRACES / "cluster10.csv")) == []
 
 
 def test_every_bad_row_is_named_in_one_error(tmp_path):
