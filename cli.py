@@ -411,11 +411,13 @@ def _config_and_half_life(config: str | None, half_life: str | None, problems: l
 @click.option("--workers", type=int, default=None,
               help="Policies simulated at once, one process each (default: one per policy, up to the CPUs). "
                    "Results do not depend on it.")
+@click.option("--per-user", "per_user", is_flag=True,
+              help="Also print each user's service ratio and p95 wait under each policy (not with --json).")
 def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, placement, as_json, plot_path,
-                 schedule_path, workers):
+                 schedule_path, workers, per_user):
     """Replay a GPU-cluster trace under several scheduling policies, side by side."""
     from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
-    from kfp_pytorch.fairness_scheduler.report import (default_workers, format_table, option_problems,
+    from kfp_pytorch.fairness_scheduler.report import (default_workers, format_per_user, format_table, option_problems,
                                                        parse_policies, plot, policy_problems, run_protocol,
                                                        workers_problems, write_schedule)
 
@@ -429,6 +431,8 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
     problems += option_problems(users, zipf, load, hl, placement or (cfg.placement if cfg else "binpack"))
     if workers is not None:
         problems += workers_problems(workers)
+    if per_user and as_json:
+        problems.append("--per-user: prints tables, so not with --json (for per-job figures use --schedule FILE.csv)")
     if problems:
         raise SchedulerConfigError(problems)
     names = parse_policies(policies)
@@ -439,6 +443,8 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
         click.echo(json.dumps({p: r.metrics for p, r in results.items()}, indent=1))
     else:
         click.echo(format_table(results, info))
+        if per_user:
+            click.echo("\n" + format_per_user(results))
     if plot_path:
         plot(results, plot_path)
         if not as_json:

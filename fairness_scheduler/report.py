@@ -209,6 +209,42 @@ def format_table(results: dict[str, SimResult], info: dict) -> str:
     return "\n".join(lines)
 
 
+def format_per_user(results: dict[str, SimResult]) -> str:
+    """Per user, heaviest first: jobs, submitted GPU-hours, whether light, then each policy's service
+    ratio (what Jain's index and the worst-served user are taken over) and p95 wait."""
+    import numpy as np
+
+    first = next(iter(results.values()))
+    jobs: dict[str, int] = {}
+    gpu_s: dict[str, float] = {}
+    for w in first.workloads:
+        jobs[w.user] = jobs.get(w.user, 0) + 1
+        gpu_s[w.user] = gpu_s.get(w.user, 0.0) + w.gpus * (w.duration or 0.0)
+    users = sorted(jobs, key=lambda u: (-gpu_s[u], u))
+    light = set(first.light_users)
+    p95: dict[str, dict[str, float]] = {}
+    for p, r in results.items():
+        waits: dict[str, list[float]] = {}
+        for w, st in zip(r.workloads, r.start):
+            if not math.isnan(st):
+                waits.setdefault(w.user, []).append(st - w.submit_time)
+        p95[p] = {u: float(np.percentile(v, 95)) for u, v in waits.items()}
+    w = max(10, *(len(p) + 1 for p in results))
+    uw = max(8, *(len(u) for u in users))
+    head = f"{'user':<{uw}}{'jobs':>7}{'GPU-h':>10}{'light':>7}"
+    lines = ["per user, heaviest first: service ratio (GPU-time held / max-min fair GPU-time) by policy",
+             head + "".join(f"{p:>{w}}" for p in results)]
+    rows = [(u, f"{jobs[u]:>7}{gpu_s[u] / 3600:>10.0f}{'yes' if u in light else '':>7}") for u in users]
+    for u, left in rows:
+        lines.append(f"{u:<{uw}}{left}" + "".join(
+            f"{r.service[u]:>{w}.3f}" if u in r.service else f"{'-':>{w}}" for r in results.values()))
+    lines += ["", "per user: p95 wait by policy", head + "".join(f"{p:>{w}}" for p in results)]
+    for u, left in rows:
+        lines.append(f"{u:<{uw}}{left}" + "".join(
+            f"{format_duration(p95[p][u]):>{w}}" if u in p95[p] else f"{'-':>{w}}" for p in results))
+    return "\n".join(lines)
+
+
 SCHEDULE_COLUMNS = ("policy", "job_id", "user", "gpus", "submit_s", "start_s", "end_s", "wait_s", "status")
 
 

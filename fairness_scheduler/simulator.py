@@ -89,6 +89,8 @@ class SimResult:
     waits: np.ndarray = field(default_factory=lambda: np.zeros(0))
     workloads: list[Workload] = field(default_factory=list, repr=False)
     """The simulated workloads; ``start[i]`` and ``end[i]`` are those of ``workloads[i]`` (NaN: never started)."""
+    light_users: list[str] = field(default_factory=list)
+    """The users ``light_wait_p95`` is taken over (least submitted GPU-time first)."""
 
 
 def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Node], policy_name: str,
@@ -244,12 +246,12 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
         bar.close()
     held_int = [hi + h * (t - hs) for hi, h, hs in zip(held_int, held, held_since)]
     fair_int = fair_integrated_to(t)
-    metrics = _metrics(workloads, start, end, held_int, fair_int, names, C, first_submit, light_users, uidx)
+    metrics, light = _metrics(workloads, start, end, held_int, fair_int, names, C, first_submit, light_users, uidx)
     service = {names[i]: float(held_int[i] / fair_int[i]) for i in range(len(names)) if fair_int[i] > 0}
     submit = np.array([w.submit_time for w in workloads])
     waits = (start - submit)[~np.isnan(start)]
     return SimResult(policy_name, metrics, start, end, service, unschedulable, time.perf_counter() - t_wall, waits,
-                     workloads)
+                     workloads, light)
 
 
 class TypicalWait:
@@ -287,7 +289,9 @@ def _something_may_fit(pool: NodePool, queued_sizes: dict[float, int]) -> bool:
     return len(pool.whole) >= smallest / pool.max_gpu - 1e-9 or pool.largest_free_gpu() > 0
 
 
-def _metrics(workloads, start, end, held_int, fair_int, names, C, first_submit, light_users, uidx) -> dict:
+def _metrics(workloads, start, end, held_int, fair_int, names, C, first_submit, light_users, uidx
+             ) -> tuple[dict, list[str]]:
+    """The protocol's metrics, and the light users' names."""
     ok = ~np.isnan(start)
     submit = np.array([w.submit_time for w in workloads])
     wait = (start - submit)[ok]
@@ -301,7 +305,8 @@ def _metrics(workloads, start, end, held_int, fair_int, names, C, first_submit, 
     submitted = np.zeros(len(names))
     for w, g, d in zip(workloads, gpus, dur):
         submitted[uidx[w.user]] += g * d
-    light = set(np.argsort(submitted, kind="stable")[:light_users].tolist())
+    light_order = np.argsort(submitted, kind="stable")[:light_users].tolist()
+    light = set(light_order)
     user_of = np.array([uidx[w.user] for w in workloads])
     light_mask = np.array([u in light for u in user_of]) & ok
     light_wait = (start - submit)[light_mask]
@@ -315,4 +320,4 @@ def _metrics(workloads, start, end, held_int, fair_int, names, C, first_submit, 
         "jain_service": jain(ratios),
         "min_service": float(ratios.min()) if len(ratios) else 0.0,
         "light_wait_p95": float(np.percentile(light_wait, 95)) if len(light_wait) else 0.0,
-    }
+    }, [names[i] for i in light_order]

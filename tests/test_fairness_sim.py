@@ -400,6 +400,35 @@ def test_simulate_table_reads_in_hours_and_days_and_compares_with_fifo():
         assert float(cell.rstrip("x")) == pytest.approx(metrics["fairshare"][name] / metrics["fifo"][name], abs=6e-4)
 
 
+def test_per_user_tables_give_each_users_service_and_p95_wait():
+    from kfp_pytorch.fairness_scheduler.report import format_per_user
+
+    res, _ = run_protocol(TRACES / "cluster10.csv", ["fifo", "kueue-afs"])
+    fifo = res["fifo"]
+    submitted = {}
+    for w in fifo.workloads:
+        submitted[w.user] = submitted.get(w.user, 0.0) + w.gpus * w.duration
+    # the light users are the lighter half by submitted GPU-time, the users light_wait_p95 is taken over
+    assert sorted(fifo.light_users) == sorted(sorted(submitted, key=submitted.get)[:10])
+    light_waits = [fifo.start[i] - w.submit_time for i, w in enumerate(fifo.workloads) if w.user in fifo.light_users]
+    assert fifo.metrics["light_wait_p95"] == pytest.approx(float(np.percentile(light_waits, 95)))
+    text = format_per_user(res).splitlines()
+    split = text.index("")
+    service = [ln.split() for ln in text[2:split]]
+    assert [r[0] for r in service] == sorted(submitted, key=lambda u: (-submitted[u], u))  # heaviest first
+    for r in service:
+        u = r[0]
+        assert r[1] == str(sum(w.user == u for w in fifo.workloads)) and ("yes" in r) == (u in fifo.light_users)
+        assert [float(x) for x in r[-2:]] == pytest.approx([res["fifo"].service[u], res["kueue-afs"].service[u]], abs=6e-4)
+    heaviest = text[split + 3].split()
+    waits = [res["kueue-afs"].start[i] - w.submit_time for i, w in enumerate(res["kueue-afs"].workloads)
+             if w.user == heaviest[0]]
+    assert heaviest[-1] == format_duration(float(np.percentile(waits, 95)))
+    out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(TRACES / "cluster10.csv"),
+                          "--per-user", "--json"], capture_output=True, text=True)
+    assert out.returncode == 2 and "--per-user: prints tables, so not with --json" in out.stderr
+
+
 def test_simulate_takes_the_half_life_from_the_config_unless_given(tmp_path):
     """The config's half_life is the usage half-life of every policy; --half-life overrides it."""
     cfg = tmp_path / "c.yaml"
