@@ -206,7 +206,8 @@ def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] =
                 part = cut(jobs, lo, hi)
                 if not part:
                     continue  # a trace too short to cut this way
-                for seed in (seeds[:1] if trace_users(part) else seeds):
+                own_users = bool(trace_users(part))
+                for seed in (seeds[:1] if own_users else seeds):
                     policies = BASELINES + ("fairshare",)
                     i = len(units)
                     if cache:
@@ -214,8 +215,7 @@ def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] =
                         if (hit := _read_cached(keys[i])) is not None:
                             cached[i] = hit
                             policies = ("fairshare",)
-                    units.append(_Unit(set_name, f.stem + suffix, seed, part, policies, params,
-                                       bool(trace_users(part))))
+                    units.append(_Unit(set_name, f.stem + suffix, seed, part, policies, params, own_users))
     metrics = _run_all(units, workers, progress)
     runs = []
     for i, (u, m) in enumerate(zip(units, metrics)):
