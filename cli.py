@@ -599,14 +599,14 @@ def ledger_show(ledger_url, at, half_life, config, capacity, as_json):
         led.close()
     fs = cfg.fairshare
     if as_json:
-        click.echo(json.dumps({"ledger": ledger_url, "at": t, "at_utc": format_time(t), "half_life_s": led.half_life,
+        click.echo(json.dumps({"ledger": led.display_url, "at": t, "at_utc": format_time(t), "half_life_s": led.half_life,
                                "open_intervals": n_open, "compacted_before": led.compacted_before,
                                "capacity": {"gpu": cap.gpu, "cpu": cap.cpu, "memory_gb": cap.memory_gb},
                                "users": [r.to_json() for r in rows]}, indent=1))
         return
     compacted = (f"compacted up to {format_time(led.compacted_before)}" if led.compacted_before is not None
                  else "never compacted")
-    header = [f"usage ledger {ledger_url} at {format_time(t)}: half-life {describe_half_life(led.half_life)}, "
+    header = [f"usage ledger {led.display_url} at {format_time(t)}: half-life {describe_half_life(led.half_life)}, "
               f"{n_open} intervals, {compacted}",
               "usage share U counts GPU-seconds only (--capacity gpu=N,cpu=N,memory=N weighs CPU and memory too)"
               if not (cap.cpu or cap.memory_gb) else

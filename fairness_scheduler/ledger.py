@@ -25,6 +25,7 @@ Decay is exact (see :mod:`.usage`): an interval ``[s, e]`` at rate ``r`` contrib
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +53,16 @@ def interval_usage(r: Resources, start: float, end: float, now: float, half_life
     else:
         k = half_life / LN2 * (2.0 ** (-(now - end) / half_life) - 2.0 ** (-(now - start) / half_life))
     return r.scale(k)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password masked (``postgresql+psycopg://kfp:***@db/ledger``)."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not a URL SQLAlchemy parses: mask what looks like user:password@
+        return re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", url)
 
 
 def _check_sqlite_file(url: str) -> None:
@@ -90,15 +101,17 @@ class UsageLedger:
         if "://" not in url:
             url = f"sqlite:///{url}"
         self.url = url
+        self.display_url = redact_url(url)
+        """The URL with any password masked: the one messages and listings show."""
         if must_exist:
             _check_sqlite_file(url)
         try:
             self.engine = create_engine(url, future=True)
         except ImportError as e:  # the URL names a driver that is not installed
-            raise LedgerError(f"cannot open usage ledger {url!r}: {e}",
+            raise LedgerError(f"cannot open usage ledger {self.display_url!r}: {e}",
                               "for PostgreSQL: pip install 'kfp-pytorch[postgres]' and use postgresql+psycopg://...") from e
         except Exception as e:  # bad URL
-            raise LedgerError(f"cannot open usage ledger {url!r}: {e}",
+            raise LedgerError(f"cannot open usage ledger {self.display_url!r}: {e}",
                               "use sqlite:///PATH or a SQLAlchemy URL such as postgresql+psycopg://...") from e
         if url.startswith("sqlite"):
             @event.listens_for(self.engine, "connect")
@@ -129,7 +142,7 @@ class UsageLedger:
             raise
 
     def _open(self, md, half_life: float | None, must_exist: bool) -> None:
-        url = self.url
+        url = self.display_url
         if must_exist:
             self._check_tables()
         try:
@@ -157,12 +170,12 @@ class UsageLedger:
         try:
             names = set(inspect(self.engine).get_table_names())
         except Exception as e:
-            raise LedgerError(f"cannot open usage ledger {self.url}: {e}",
+            raise LedgerError(f"cannot open usage ledger {self.display_url}: {e}",
                               "check --ledger (sqlite:///PATH of the scheduler's ledger, or a database URL) "
                               "and that the database server is up") from e
         missing = [t for t in ("usage_intervals", "usage_aggregates", "ledger_meta") if t not in names]
         if missing:
-            raise LedgerError(f"{self.url} holds no usage ledger (missing tables: {', '.join(missing)})",
+            raise LedgerError(f"{self.display_url} holds no usage ledger (missing tables: {', '.join(missing)})",
                               "check --ledger: it is the scheduler's ledger URL, created when the scheduler first starts")
 
     def _read_meta(self) -> dict[str, str]:

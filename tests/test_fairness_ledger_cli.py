@@ -153,3 +153,16 @@ def test_at_takes_iso_dates_in_utc_unless_zoned():
     assert format_time(86400) == "1970-01-02T00:00:00Z"
     with pytest.raises(ValueError):
         parse_time("inf", 5.0)
+
+
+def test_a_password_in_the_ledger_url_is_never_shown(postgres_server, capsys):
+    from servers import free_port, postgres_database
+
+    url = postgres_database(postgres_server, "ledger_with_password").replace("://kfp@", "://kfp:s3cret@")
+    _ledger(url)  # trust auth on the test server: the password is accepted, and must not be echoed
+    for args in (("--json",), ()):
+        rc, out, err = _run(capsys, "ledger", "show", "--ledger", url, "--at", str(NOW), *args)
+        assert rc == 0 and "s3cret" not in out + err and "kfp:***@127.0.0.1" in out
+    down = f"postgresql+psycopg://kfp:s3cret@127.0.0.1:{free_port()}/x?connect_timeout=2"
+    rc, out, err = _run(capsys, "ledger", "compact", "--ledger", down, "--older-than", "1d")
+    assert rc == 1 and "cannot open usage ledger" in err and "s3cret" not in out + err and "kfp:***@" in err
