@@ -570,6 +570,7 @@ def ledger_show(ledger_url, at, half_life, config, capacity, as_json):
     """Each user's decayed usage, share and fair-share factor, highest priority first (Slurm's sshare).
 
     Usage counts once a workload's interval is recorded in the ledger."""
+    from kfp_pytorch.components.errors import ConfigError
     from kfp_pytorch.fairness_scheduler.config import load_config
     from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
     from kfp_pytorch.fairness_scheduler.ledger import UsageLedger
@@ -585,8 +586,8 @@ def ledger_show(ledger_url, at, half_life, config, capacity, as_json):
         cfg = load_config(raw)
         if hl is None and isinstance(raw, dict) and "half_life" in raw:
             hl = cfg.half_life  # the scheduler opens its ledger with the config's half-life
-    except KfpPytorchError as e:
-        problems += getattr(e, "problems", [str(e)])
+    except ConfigError as e:  # bad YAML or a bad field: listed with the other problems
+        problems += e.problems
     cap, cap_problems = parse_capacity(capacity)
     problems += cap_problems
     if problems:

@@ -261,7 +261,7 @@ class FairShare(Policy):
         self.held = {u: ctx.norm(s.held) / self.cap_norm for u, s in ctx.users.items()}
         self.fs = self._fair_tree() if c.fairshare_mode == "fairtree" else {u: self._factor(u) for u in ctx.users}
         """F per user, in [0, 1]."""
-        self.f = {u: c.weight_fairshare * self.fs[u] + c.weight_priority * self.tier[u] for u in ctx.users}
+        self.f = {u: self._user_part(u) for u in ctx.users}
         """The user's part of P: ``w_fs * F + w_prio * T`` (age and size are the workload's)."""
         self.threshold = max(c.starvation_after, c.starvation_factor * ctx.typical_wait)
         # Gangs a reservation may hold nodes for also wait out their own kind's typical wait
@@ -277,6 +277,9 @@ class FairShare(Policy):
     def effective_usage(self, u: str) -> float:
         c = self.cfg
         return (1.0 - c.current_weight) * self.usage_hist[u] + c.current_weight * self.held[u]
+
+    def _user_part(self, u: str) -> float:
+        return self.cfg.weight_fairshare * self.fs[u] + self.cfg.weight_priority * self.tier[u]
 
     def _factor(self, u: str) -> float:
         """F of ``classic`` and ``ratio``, in [0, 1]."""
@@ -307,10 +310,10 @@ class FairShare(Policy):
     def on_admit(self, w, ctx):
         if not self.cfg.current_weight or self.cfg.fairshare_mode == "fairtree":
             return False  # Fair Tree ranks every user at once: once per cycle, in prepare
-        c, u = self.cfg, w.user
+        u = w.user
         self.held[u] += ctx.norm(w.total) / self.cap_norm
         self.fs[u] = self._factor(u)
-        self.f[u] = c.weight_fairshare * self.fs[u] + c.weight_priority * self.tier[u]
+        self.f[u] = self._user_part(u)
         return True
 
     def is_starving(self, w, now):
