@@ -233,7 +233,8 @@ class FairShare(Policy):
     any) that has waited ``threshold``
     (a multiple of the current typical wait, at least ``starvation_after``; for a gang within
     ``reserve_cap`` also a multiple of large gangs' own typical wait, up to
-    ``large_gang_wait_ceiling``) is *starving*: it
+    ``large_gang_wait_ceiling``; and ``starvation_slowdown`` times its estimated run time, up to
+    ``starvation_slowdown_ceiling``, so long runs wait in proportion) is *starving*: it
     starts first if it fits, else the nodes closest to fitting it are reserved and drain (EASY
     backfilling with history estimates). Until it is *hard*-starving (``hard_starvation_factor``
     thresholds), *protected* users (effective usage below ``protect_below_share`` of their share:
@@ -327,8 +328,15 @@ class FairShare(Policy):
         return now - w.submit_time >= self.cfg.hard_starvation_factor * self._threshold(w)
 
     def _threshold(self, w: Workload) -> float:
-        """The starvation threshold of this gang: the drain threshold if a reservation may hold it."""
-        return self.drain_threshold if self.ctx.norm(w.total) <= self.reservable else self.threshold
+        """The starvation threshold of this gang: the drain threshold if a reservation may hold it,
+        and at least ``starvation_slowdown`` times its estimated run time (up to the ceiling)."""
+        c = self.cfg
+        base = self.drain_threshold if self.ctx.norm(w.total) <= self.reservable else self.threshold
+        if c.starvation_slowdown:
+            est = self.ctx.runtimes.estimate(w.user, w.gpus)
+            if est is not None:
+                return max(base, min(c.starvation_slowdown * est, c.starvation_slowdown_ceiling))
+        return base
 
     def is_protected(self, user):
         return self.effective_usage(user) < self.cfg.protect_below_share * self.shares[user]

@@ -314,10 +314,41 @@ def test_easy_backfill_lets_short_work_use_reserved_nodes():
     c.runtimes.record("long", 4, 5000.0)  # r0, r1 end at ~5000: the shadow time
     c.runtimes.record("long", 2, 5000.0)
     c.runtimes.record("short", 2, 100.0)
-    cfg = FairShareConfig(starvation_after=100, starvation_factor=0)
+    cfg = FairShareConfig(starvation_after=100, starvation_factor=0, starvation_slowdown=0)
     res = admit(q, pool, make_policy("fairshare", cfg), c, reserve_cap=1.0)
     assert [w.name for w, _ in res.reservations] == ["big"]
     assert pool.held == {} and [w.name for w, _ in res.started] == ["quick"]  # slow would delay big
+
+
+@pytest.mark.parametrize("history, ceiling, wait, starving", [
+    (None, 7 * DAY, 1.5 * DAY, True),  # no history yet: the plain threshold (1 day)
+    (2 * 3600.0, 7 * DAY, 1.5 * DAY, True),  # 2-hour runs: 5 x 2 h is under a day, so a day it is
+    (10 * 3600.0, 7 * DAY, 1.5 * DAY, False),  # 10-hour runs: not starving before 50 h
+    (10 * 3600.0, 7 * DAY, 50 * 3600.0, True),
+    (3 * DAY, 7 * DAY, 6 * DAY, False),  # 3-day runs: 15 days, cut to the 7-day ceiling
+    (3 * DAY, 7 * DAY, 7 * DAY, True),
+    (3 * DAY, 2 * DAY, 2 * DAY, True),  # a lower ceiling
+])
+def test_a_long_run_starves_only_after_a_multiple_of_its_estimated_run_time(history, ceiling, wait, starving):
+    """The expansion-factor rule: ``starvation_slowdown`` times the history's run-time estimate,
+    up to ``starvation_slowdown_ceiling``, raises the starvation threshold; never the run's own duration."""
+    users = [UserConfig("u")]
+    pool = NodePool(nodes(2))
+    c = ctx(users, pool, now=wait)
+    if history is not None:
+        c.runtimes.record("u", 8, history)
+    cfg = FairShareConfig(starvation_after=DAY, starvation_factor=0, large_gang_wait_factor=0,
+                          starvation_slowdown_ceiling=ceiling)
+    p = make_policy("fairshare", cfg)
+    p.prepare(c)
+    job = Workload("j", "u", 0.0, gang_for_gpus(8), duration=60.0, seq=1)  # its true duration plays no part
+    assert p.is_starving(job, wait) is starving
+    off = make_policy("fairshare", FairShareConfig(starvation_after=DAY, starvation_factor=0, large_gang_wait_factor=0,
+                                                   starvation_slowdown=0))
+    off.prepare(c)
+    assert off.is_starving(job, wait)  # without the rule a day is enough
+    # Hard starvation counts in the same thresholds: 4 of them.
+    assert p.is_hard_starving(job, 4 * wait + 1) is starving
 
 
 def test_quota_is_respected():

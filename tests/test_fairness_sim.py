@@ -194,7 +194,8 @@ def test_config_reports_every_bad_field_with_its_path():
     with pytest.raises(SchedulerConfigError) as e:
         load_config({"half_life": "soon", "policy": "lottery", "bogus": 1, "placement": "random",
                      "fairshare": {"weight_age": -1, "current_weight": 2, "fairshare_mode": "x", "age_exponent": 0,
-                                   "typical_wait_half_life": 0, "large_gang_wait_ceiling": "a fortnight"},
+                                   "typical_wait_half_life": 0, "large_gang_wait_ceiling": "a fortnight",
+                                   "starvation_slowdown": -2, "starvation_slowdown_ceiling": "later"},
                      "users": [{"name": "a"}, {"name": "b", "shares": 0}, {"name": "c", "shares": 1},
                                {"name": "d", "shares": -1, "priority": "high"}, {"name": "a"}]})
     text = str(e.value)
@@ -204,7 +205,9 @@ def test_config_reports_every_bad_field_with_its_path():
                    "users[3].shares: must be > 0, got -1", "users[3].priority: must be an integer",
                    "users[4].name: duplicate user 'a'", "placement: must be one of binpack, spread",
                    "fairshare.age_exponent: must be > 0, got 0", "fairshare.typical_wait_half_life: must be > 0, got 0",
-                   "fairshare.large_gang_wait_ceiling: must be a duration like 7d"):
+                   "fairshare.large_gang_wait_ceiling: must be a duration like 7d",
+                   "fairshare.starvation_slowdown: must be >= 0, got -2",
+                   "fairshare.starvation_slowdown_ceiling: must be a duration like 7d"):
         assert needle in text, needle
 
 
@@ -216,6 +219,8 @@ def test_config_loads_good_values():
     assert cfg.placement == "spread" and load_config({}).placement == "binpack"
     assert cfg.fairshare.oversize_reserve_after == 14 * 86400
     assert load_config({"fairshare": {"large_gang_wait_ceiling": "10d"}}).fairshare.large_gang_wait_ceiling == 10 * 86400
+    slow = load_config({"fairshare": {"starvation_slowdown": 3, "starvation_slowdown_ceiling": "2d"}}).fairshare
+    assert slow.starvation_slowdown == 3 and slow.starvation_slowdown_ceiling == 2 * 86400
     assert load_config({"fairshare": {"oversize_reserve_after": "never"}}).fairshare.oversize_reserve_after == math.inf
     assert load_config({"fairshare": {"fairshare_mode": "fairtree"}}).fairshare.fairshare_mode == "fairtree"
     assert cfg.user("alice").gpu_quota == 16 and cfg.user("nobody").shares == 1.0
