@@ -6,10 +6,11 @@ with a :class:`PendingQueue`, a :class:`NodePool` and a prepared policy.
 Pending workloads sit in FIFO queues per (user, shape); a policy never ranks a younger workload
 of the same user and shape above an older one, so only queue heads compete. One cycle:
 
-1. **Starving heads** (the policy decides; ours: large gangs that waited several typical waits,
-   and those a reservation may hold nodes for also several typical waits of large gangs)
-   start if they fit, else get a *reservation*: the nodes closest to fitting them (most free
-   GPUs) are held, with a shadow time estimated from the running workloads' run-time history.
+1. **Starving heads** (the policy decides; ours: workloads that waited several typical waits,
+   at least a day, and five times their estimated run time up to a week; those a reservation
+   may hold nodes for also several typical waits of large gangs) start if they fit, else get
+   a *reservation*: the nodes closest to fitting them (most free GPUs) are held, with a shadow
+   time estimated from the running workloads' run-time history.
    Only workloads estimated to end before the shadow time may still use held nodes (EASY
    backfilling, with history instead of user-given limits). Hard-starving heads go first; for
    the others, the work of *protected* users (ours: below their share) that fits starts first,
