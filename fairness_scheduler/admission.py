@@ -39,7 +39,9 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from .errors import SchedulerConfigError
 from .model import Node, Resources, Workload, placement_problem
@@ -192,8 +194,9 @@ class NodePool:
             self.held[i] = shadow
         return chosen
 
-    def largest_free_gpu(self) -> int:
-        held = self.held
+    def largest_free_gpu(self, include_held: bool = False) -> int:
+        """Most free GPUs on one node that is not reserved (``include_held``: on any node)."""
+        held = None if include_held else self.held
         for level in range(self.max_gpu, 0, -1):
             nodes = self.levels[level]
             if nodes and (not held or any(i not in held for i in nodes)):
@@ -204,10 +207,19 @@ class NodePool:
 class PendingQueue:
     """FIFO queues per (user, shape); insertion must follow (submit_time, seq) per queue."""
 
-    def __init__(self):
+    def __init__(self, workloads: Iterable[Workload] = ()):
+        """Optionally filled with ``workloads`` in any order (sorted here by submit time, then seq)."""
         self.queues: dict[tuple, deque[Workload]] = {}
         self.by_user: dict[str, set[tuple]] = {}
         self.size = 0
+        queues = self.queues
+        for w in sorted(workloads, key=attrgetter("submit_time", "seq")):  # push() inlined: a snapshot has many
+            q = queues.get(w.shape)
+            if q is None:
+                q = queues[w.shape] = deque()
+                self.by_user.setdefault(w.user, set()).add(w.shape)
+            q.append(w)
+        self.size = sum(map(len, queues.values()))
 
     def push(self, w: Workload) -> None:
         k = w.shape
@@ -253,8 +265,15 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
     cap = reserve_cap * pool.total.gpu
     pool.held.clear()
 
+    estimates: dict[tuple, float | None] = {}  # (user, GPUs) -> estimate; history is fixed within a cycle
+    ranked: dict[tuple, tuple] = {}  # queue -> (head, user's key version, key) when a pass ranked it
+
     def estimate(w: Workload) -> float | None:
-        return ctx.runtimes.estimate(w.user, w.gpus)
+        uk = (w.user, w.total.gpu)
+        est = estimates.get(uk, estimates)
+        if est is estimates:
+            est = estimates[uk] = ctx.runtimes.estimate(*uk)
+        return est
 
     def end_of(x: Workload, started: float) -> float:
         est = estimate(x)
@@ -303,65 +322,111 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
                     res.pending_reasons[w.name] = (f"starving: nodes {[pool.nodes[i].name for i in nodes]} "
                                                    "are reserved and draining for this gang")
 
-    def backfill(keys: list[tuple]) -> None:
-        """Greedy: every head among ``keys`` that fits, in key order, around the reservations."""
+    def backfill(keys: list[tuple], remember: bool = False) -> None:
+        """Greedy: every head among ``keys`` that fits, in key order, around the reservations.
+        A head that does not fit is set aside (``blocked``) for the rest of the cycle: capacity
+        only shrinks within a cycle. Its reason is written at the end, from the final state.
+        ``remember``: keep the keys for a later pass of this cycle."""
         allowed = set(keys)
-        largest = pool.largest_free_gpu()
-        whole = len(pool.whole - pool.held.keys())
-        if not explain and not pool.held:
-            # Without reservations a head fits only if its shape does (capacity only shrinks within
-            # a cycle), so rank only those. With ``explain`` every head is visited for its reason.
-            fit = [k for k in keys if (k[1] <= largest if k[2] == 1 and k[1] < pool.max_gpu else k[2] <= whole)]
-            if len(fit) < len(keys):
-                blocked.update(set(keys).difference(fit))
-                keys = fit
-        heap = [(policy.key(queue.queues[k][0], now), version.get(k[0], 0), k) for k in keys
-                if k not in blocked and k in queue.queues]
+        max_gpu, queues, key, held = pool.max_gpu, queue.queues, policy.key, pool.held
+
+        def free_shapes() -> tuple[int, int, int, int]:
+            """Largest free GPUs on one node and whole free nodes, outside held nodes and (``big``,
+            ``n_whole``) with them: a head estimated to end before a reservation's shadow time
+            may use held nodes."""
+            largest, whole = pool.largest_free_gpu(), len(pool.whole - held.keys() if held else pool.whole)
+            return (largest, whole, pool.largest_free_gpu(True), len(pool.whole)) if held else (largest, whole) * 2
+
+        # A head fits only if its shape does, so rank only those (most cycles end here).
+        largest, whole, big, n_whole = free_shapes()
+        fit = [k for k in keys if (k[1] <= big if k[2] == 1 and k[1] < max_gpu else k[2] <= n_whole)]
+        if len(fit) < len(keys):
+            blocked.update(set(keys).difference(fit))
+            keys = fit
+        if ranked:
+            heap = []
+            for k in keys:
+                if k in blocked or k not in queues:
+                    continue
+                w, ver = queues[k][0], version.get(k[0], 0)
+                hit = ranked.get(k)  # this head's key from an earlier pass of this cycle, still valid?
+                heap.append((hit[2] if hit is not None and hit[0] is w and hit[1] == ver else key(w, now), ver, k))
+        else:
+            heap = [(key(queues[k][0], now), version.get(k[0], 0), k) for k in keys
+                    if k not in blocked and k in queues]
+        if remember:
+            ranked.update((k, (queues[k][0], ver, r)) for r, ver, k in heap)
         heapq.heapify(heap)
         while heap:
             _, ver, k = heapq.heappop(heap)
-            if k in blocked or k not in queue.queues or ver != version.get(k[0], 0):
+            if k in blocked or k not in queues or ver != version.get(k[0], 0):
                 continue
-            w = queue.queues[k][0]
-            quota = over_quota(w)
-            if quota is not None:
+            single = k[2] == 1 and k[1] < max_gpu  # k: (user, GPUs, pods, ...)
+            if k[1] > big if single else k[2] > n_whole:
+                blocked.add(k)  # the shape no longer fits anywhere: no placement search
+                continue
+            w = queues[k][0]
+            if quotas and over_quota(w) is not None:
                 blocked.add(k)
-                if explain:
-                    res.pending_reasons[w.name] = (f"user {w.user} is at its GPU quota "
-                                                   f"({held_gpu.get(w.user, 0.0):g}/{quota:g} held)")
                 continue
-            # Cheap infeasibility test before a placement search (most cycles end here).
-            single = len(w.pods) == 1 and w.pods[0].gpu < pool.max_gpu
-            est = estimate(w) if pool.held else None
-            ends_by = now + est if est is not None else None
-            fits_now = ends_by is not None or ((w.pods[0].gpu <= largest) if single else (len(w.pods) <= whole))
-            placement = pool.place(w, ends_by) if fits_now else None
+            if held:
+                est = estimate(w)
+                if est is None and (k[1] > largest if single else k[2] > whole):
+                    blocked.add(k)  # without an estimate it may not use held nodes
+                    continue
+                placement = pool.place(w, None if est is None else now + est)
+            else:
+                placement = pool.place(w)
             if placement is None:
                 blocked.add(k)
-                if explain:
-                    res.pending_reasons[w.name] = (
-                        f"waiting for {w.gpus:g} GPUs on one node (largest free: {largest})" if single else
-                        f"gang of {len(w.pods)} pods needs {len(w.pods)} free nodes (free now: {whole})")
                 continue
             before = version.get(w.user, 0)
             start(k, w, placement)
-            largest, whole = pool.largest_free_gpu(), len(pool.whole - pool.held.keys())
+            largest, whole, big, n_whole = free_shapes()
             if version.get(w.user, 0) != before:  # the user's keys changed: re-rank its heads
                 for k2 in queue.by_user.get(w.user, ()):
                     if k2 not in blocked and k2 in allowed:
-                        heapq.heappush(heap, (policy.key(queue.queues[k2][0], now), version[w.user], k2))
-            elif k in queue.queues:
-                heapq.heappush(heap, (policy.key(queue.queues[k][0], now), version.get(k[0], 0), k))
+                        heapq.heappush(heap, (key(queues[k2][0], now), version[w.user], k2))
+            elif k in queues:
+                heapq.heappush(heap, (key(queues[k][0], now), version.get(k[0], 0), k))
             if largest == 0 and whole == 0:
                 break
+
+    def explain_pending() -> None:
+        """A reason for every queue head that did not start, from the state the cycle leaves."""
+        largest = pool.largest_free_gpu()
+        whole = len(pool.whole - pool.held.keys())
+        reasons = res.pending_reasons
+        for q in queue.queues.values():
+            w = q[0]
+            if w.name in reasons:
+                continue  # starving or defragmenting: said when its nodes were reserved
+            quota = over_quota(w) if quotas else None
+            pod, n = w.pods[0], len(w.pods)
+            single = n == 1 and pod.gpu < pool.max_gpu
+            if quota is not None:
+                why = f"user {w.user} is at its GPU quota ({held_gpu.get(w.user, 0.0):g}/{quota:g} held)"
+            elif largest == 0 and whole == 0:
+                why = "cluster full: no free GPUs" + (" outside reserved nodes" if pool.held else "")
+            elif single and pod.gpu > largest:
+                why = f"waiting for {w.gpus:g} GPUs on one node (largest free: {largest})"
+            elif not single and n > whole:
+                why = f"gang of {n} pods needs {n} free nodes (free now: {whole})"
+            else:  # enough GPUs on a node, but not the CPUs or memory beside them
+                why = (f"waiting for {pod.gpu:g} GPUs with {pod.cpu:g} CPUs and {pod.memory_gb:g} GB "
+                       "of memory free on one node")
+            reasons[w.name] = why
 
     # Pass 1: starving heads start, or get a reservation, before anything else may take the
     # capacity they are draining for. Hard-starving heads go first of all; merely starving ones
     # let protected (light) users' work that fits start first, so light users do not pay for
     # the drain.
     if policy.reserves:
+        # Heads submitted after ``since`` cannot be starving (a second of slack for rounding:
+        # is_starving decides).
+        since = now - policy.starving_after() + 1.0
         starving = [k for _, k in sorted(((q[0].submit_time, q[0].seq), k) for k, q in queue.queues.items()
-                                         if policy.is_starving(q[0], now))]
+                                         if q[0].submit_time <= since and policy.is_starving(q[0], now))]
         hard = [k for k in starving if policy.is_hard_starving(queue.queues[k][0], now)]
         handle_starving(hard)
         hard_set = set(hard)
@@ -369,16 +434,17 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
         if soft:
             protected = {u for u in queue.by_user if policy.is_protected(u)}
             if protected:
-                backfill([k for k in queue.queues if k[0] in protected])
+                backfill([k for k in queue.queues if k[0] in protected], remember=True)
             handle_starving([k for k in soft if k in queue.queues])
 
     # Pass 2: defragmentation. The best whole-node gangs that do not fit only because the free
     # GPUs are scattered over nodes get the nodes closest to free held for them (EASY again).
     if defrag_reservations:
         free_gpu = sum(f.gpu for i, f in enumerate(pool.free) if i not in pool.held)
+        # k[1] is the gang's GPUs: a cheap first test (a whole-node pod needs a node's GPUs or more).
         wanting = sorted((policy.key(q[0], now), k) for k, q in queue.queues.items()
-                         if k not in blocked and q[0].pods[0].gpu >= pool.max_gpu and q[0].gpus <= free_gpu
-                         and policy.wants_defrag(q[0], now))
+                         if pool.max_gpu <= k[1] <= free_gpu and k not in blocked
+                         and q[0].pods[0].gpu >= pool.max_gpu and policy.wants_defrag(q[0], now))
         held_for = 0
         for _, k in wanting:
             w = queue.queues[k][0]
@@ -402,8 +468,6 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
     # Pass 3: greedy backfill of everything else, around the reservations.
     backfill(list(queue.queues))
     if explain:
-        for k, q in queue.queues.items():
-            w = q[0]
-            res.pending_reasons.setdefault(w.name, "cluster full: no free GPUs")
+        explain_pending()
     pool.held.clear()
     return res

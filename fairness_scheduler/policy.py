@@ -111,6 +111,10 @@ class Policy:
         """Start first, or reserve nodes for, this (queue-head) workload."""
         return False
 
+    def starving_after(self) -> float:
+        """No workload is starving before it has waited this long (seconds; set by ``prepare``)."""
+        return math.inf
+
     def is_hard_starving(self, w: Workload, now: float) -> bool:
         """A starving workload that goes before everything, protected users included."""
         return True
@@ -260,10 +264,12 @@ class FairShare(Policy):
         """T per user, in [0, 1]."""
         self.cap_norm = max(ctx.norm(ctx.capacity), 1e-12)
         self.held = {u: ctx.norm(s.held) / self.cap_norm for u, s in ctx.users.items()}
-        self.fs = self._fair_tree() if c.fairshare_mode == "fairtree" else {u: self._factor(u) for u in ctx.users}
+        self.fs = self._fair_tree() if c.fairshare_mode == "fairtree" else self._factors()
         """F per user, in [0, 1]."""
-        self.f = {u: self._user_part(u) for u in ctx.users}
+        wf, wp, tier = c.weight_fairshare, c.weight_priority, self.tier
+        self.f = {u: wf * f + wp * tier[u] for u, f in self.fs.items()}
         """The user's part of P: ``w_fs * F + w_prio * T`` (age and size are the workload's)."""
+        self._age_weight, self._age_exponent = c.weight_age, c.age_exponent
         self.threshold = max(c.starvation_after, c.starvation_factor * ctx.typical_wait)
         # Gangs a reservation may hold nodes for also wait out their own kind's typical wait
         # (bounded by the ceiling): their starvation costs a drain. Gangs above the cap never drain.
@@ -287,6 +293,17 @@ class FairShare(Policy):
         eff, s = self.effective_usage(u), self.shares[u]
         return s / (s + eff) if self.cfg.fairshare_mode == "ratio" else 2.0 ** (-eff / s)
 
+    def _factors(self) -> dict[str, float]:
+        """:meth:`_factor` of every user in one loop (the same arithmetic; it runs every cycle)."""
+        c = self.cfg
+        a, b, ratio = 1.0 - c.current_weight, c.current_weight, c.fairshare_mode == "ratio"
+        hist, held, shares = self.usage_hist, self.held, self.shares
+        fs = {}
+        for u, s in shares.items():
+            eff = a * hist[u] + b * held[u]
+            fs[u] = s / (s + eff) if ratio else 2.0 ** (-eff / s)
+        return fs
+
     def _fair_tree(self) -> dict[str, float]:
         """Slurm Fair Tree on a flat tree: rank by level fair share S/U, factor rank/n (ties equal)."""
         level = {}
@@ -301,11 +318,13 @@ class FairShare(Policy):
         return {u: (n - first[level[u]]) / n for u in level}
 
     def key(self, w, now):
-        c = self.cfg
-        age = min(max(now - w.submit_time, 0.0) / self.age_cap, 1.0)
-        p = self.f[w.user] + c.weight_age * age ** c.age_exponent
-        if c.weight_size:
-            p += c.weight_size * (1.0 - self.ctx.norm(w.total) / self.cap_norm)
+        wait = now - w.submit_time  # A = min(max(wait, 0) / cap, 1), without the builtins' calls
+        age = wait / self.age_cap if wait > 0.0 else 0.0
+        if age > 1.0:
+            age = 1.0
+        p = self.f[w.user] + self._age_weight * age ** self._age_exponent
+        if self.cfg.weight_size:
+            p += self.cfg.weight_size * (1.0 - self.ctx.norm(w.total) / self.cap_norm)
         return (-p, w.submit_time, w.seq)
 
     def on_admit(self, w, ctx):
@@ -316,6 +335,9 @@ class FairShare(Policy):
         self.fs[u] = self._factor(u)
         self.f[u] = self._user_part(u)
         return True
+
+    def starving_after(self):
+        return self.threshold
 
     def is_starving(self, w, now):
         wait = now - w.submit_time

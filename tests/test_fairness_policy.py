@@ -223,6 +223,23 @@ def test_greedy_backfill_behind_a_blocked_head():
     assert len(q) == 1 and "needs 2 free nodes" in res.pending_reasons["head"]
 
 
+def test_pending_reasons_describe_the_state_the_cycle_leaves():
+    """Every head that stays pending says why, in terms of the cluster after the cycle."""
+    pool = NodePool([Node("n0", Resources(8, 16, 64)), Node("n1", Resources(8, 16, 64))])
+    pool.allocate(W("running").gpus(5).build(), [0])
+    q = queue(W("fills").gpus(3).build(), Workload("four", "u", 1.0, (Resources(4, 8, 8),), seq=10_001),
+              Workload("cpu-hungry", "u", 2.0, (Resources(2, 12, 8),), seq=10_000),
+              W("gang").gpus(24).at(3).build())
+    res = admit(q, pool, make_policy("fifo"), ctx([UserConfig("u")], pool))
+    assert [w.name for w, _ in res.started] == ["fills", "four"]  # node 0 full, node 1 holds 4
+    reasons = res.pending_reasons
+    assert reasons["cpu-hungry"] == "waiting for 2 GPUs with 12 CPUs and 8 GB of memory free on one node"
+    assert reasons["gang"] == "gang of 3 pods needs 3 free nodes (free now: 0)"
+    pool.allocate(W("more").gpus(4).build(), [1])
+    res = admit(q, pool, make_policy("fifo"), ctx([UserConfig("u")], pool))
+    assert res.started == [] and set(res.pending_reasons.values()) == {"cluster full: no free GPUs"}
+
+
 def test_starving_gang_gets_a_reservation_and_backfill_avoids_it():
     users = [UserConfig("u")]
     pool = NodePool(nodes(3))
