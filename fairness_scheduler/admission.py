@@ -327,7 +327,7 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
         A head that does not fit is set aside (``blocked``) for the rest of the cycle: capacity
         only shrinks within a cycle. Its reason is written at the end, from the final state.
         ``remember``: keep the keys for a later pass of this cycle."""
-        allowed = set(keys)
+        allowed = None if len(keys) == len(queue.queues) else set(keys)  # None: every queue
         max_gpu, queues, key, held = pool.max_gpu, queue.queues, policy.key, pool.held
 
         def free_shapes() -> tuple[int, int, int, int]:
@@ -339,10 +339,13 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
 
         # A head fits only if its shape does, so rank only those (most cycles end here).
         largest, whole, big, n_whole = free_shapes()
-        fit = [k for k in keys if (k[1] <= big if k[2] == 1 and k[1] < max_gpu else k[2] <= n_whole)]
-        if len(fit) < len(keys):
-            blocked.update(set(keys).difference(fit))
-            keys = fit
+        fit = []
+        for k in keys:
+            if k[1] <= big if k[2] == 1 and k[1] < max_gpu else k[2] <= n_whole:
+                fit.append(k)
+            else:
+                blocked.add(k)
+        keys = fit
         if ranked:
             heap = []
             for k in keys:
@@ -385,7 +388,7 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
             largest, whole, big, n_whole = free_shapes()
             if version.get(w.user, 0) != before:  # the user's keys changed: re-rank its heads
                 for k2 in queue.by_user.get(w.user, ()):
-                    if k2 not in blocked and k2 in allowed:
+                    if k2 not in blocked and (allowed is None or k2 in allowed):
                         heapq.heappush(heap, (key(queues[k2][0], now), version[w.user], k2))
             elif k in queues:
                 heapq.heappush(heap, (key(queues[k][0], now), version.get(k[0], 0), k))

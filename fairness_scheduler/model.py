@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Resources:
     """A resource vector. Requests and allocatable capacity use the same type."""
 
@@ -26,6 +26,21 @@ class Resources:
 
     def fits_in(self, o: "Resources") -> bool:
         return self.gpu <= o.gpu + 1e-9 and self.cpu <= o.cpu + 1e-9 and self.memory_gb <= o.memory_gb + 1e-9
+
+
+def _init_resources(self: Resources, gpu: float = 0.0, cpu: float = 0.0, memory_gb: float = 0.0) -> None:
+    _set_gpu(self, gpu)
+    _set_cpu(self, cpu)
+    _set_memory(self, memory_gb)
+
+
+# Why a hand-written __init__: a frozen dataclass's sets each field through object.__setattr__,
+# and the simulator builds millions of these vectors (about a tenth of its time). Writing the
+# slots through their descriptors is about 3x faster; the instances stay frozen (assignment
+# raises FrozenInstanceError) and everything else is the dataclass's.
+_set_gpu, _set_cpu, _set_memory = Resources.gpu.__set__, Resources.cpu.__set__, Resources.memory_gb.__set__
+_init_resources.__qualname__ = "Resources.__init__"
+Resources.__init__ = _init_resources
 
 
 @dataclass(eq=False)

@@ -168,14 +168,16 @@ class Drf(Policy):
         return True
 
 
-def _usage_shares(ctx: CycleContext) -> tuple[dict[str, float], dict[str, float]]:
-    """(share of decayed usage U, normalised shares S) per user."""
-    norm = {u: ctx.norm(s.usage) for u, s in ctx.users.items()}
+def _usage_shares(ctx: CycleContext, shares: bool = True) -> tuple[dict[str, float], dict[str, float] | None]:
+    """(share of decayed usage U, normalised shares S or None without ``shares``) per user."""
+    ig, ic, im = ctx._inv  # ctx.norm inlined: this runs every cycle, for every user
+    norm = {u: (r := s.usage).gpu * ig + r.cpu * ic + r.memory_gb * im for u, s in ctx.users.items()}
     total_u = sum(norm.values())
-    total_s = sum(s.config.shares for s in ctx.users.values())
     usage = {u: (v / total_u if total_u > 0 else 0.0) for u, v in norm.items()}
-    shares = {u: s.config.shares / total_s for u, s in ctx.users.items()}
-    return usage, shares
+    if not shares:
+        return usage, None
+    total_s = sum(s.config.shares for s in ctx.users.values())
+    return usage, {u: s.config.shares / total_s for u, s in ctx.users.items()}
 
 
 class SlurmFairShare(Policy):
@@ -189,7 +191,10 @@ class SlurmFairShare(Policy):
         self.f = {u: 1000.0 * 2.0 ** (-usage[u] / shares[u]) for u in ctx.users}
 
     def key(self, w, now):
-        age = min(max(now - w.submit_time, 0.0) / WEEK, 1.0)
+        wait = now - w.submit_time  # A = min(max(wait, 0) / 7d, 1), without the builtins' calls
+        age = wait / WEEK if wait > 0.0 else 0.0
+        if age > 1.0:
+            age = 1.0
         return (-(self.f[w.user] + 1000.0 * age), w.submit_time, w.seq)
 
 
@@ -253,17 +258,24 @@ class FairShare(Policy):
 
     def __init__(self, cfg: FairShareConfig | None = None):
         self.cfg = cfg or FairShareConfig()
+        self._users: tuple[list[str], list[UserConfig]] | None = None
+        """The users (names, configs) that ``shares`` and ``tier`` were computed for."""
 
     def prepare(self, ctx):
         super().prepare(ctx)
         c = self.cfg
-        self.usage_hist, self.shares = _usage_shares(ctx)
-        tiers = [s.config.priority for s in ctx.users.values()] or [1]
-        lo, hi = min(tiers), max(tiers)
-        self.tier = {u: (s.config.priority - lo) / (hi - lo) if hi > lo else 0.0 for u, s in ctx.users.items()}
-        """T per user, in [0, 1]."""
-        self.cap_norm = max(ctx.norm(ctx.capacity), 1e-12)
-        self.held = {u: ctx.norm(s.held) / self.cap_norm for u, s in ctx.users.items()}
+        users = (list(ctx.users), [s.config for s in ctx.users.values()])
+        if users != self._users:  # users' shares and tiers: recomputed only when they change
+            self._users = users
+            _, self.shares = _usage_shares(ctx)
+            tiers = [c.priority for c in users[1]] or [1]
+            lo, hi = min(tiers), max(tiers)
+            self.tier = {u: (c.priority - lo) / (hi - lo) if hi > lo else 0.0 for u, c in zip(*users)}
+            """T per user, in [0, 1]."""
+        self.usage_hist, _ = _usage_shares(ctx, shares=False)
+        self.cap_norm = cap = max(ctx.norm(ctx.capacity), 1e-12)
+        ig, ic, im = ctx._inv  # ctx.norm inlined: this runs every cycle, for every user
+        self.held = {u: ((r := s.held).gpu * ig + r.cpu * ic + r.memory_gb * im) / cap for u, s in ctx.users.items()}
         self.fs = self._fair_tree() if c.fairshare_mode == "fairtree" else self._factors()
         """F per user, in [0, 1]."""
         wf, wp, tier = c.weight_fairshare, c.weight_priority, self.tier

@@ -136,7 +136,7 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
     reads_usage = policy.reads_usage
     state_list = [states[n] for n in names]  # in user-index order
     held_changed: set[int] = set()
-    running: list = []  # (end, seq, workload, placement)
+    running: list = []  # (end, seq, workload, placement, start)
     queued_sizes: dict[float, int] = {}
     k_penalty = getattr(policy, "penalty_seconds", 0.0)
     tw = TypicalWait(fs_cfg.typical_wait_half_life)
@@ -167,8 +167,9 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
     level = math.inf
     demand_was: dict[int, float] = {}  # users whose demand changed since the last water-fill -> old demand
 
+    submits = [workloads[i].submit_time for i in order] + [math.inf]  # a sentinel past the last arrival
     while ai < n or running:
-        t_next = min(workloads[order[ai]].submit_time if ai < n else math.inf, running[0][0] if running else math.inf)
+        t_next = min(submits[ai], running[0][0] if running else math.inf)
         dt = t_next - t
         if dt > 0 and reads_usage:
             if lam:
@@ -180,15 +181,15 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
                 usage = [u + h * dt for u, h in zip(usage, held)]
         t = t_next
         while running and running[0][0] <= t:
-            e, _, w, placement = heapq.heappop(running)
+            e, _, w, placement, began = heapq.heappop(running)
             pool.release(w, placement)
             u = uidx[w.user]
             move_held(u, -w.gpus)
             demand_was.setdefault(u, demand[u])
             demand[u] -= w.gpus
-            ctx.runtimes.record(w.user, w.gpus, e - start[pos[id(w)]])  # a real scheduler's estimate: history
+            ctx.runtimes.record(w.user, w.gpus, e - began)  # a real scheduler's estimate: history
             demand_dirty = True
-        while ai < n and workloads[order[ai]].submit_time <= t:
+        while submits[ai] <= t:
             w = workloads[order[ai]]
             ai += 1
             if tick is not None and ai - ticked >= 256:
@@ -219,12 +220,12 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
                            defrag_reservations=fs_cfg.defrag_reservations if policy.reserves else 0)
             for w, placement in result.started:
                 i = pos[id(w)]
-                start[i] = t
-                end[i] = t + w.duration
+                e = t + w.duration
+                start[i], end[i] = t, e
                 tw.add(t, t - w.submit_time)
                 if ctx.norm(w.total) >= large_from:
                     tw_large.add(t, t - w.submit_time)
-                heapq.heappush(running, (end[i], w.seq, w, placement))
+                heapq.heappush(running, (e, w.seq, w, placement, t))  # Python floats: fast to compare
                 u = uidx[w.user]
                 move_held(u, w.gpus)
                 penalty[u] += w.gpus * k_penalty

@@ -174,6 +174,22 @@ def test_static_priority_weight_matters_but_stays_below_fair_share():
     assert order("fairshare", jobs, {"heavy": 1e6, "light": 1}, cfg=cfg) == ["l", "h"]  # usage dominates
 
 
+def test_a_changed_share_or_tier_counts_from_the_next_cycle():
+    """The policy keeps users' shares and tiers between cycles; a change of config must count."""
+    pool = NodePool(nodes(1))
+    c = ctx([UserConfig("a", 1.0, 1), UserConfig("b", 1.0, 1)], pool, usage={"a": 1e5, "b": 1e5})
+    p = make_policy("fairshare", FairShareConfig(weight_age=0))
+    jobs = [W("ja").user("a").at(0).build(), W("jb").user("b").at(1).build()]
+    p.prepare(c)
+    assert sorted(jobs, key=lambda w: p.key(w, 10.0))[0].name == "ja"  # equal: the older job
+    c.users["b"].config = UserConfig("b", 4.0, 1)  # b's share grows: its usage weighs less
+    p.prepare(c)
+    assert sorted(jobs, key=lambda w: p.key(w, 10.0))[0].name == "jb"
+    c.users["a"].config = UserConfig("a", 4.0, 3)  # a back on par, and a higher tier
+    p.prepare(c)
+    assert sorted(jobs, key=lambda w: p.key(w, 10.0))[0].name == "ja" and p.tier == {"a": 1.0, "b": 0.0}
+
+
 # ---- admission -----------------------------------------------------------------------------------
 def run_cycle(jobs, n_nodes=2, policy="fifo", now=0.0, cfg=None, users=None, **kw):
     users = users or [UserConfig(u) for u in sorted({j.user for j in jobs})]
