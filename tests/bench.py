@@ -28,14 +28,17 @@ Figures (issue #2):
 - pipeline: wall time of `make demo` after setup, and of one kfp.local pipeline run.
 """
 import argparse
+import http.client
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import timeit
 import threading
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -182,6 +185,20 @@ def bench_serve(tmp: Path) -> None:
         row("serve p50 ms, concurrency 1 (HTTP / in-process)", p50_h, p50_in, p50_h / p50_in,
             "overhead <= 3 ms", p50_h - p50_in <= 3.0, "ms")
         row("serve p50 overhead ms, concurrency 1", p50_h - p50_in, 0.0, None, "<= 3", p50_h - p50_in <= 3.0, "ms")
+        # The same request through a bare keep-alive http.client connection: what the server adds,
+        # without the requests library's own per-call cost (about half the overhead on a slow machine).
+        u = urllib.parse.urlparse(ep.infer_url)
+        conn, payload = http.client.HTTPConnection(u.hostname, u.port, timeout=10), json.dumps(body).encode()
+
+        def bare():
+            conn.request("POST", u.path, payload, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            resp.read()
+            assert resp.status == 200, resp.status
+
+        p50_bare = np.percentile(_lat(bare, 400), 50) * 1e3
+        conn.close()
+        row("serve p50 overhead ms, concurrency 1, bare http.client", p50_bare - p50_in, 0.0, None, "report", None, "ms")
         row("serve p99 ms, concurrency 1", np.percentile(http1, 99) * 1e3, np.percentile(inproc, 99) * 1e3,
             None, "report", None, "ms")
         row("serve req/s, concurrency 1", 1 / statistics.mean(http1), 1 / statistics.mean(inproc),
@@ -233,6 +250,11 @@ def bench_simulate(tmp: Path) -> None:
 
     print("simulate: all six policies on cluster07 (12.7k jobs), protocol defaults")
     trace = TRACES / "cluster07.csv"
+    # The same pure-Python loop as `python -m timeit 'sum(i*i for i in range(100000))'`: this
+    # kind of machine has read 6.4 ms at best and up to 9.8 ms within one session, and the
+    # simulator's wall time moves with it. A reading, not a goal.
+    loop = min(timeit.repeat("sum(i*i for i in range(100000))", number=20, repeat=5)) / 20 * 1e3
+    row("machine speed: pure-Python reference loop, ms", loop, 6.4, loop / 6.4, "report (best seen 6.4 ms)", None, "ms")
     t = time.perf_counter()
     run_protocol(trace, list(POLICIES), workers=1)
     wall = time.perf_counter() - t
