@@ -471,8 +471,8 @@ def test_defragmentation_holds_the_node_closest_to_free_for_a_whole_node_gang():
 
 @pytest.mark.parametrize("policy", ["fifo", "drf", "kueue-afs", "fairshare"])
 def test_the_simulators_quiet_cycle_starts_what_the_explained_cycle_starts(policy):
-    """Without ``explain`` admission ranks only the heads whose shape fits (the simulator's fast
-    path); the cycle must start and reserve exactly what the explained cycle does."""
+    """``explain`` only adds the pending reasons (the controller's cycle; the simulator's runs
+    without): the cycle must start and reserve exactly the same either way."""
     import copy
     import random
 
