@@ -168,16 +168,19 @@ class Drf(Policy):
         return True
 
 
-def _usage_shares(ctx: CycleContext, shares: bool = True) -> tuple[dict[str, float], dict[str, float] | None]:
-    """(share of decayed usage U, normalised shares S or None without ``shares``) per user."""
+def _usage_fractions(ctx: CycleContext) -> dict[str, float]:
+    """U per user: the user's share of all decayed usage."""
     ig, ic, im = ctx._inv  # ctx.norm inlined: this runs every cycle, for every user
     norm = {u: (r := s.usage).gpu * ig + r.cpu * ic + r.memory_gb * im for u, s in ctx.users.items()}
     total_u = sum(norm.values())
-    usage = {u: (v / total_u if total_u > 0 else 0.0) for u, v in norm.items()}
-    if not shares:
-        return usage, None
+    return {u: (v / total_u if total_u > 0 else 0.0) for u, v in norm.items()}
+
+
+def _normalised_shares(ctx: CycleContext) -> dict[str, float]:
+    """S per user: the user's shares over everyone's."""
     total_s = sum(s.config.shares for s in ctx.users.values())
-    return usage, {u: s.config.shares / total_s for u, s in ctx.users.items()}
+    return {u: s.config.shares / total_s for u, s in ctx.users.items()}
+
 
 
 class SlurmFairShare(Policy):
@@ -187,7 +190,7 @@ class SlurmFairShare(Policy):
 
     def prepare(self, ctx):
         super().prepare(ctx)
-        usage, shares = _usage_shares(ctx)
+        usage, shares = _usage_fractions(ctx), _normalised_shares(ctx)
         self.f = {u: 1000.0 * 2.0 ** (-usage[u] / shares[u]) for u in ctx.users}
 
     def key(self, w, now):
@@ -267,12 +270,12 @@ class FairShare(Policy):
         users = (list(ctx.users), [s.config for s in ctx.users.values()])
         if users != self._users:  # users' shares and tiers: recomputed only when they change
             self._users = users
-            _, self.shares = _usage_shares(ctx)
-            tiers = [c.priority for c in users[1]] or [1]
+            self.shares = _normalised_shares(ctx)
+            tiers = [uc.priority for uc in users[1]] or [1]
             lo, hi = min(tiers), max(tiers)
-            self.tier = {u: (c.priority - lo) / (hi - lo) if hi > lo else 0.0 for u, c in zip(*users)}
+            self.tier = {u: (uc.priority - lo) / (hi - lo) if hi > lo else 0.0 for u, uc in zip(*users)}
             """T per user, in [0, 1]."""
-        self.usage_hist, _ = _usage_shares(ctx, shares=False)
+        self.usage_hist = _usage_fractions(ctx)
         self.cap_norm = cap = max(ctx.norm(ctx.capacity), 1e-12)
         ig, ic, im = ctx._inv  # ctx.norm inlined: this runs every cycle, for every user
         self.held = {u: ((r := s.held).gpu * ig + r.cpu * ic + r.memory_gb * im) / cap for u, s in ctx.users.items()}
