@@ -55,6 +55,23 @@ def test_bad_request_gets_a_400_not_a_crash(endpoint):
     assert requests.get(f"{endpoint.url}/v2/health/ready").status_code == 200
 
 
+def test_client_errors_say_what_to_do(endpoint):
+    # A server error keeps the server's message; a second call on the same kept-alive pool still works.
+    with pytest.raises(ServingError, match="HTTP 400: .*expected input of shape \\[n, 64\\]"):
+        infer(endpoint.url, "digits", [[1.0, 2.0, 3.0]])
+    assert len(infer(endpoint.url, "digits", [[0.0] * 64])["outputs"][1]["data"]) == 1
+    with pytest.raises(ServingError, match="HTTP 404"):
+        infer(endpoint.url, "no-such-model", [[0.0] * 64])
+    with pytest.raises(ServingError, match="no rows to send"):
+        infer(endpoint.url, "digits", [])
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ServingError, match=f"could not reach the model server at http://127.0.0.1:{port}/") as e:
+        infer(f"http://127.0.0.1:{port}", "digits", [[0.0] * 64], timeout=2)
+    assert "kfp-pytorch serve list" in str(e.value)
+
+
 def test_server_is_listed_and_stopped(endpoint):
     [info] = [s for s in list_servers() if s["name"] == "digits"]
     assert info["alive"] and info["pid"] == endpoint.pid
