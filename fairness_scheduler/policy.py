@@ -71,11 +71,23 @@ class CycleContext:
     large_gang_wait: float = 0.0
     """Decayed mean wait of recently started large gangs (``reserve_min_fraction`` of the cluster
     or more; seconds): how long gangs of that kind normally wait."""
+    usage_norm: dict[str, float] | None = None
+    """Each user's decayed usage already capacity-normalised, when the caller keeps usage that
+    way (the simulator: one float per user, so no ``Resources`` per user and cycle); None: policies
+    compute it from ``users[u].usage``. Policies read usage through :meth:`normalised_usage`."""
 
     def __post_init__(self):
         c = self.capacity
         self._inv = (1.0 / c.gpu if c.gpu else 0.0, 1.0 / c.cpu if c.cpu else 0.0,
                      1.0 / c.memory_gb if c.memory_gb else 0.0)
+
+    def normalised_usage(self) -> dict[str, float]:
+        """Each user's decayed usage as ``norm(usage)``: ``usage_norm`` when the caller keeps it,
+        else computed from ``users``."""
+        if self.usage_norm is not None:
+            return self.usage_norm
+        ig, ic, im = self._inv  # norm() inlined: this runs every cycle, for every user
+        return {u: (r := s.usage).gpu * ig + r.cpu * ic + r.memory_gb * im for u, s in self.users.items()}
 
     def norm(self, r: Resources) -> float:
         """Capacity-normalised size of a resource vector (sum over the resource kinds present)."""
@@ -95,8 +107,10 @@ class Policy:
     name = "base"
     reserves = False
     reads_usage = True
-    """False for policies that never read users' usage or allocation (the caller may skip
-    refreshing them)."""
+    """False for policies that never read users' decayed usage or entry penalty (the caller may
+    skip keeping them)."""
+    reads_held = True
+    """False for policies that never read users' current allocation (``UserState.held``)."""
 
     def prepare(self, ctx: CycleContext) -> None:
         self.ctx = ctx
@@ -136,6 +150,7 @@ class Policy:
 class Fifo(Policy):
     name = "fifo"
     reads_usage = False
+    reads_held = False
 
     def key(self, w, now):
         return (w.submit_time, w.seq)
@@ -144,6 +159,7 @@ class Fifo(Policy):
 class StaticPriority(Policy):
     name = "static-priority"
     reads_usage = False
+    reads_held = False
 
     def key(self, w, now):
         return (-self.ctx.users[w.user].config.priority, w.submit_time, w.seq)
@@ -153,6 +169,7 @@ class Drf(Policy):
     """Lowest dominant share first, recomputed after every admission (classic DRF progressive filling)."""
 
     name = "drf"
+    reads_usage = False  # the current allocation only
 
     def prepare(self, ctx):
         super().prepare(ctx)
@@ -170,8 +187,7 @@ class Drf(Policy):
 
 def _usage_fractions(ctx: CycleContext) -> dict[str, float]:
     """U per user: the user's share of all decayed usage."""
-    ig, ic, im = ctx._inv  # ctx.norm inlined: this runs every cycle, for every user
-    norm = {u: (r := s.usage).gpu * ig + r.cpu * ic + r.memory_gb * im for u, s in ctx.users.items()}
+    norm = ctx.normalised_usage()
     total_u = sum(norm.values())
     return {u: (v / total_u if total_u > 0 else 0.0) for u, v in norm.items()}
 
@@ -187,6 +203,7 @@ class SlurmFairShare(Policy):
     """``1000 * 2^(-U/S) + 1000 * min(wait / 7d, 1)``, highest first."""
 
     name = "slurm-fairshare"
+    reads_held = False  # decayed usage only
 
     def prepare(self, ctx):
         super().prepare(ctx)
@@ -205,6 +222,7 @@ class KueueAfs(Policy):
     """(decayed usage + entry penalty) / weight, lowest first; the penalty grows on admission."""
 
     name = "kueue-afs"
+    reads_held = False  # decayed usage only
 
     def __init__(self, penalty_seconds: float = 300.0):
         self.penalty_seconds = penalty_seconds
@@ -212,7 +230,8 @@ class KueueAfs(Policy):
 
     def prepare(self, ctx):
         super().prepare(ctx)
-        self.score = {u: (ctx.norm(s.usage) + s.penalty) / s.config.shares for u, s in ctx.users.items()}
+        usage = ctx.normalised_usage()
+        self.score = {u: (usage[u] + s.penalty) / s.config.shares for u, s in ctx.users.items()}
 
     def key(self, w, now):
         return (self.score[w.user], w.submit_time, w.seq)

@@ -134,6 +134,7 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
     held_since = [0.0] * n_users  # when each user's held GPUs last changed
     fair_since = 0.0
     reads_usage = policy.reads_usage
+    reads_held = policy.reads_held or quotas is not None  # admission reads held GPUs for quotas
     state_list = [states[n] for n in names]  # in user-index order
     held_changed: set[int] = set()
     running: list = []  # (end, seq, workload, placement, start)
@@ -142,6 +143,7 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
     tw = TypicalWait(fs_cfg.typical_wait_half_life)
     tw_large = TypicalWait(fs_cfg.large_gang_wait_half_life)
     large_from = fs_cfg.reserve_min_fraction * ctx.norm(capacity)
+    inv_gpu = ctx._inv[0]  # trace workloads ask for GPUs only: norm(usage) = GPU-s / capacity
 
     def move_held(u: int, gpus: float) -> None:
         held_int[u] += held[u] * (t - held_since[u])  # held is piecewise constant: integrate lazily
@@ -176,7 +178,8 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
                 f = math.exp(-lam * dt)
                 omf = 1 - f
                 usage = [u * f + h * omf / lam for u, h in zip(usage, held)]
-                penalty = [p * f for p in penalty]
+                if k_penalty:
+                    penalty = [p * f for p in penalty]
             else:
                 usage = [u + h * dt for u, h in zip(usage, held)]
         t = t_next
@@ -205,10 +208,12 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
             queued_sizes[w.gpus] = queued_sizes.get(w.gpus, 0) + 1
             demand_dirty = True
         if len(queue) and _something_may_fit(pool, queued_sizes):
-            if reads_usage:
-                for s, u_i, p_i in zip(state_list, usage, penalty):
-                    s.usage = Resources(u_i)
-                    s.penalty = p_i / C
+            if reads_usage:  # usage as floats (GPU-s over capacity): no Resources per user and cycle
+                ctx.usage_norm = dict(zip(names, [u_i * inv_gpu for u_i in usage]))
+                if k_penalty:
+                    for s, p_i in zip(state_list, penalty):
+                        s.penalty = p_i / C
+            if reads_held:
                 for i in held_changed:  # held moves only with starts and ends
                     state_list[i].held = Resources(held[i])
                 held_changed.clear()

@@ -569,3 +569,19 @@ def test_water_fill_is_skipped_only_when_the_allocation_cannot_change():
         else:
             recomputed += 1
     assert skipped > 100 and recomputed > 100  # both branches are exercised
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_gpu_quota_holds_in_the_simulator_under_every_policy(policy):
+    # u may hold 4 GPUs at once: its six 2-GPU jobs run at most two at a time although 16 GPUs are
+    # free, and its 300 s job holds 2 of the 4 across three cycles; v, with no quota, runs all of
+    # its jobs at once. Every policy, even those that read no usage (fifo), must see u's current
+    # allocation in every cycle.
+    users = [UserConfig("u", gpu_quota=4), UserConfig("v")]
+    nodes = [Node(f"n{i}", Resources(8)) for i in range(2)]
+    jobs = [Workload(f"u{i}", "u", 0.0, (Resources(2),), duration=d, seq=i)
+            for i, d in enumerate([100.0, 300.0, 100.0, 100.0, 100.0, 100.0])]
+    jobs += [Workload(f"v{i}", "v", 0.0, (Resources(2),), duration=100.0, seq=6 + i) for i in range(3)]
+    r = simulate(jobs, users, nodes, policy)
+    assert r.start[:6].tolist() == [0.0, 0.0, 100.0, 200.0, 300.0, 300.0]
+    assert r.start[6:].tolist() == [0.0, 0.0, 0.0]
