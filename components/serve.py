@@ -99,7 +99,7 @@ def _pick_port(host: str) -> int:
 # not requests: requests' per-call machinery (hooks, cookies, proxy and netrc lookups from the
 # environment) costs about 2.5 ms a request on a slow machine, as much as the model server itself
 # (`make bench`, serve rows). Retries are off: an inference is not idempotent for a caller that counts.
-_POOL = urllib3.PoolManager(maxsize=16, retries=False)
+_POOL = urllib3.PoolManager(maxsize=64, retries=False)  # connections open on demand: 64 threads keep theirs
 
 
 def infer(url: str, name: str, rows, timeout: float = 10.0) -> dict:
