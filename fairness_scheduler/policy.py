@@ -111,6 +111,9 @@ class Policy:
     skip keeping them)."""
     reads_held = True
     """False for policies that never read users' current allocation (``UserState.held``)."""
+    reads_history = True
+    """False for policies that never read run-time history or typical waits (``CycleContext``'s
+    ``runtimes``, ``typical_wait`` and ``large_gang_wait``) and never reserve nodes."""
 
     def prepare(self, ctx: CycleContext) -> None:
         self.ctx = ctx
@@ -149,6 +152,7 @@ class Policy:
 
 class Fifo(Policy):
     name = "fifo"
+    reads_history = False
     reads_usage = False
     reads_held = False
 
@@ -158,6 +162,7 @@ class Fifo(Policy):
 
 class StaticPriority(Policy):
     name = "static-priority"
+    reads_history = False
     reads_usage = False
     reads_held = False
 
@@ -169,6 +174,7 @@ class Drf(Policy):
     """Lowest dominant share first, recomputed after every admission (classic DRF progressive filling)."""
 
     name = "drf"
+    reads_history = False
     reads_usage = False  # the current allocation only
 
     def prepare(self, ctx):
@@ -203,6 +209,7 @@ class SlurmFairShare(Policy):
     """``1000 * 2^(-U/S) + 1000 * min(wait / 7d, 1)``, highest first."""
 
     name = "slurm-fairshare"
+    reads_history = False
     reads_held = False  # decayed usage only
 
     def prepare(self, ctx):
@@ -222,6 +229,7 @@ class KueueAfs(Policy):
     """(decayed usage + entry penalty) / weight, lowest first; the penalty grows on admission."""
 
     name = "kueue-afs"
+    reads_history = False
     reads_held = False  # decayed usage only
 
     def __init__(self, penalty_seconds: float = 300.0):

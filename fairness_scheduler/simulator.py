@@ -135,6 +135,7 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
     fair_since = 0.0
     reads_usage = policy.reads_usage
     reads_held = policy.reads_held or quotas is not None  # admission reads held GPUs for quotas
+    reads_history = policy.reads_history or policy.reserves  # reservations' shadow times use the history
     state_list = [states[n] for n in names]  # in user-index order
     held_changed: set[int] = set()
     running: list = []  # (end, seq, workload, placement, start)
@@ -190,7 +191,8 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
             move_held(u, -w.gpus)
             demand_was.setdefault(u, demand[u])
             demand[u] -= w.gpus
-            ctx.runtimes.record(w.user, w.gpus, e - began)  # a real scheduler's estimate: history
+            if reads_history:
+                ctx.runtimes.record(w.user, w.gpus, e - began)  # a real scheduler's estimate: history
             demand_dirty = True
         while submits[ai] <= t:
             w = workloads[order[ai]]
@@ -218,8 +220,9 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
                     state_list[i].held = Resources(held[i])
                 held_changed.clear()
             ctx.now = t
-            ctx.typical_wait = tw.value(t)
-            ctx.large_gang_wait = tw_large.value(t)
+            if reads_history:
+                ctx.typical_wait = tw.value(t)
+                ctx.large_gang_wait = tw_large.value(t)
             result = admit(queue, pool, policy, ctx, fs_cfg.reserve_cap, quotas, explain=False,
                            max_reservations=fs_cfg.max_reservations,
                            defrag_reservations=fs_cfg.defrag_reservations if policy.reserves else 0)
@@ -227,9 +230,10 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
                 i = pos[id(w)]
                 e = t + w.duration
                 start[i], end[i] = t, e
-                tw.add(t, t - w.submit_time)
-                if ctx.norm(w.total) >= large_from:
-                    tw_large.add(t, t - w.submit_time)
+                if reads_history:
+                    tw.add(t, t - w.submit_time)
+                    if ctx.norm(w.total) >= large_from:
+                        tw_large.add(t, t - w.submit_time)
                 heapq.heappush(running, (e, w.seq, w, placement, t))  # Python floats: fast to compare
                 u = uidx[w.user]
                 move_held(u, w.gpus)
