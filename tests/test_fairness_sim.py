@@ -585,3 +585,17 @@ def test_gpu_quota_holds_in_the_simulator_under_every_policy(policy):
     r = simulate(jobs, users, nodes, policy)
     assert r.start[:6].tolist() == [0.0, 0.0, 100.0, 200.0, 300.0, 300.0]
     assert r.start[6:].tolist() == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("policy", [p for p, cls in POLICIES.items()
+                                    if not (cls.reads_usage and cls.reads_held and cls.reads_history)])
+def test_a_policy_that_says_it_reads_less_is_not_fed_less_than_it_reads(policy, monkeypatch):
+    # The simulator skips keeping usage, held GPUs or history for a policy that declares it does
+    # not read them. Fed everything anyway, the policy must schedule exactly the same.
+    declared, _ = run_protocol(TRACES / "cluster10.csv", [policy])
+    cls = POLICIES[policy]
+    for flag in ("reads_usage", "reads_held", "reads_history"):
+        monkeypatch.setattr(cls, flag, True)
+    fed, _ = run_protocol(TRACES / "cluster10.csv", [policy])
+    assert np.array_equal(declared[policy].start, fed[policy].start, equal_nan=True)
+    assert declared[policy].metrics == fed[policy].metrics
