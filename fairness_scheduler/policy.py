@@ -48,7 +48,9 @@ class UserState:
 
     config: UserConfig
     usage: Resources = field(default_factory=Resources)
-    """Decayed usage in GPU-s, CPU-s and GB-s."""
+    """Decayed usage in GPU-s, CPU-s and GB-s. A caller that keeps usage as floats (the simulator)
+    leaves this unset and fills ``CycleContext.usage_norm``: read it through
+    ``CycleContext.normalised_usage()``."""
     held: Resources = field(default_factory=Resources)
     """Resources currently held by the user's running workloads."""
     penalty: float = 0.0
