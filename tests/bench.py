@@ -258,10 +258,10 @@ def bench_simulate(tmp: Path) -> None:
     print("simulate: all six policies on cluster07 (12.7k jobs), protocol defaults")
     trace = TRACES / "cluster07.csv"
     # The same pure-Python loop as `python -m timeit 'sum(i*i for i in range(100000))'`: this
-    # kind of machine has read 6.4 ms at best and up to 9.8 ms within one session, and the
+    # kind of machine has read 5.4 ms at best and up to 9.8 ms within one session, and the
     # simulator's wall time moves with it. A reading, not a goal.
     loop = min(timeit.repeat("sum(i*i for i in range(100000))", number=20, repeat=5)) / 20 * 1e3
-    row("machine speed: pure-Python reference loop, ms", loop, 6.4, loop / 6.4, "report (best seen 6.4 ms)", None, "ms")
+    row("machine speed: pure-Python reference loop, ms", loop, 5.4, loop / 5.4, "report (best seen 5.4 ms)", None, "ms")
     t = time.perf_counter()
     run_protocol(trace, list(POLICIES), workers=1)
     wall = time.perf_counter() - t
