@@ -460,7 +460,8 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
               help="Trace CSV, or a folder of them; repeat for more.  [required]")
 @click.option("--seeds", default="0", show_default=True, help="User draws: 0-5, 0,3,7 or a mix.")
 @click.option("--sets", default="full", show_default=True,
-              help="Job mixes, comma-separated: full (the traces), halves, thirds, middle (cut by submission time).")
+              help="Job mixes, comma-separated: full (the traces), halves, thirds, middle (cut by submission "
+                   "time), pairs (each trace overlaid with the next: two clusters' work on one).")
 @click.option("--config", "config", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Scheduler config YAML: the fairshare setting to judge (default: the built-in one).")
 @click.option("--placement", type=click.Choice(PLACEMENTS), default=None, help="Overrides the config's.")
@@ -495,8 +496,9 @@ def goals_cmd(traces, seeds, sets, config, placement, users, zipf, load, half_li
     except ValueError as e:
         problems.append(str(e))
     set_list = [x.strip() for x in sets.split(",") if x.strip()]
-    problems += set_problems(set_list)
-    problems += trace_files(list(traces))[1]
+    files, trace_problems = trace_files(list(traces))
+    problems += set_problems(set_list, None if trace_problems else len(files))
+    problems += trace_problems
     cfg, hl = _config_and_half_life(config, half_life, problems)
     problems += option_problems(users, zipf, load, hl, placement or (cfg.placement if cfg else "binpack"))
     if workers is not None:

@@ -1,5 +1,5 @@
 """Judge a ``fairshare`` setting by the goals of issue #4 over many runs: traces, cuts of them
-(new job mixes) and user draws, each run against the five baselines of the same input.
+and overlays of two (new job mixes), and user draws, each run against the five baselines of the same input.
 
 ``fairness_scheduler/TUNING.md`` counts runs with this judge (``kfp-pytorch goals``).
 The goals count runs, and one job's start can flip a run, so compare settings over many runs,
@@ -26,7 +26,7 @@ from .goals import (BASELINES, FAIR_BASELINES, GOALS, Check, baseline_checks, ch
 from .report import run_jobs, workers_problems
 from .simulator import METRICS
 from .model import UserConfig
-from .trace import CUTS, TraceJob, cut, read_trace, trace_users
+from .trace import CUTS, PAIRS, TraceJob, cut, overlay, read_trace, trace_users
 
 CACHE_VERSION = 1
 """Bump when a baseline's behaviour changes, so cached baseline metrics are not reused."""
@@ -79,10 +79,19 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def set_problems(sets: list[str]) -> list[str]:
+SETS = (*CUTS, PAIRS)
+"""Every job-mix set: the cuts of each trace (:data:`.trace.CUTS`) and the overlays of two."""
+
+
+def set_problems(sets: list[str], n_traces: int | None = None) -> list[str]:
+    """Problems with ``--sets``; ``n_traces`` (when known) checks that ``pairs`` has two traces."""
     if not sets:
-        return [f"--sets: empty; use a comma-separated list of: {', '.join(CUTS)}"]
-    return [f"--sets: unknown set {s!r} (known: {', '.join(CUTS)})" for s in sets if s not in CUTS]
+        return [f"--sets: empty; use a comma-separated list of: {', '.join(SETS)}"]
+    problems = [f"--sets: unknown set {s!r} (known: {', '.join(SETS)})" for s in sets if s not in SETS]
+    if PAIRS in sets and n_traces is not None and n_traces < 2:
+        problems.append(f"--sets {PAIRS}: overlays each trace with the next one, so it needs at least two "
+                        f"traces; {n_traces} given")
+    return problems
 
 
 def trace_files(paths: list[str | Path]) -> tuple[list[Path], list[str]]:
@@ -176,7 +185,7 @@ def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] =
     keyed by the jobs and the protocol options, so comparing settings re-runs only ``fairshare``.
     ``workers`` runs that many runs at once, one process each; results do not depend on it."""
     files, problems = trace_files(list(traces))
-    problems += set_problems(list(sets))
+    problems += set_problems(list(sets), len(files) if not problems else None)
     problems += workers_problems(workers)
     if problems:
         raise SchedulerConfigError(problems)
@@ -200,22 +209,17 @@ def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] =
     units: list[_Unit] = []
     cached: dict[int, dict] = {}
     keys: dict[int, Path] = {}
-    for set_name in sets:
-        for f, jobs in parsed.items():
-            for lo, hi, suffix in CUTS[set_name]:
-                part = cut(jobs, lo, hi)
-                if not part:
-                    continue  # a trace too short to cut this way
-                own_users = bool(trace_users(part))
-                for seed in (seeds[:1] if own_users else seeds):
-                    policies = BASELINES + ("fairshare",)
-                    i = len(units)
-                    if cache:
-                        keys[i] = cache / f"{f.stem}{suffix}-s{seed}-{_cache_key(part, seed, params)}.json"
-                        if (hit := _read_cached(keys[i])) is not None:
-                            cached[i] = hit
-                            policies = ("fairshare",)
-                    units.append(_Unit(set_name, f.stem + suffix, seed, part, policies, params, own_users))
+    for set_name, name, part in _mixes(parsed, sets):
+        own_users = bool(trace_users(part))
+        for seed in (seeds[:1] if own_users else seeds):
+            policies = BASELINES + ("fairshare",)
+            i = len(units)
+            if cache:
+                keys[i] = cache / f"{name}-s{seed}-{_cache_key(part, seed, params)}.json"
+                if (hit := _read_cached(keys[i])) is not None:
+                    cached[i] = hit
+                    policies = ("fairshare",)
+            units.append(_Unit(set_name, name, seed, part, policies, params, own_users))
     metrics = _run_all(units, workers, progress)
     runs = []
     for i, (u, m) in enumerate(zip(units, metrics)):
@@ -228,6 +232,24 @@ def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] =
         runs.append(GoalRun(u.set, u.trace, u.seed, m, checks, {p: meets_all(c) for p, c in baselines.items()},
                             shared_misses(checks, baselines), u.own_users))
     return runs
+
+
+def _mixes(parsed: dict[Path, list[TraceJob]], sets: list[str]):
+    """(set, name, jobs) of every job mix: each trace's cuts (``cluster03a``), or for ``pairs``
+    each trace overlaid with the next one named (``cluster03+cluster05``; the last with the first)."""
+    items = list(parsed.items())
+    for set_name in sets:
+        if set_name == PAIRS:
+            pairs = [(0, 1)] if len(items) == 2 else [(i, (i + 1) % len(items)) for i in range(len(items))]
+            for i, k in pairs:
+                (f, a), (g, b) = items[i], items[k]
+                yield set_name, f"{f.stem}+{g.stem}", overlay(a, b, (f.stem, g.stem))
+            continue
+        for f, jobs in items:
+            for lo, hi, suffix in CUTS[set_name]:
+                part = cut(jobs, lo, hi)
+                if part:  # else a trace too short to cut this way
+                    yield set_name, f.stem + suffix, part
 
 
 def _run_all(units: list[_Unit], workers: int, progress) -> list[dict]:
@@ -317,7 +339,8 @@ def format_goals(runs: list[GoalRun], verbose: bool = False) -> str:
     return "\n".join(lines)
 
 
-SET_TITLES = {"full": "full traces", "halves": "half traces", "thirds": "thirds", "middle": "middle halves"}
+SET_TITLES = {"full": "full traces", "halves": "half traces", "thirds": "thirds", "middle": "middle halves",
+              PAIRS: "pairs of traces overlaid"}
 _SHORT = {"jain": "J", "light_wait_p95": "L", "wait_max": "W", "utilization": "U", "jct_mean": "C", "min_service": "M"}
 
 

@@ -183,6 +183,26 @@ CUTS: dict[str, tuple[tuple[float, float, str], ...]] = {
 A cut is a job mix no setting was tuned on (new user draws only change who owns the same jobs)."""
 
 
+PAIRS = "pairs"
+"""The set of overlays (:func:`overlay`): each trace with the next one named, the last with the
+first (two traces: one overlay)."""
+
+
+def overlay(a: list[TraceJob], b: list[TraceJob], names: tuple[str, str]) -> list[TraceJob]:
+    """Two traces' jobs as one cluster's workload: each re-based so its first job submits at 0,
+    merged in submission-time order (``a``'s job first at equal times), each job id prefixed with
+    its trace's name (``names``) so ids stay unique. This is two clusters consolidated onto one,
+    its capacity set by the protocol from the merged demand: job mixes whose bursts overlap, with
+    deeper backlogs than either trace has alone."""
+    def rebased(jobs: list[TraceJob], name: str) -> list[TraceJob]:
+        t0 = min((j.submit for j in jobs), default=0.0)
+        return [TraceJob(f"{name}/{j.job_id}", j.submit - t0, j.duration, j.gpus, j.line, j.user) for j in jobs]
+
+    merged = [(j.submit, 0, i, j) for i, j in enumerate(rebased(a, names[0]))]
+    merged += [(j.submit, 1, i, j) for i, j in enumerate(rebased(b, names[1]))]
+    return [j for *_, j in sorted(merged, key=lambda x: x[:3])]
+
+
 def cut(jobs: list[TraceJob], lo: float, hi: float) -> list[TraceJob]:
     """The jobs submitted from the ``lo`` to (not including) the ``hi`` quantile of submission
     time, in file order, times re-based so the first submits at 0. The quantile ``q`` is the

@@ -9,7 +9,7 @@ import pytest
 
 from kfp_pytorch.fairness_scheduler.evaluate import parse_seeds
 from kfp_pytorch.fairness_scheduler.goals import baseline_checks, check, meets_all, miss_score, shared_misses
-from kfp_pytorch.fairness_scheduler.trace import CUTS, TraceJob, cut
+from kfp_pytorch.fairness_scheduler.trace import CUTS, TraceJob, cut, overlay
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "itp-2021"
 
@@ -56,6 +56,8 @@ def test_named_traces_have_the_stricter_targets_and_their_cuts_do_not():
     light = _metrics(light_wait_p95=200.0)  # 0.2x FIFO's
     assert [check(n, light)["light_wait_p95"].met for n in ("cluster02", "cluster07", "cluster09", "cluster01",
                                                              "cluster02t1")] == [False, False, False, True, True]
+    # an overlay of two named traces is a new job mix too
+    assert check("cluster07+cluster09", m)["jain"].met and check("cluster02+cluster07", light)["light_wait_p95"].met
 
 
 def test_a_baseline_is_judged_against_the_other_baselines():
@@ -101,6 +103,52 @@ def test_cuts_split_a_trace_by_submission_quantiles():
     middle = cut(jobs, *CUTS["middle"][0][:2])
     assert sorted(j.submit + 4 for j in middle) == [4, 5, 6, 7, 8, 9]  # quartiles at 4 and 10
     assert cut(jobs, 0.0, 1.0) == [TraceJob(j.job_id, j.submit - 1, j.duration, j.gpus, j.line) for j in jobs]
+
+
+def test_pairs_overlay_two_traces_on_one_clock():
+    from kfp_pytorch.fairness_scheduler.evaluate import _mixes
+
+    a = [TraceJob("x", 100.0, 10.0, 1, 2), TraceJob("y", 50.0, 20.0, 8, 3)]  # starts at 50, not in time order
+    b = [TraceJob("x", 7.0, 30.0, 2, 2, "alice"), TraceJob("z", 57.0, 40.0, 4, 3)]
+    both = overlay(a, b, ("c1", "c2"))
+    # each re-based to its own first submission, merged by time (the first trace first at equal
+    # times), ids made unique by their trace's name; lines, sizes and named users kept
+    assert [(j.job_id, j.submit) for j in both] == [("c1/y", 0), ("c2/x", 0), ("c1/x", 50), ("c2/z", 50)]
+    assert [j.line for j in both] == [3, 2, 2, 3] and [j.gpus for j in both] == [8, 2, 1, 4]
+    assert both[1].user == "alice" and both[0].user is None
+    # the set: each trace with the next one named, the last with the first; two traces, one pair
+    three = {Path(f"{n}.csv"): a for n in ("p", "q", "r")}
+    assert [(s, n) for s, n, _ in _mixes(three, ["pairs"])] == [("pairs", "p+q"), ("pairs", "q+r"), ("pairs", "r+p")]
+    assert [n for _, n, _ in _mixes(dict(list(three.items())[:2]), ["pairs", "halves"])] == ["p+q", "pa", "pb", "qa", "qb"]
+
+
+def test_goals_cli_pairs_run_the_overlay_as_simulate_would(tmp_path):
+    rows = (TRACES / "cluster10.csv").read_text().splitlines()
+    other = tmp_path / "late.csv"  # 120 of cluster10's jobs, submitted 5 days later: an overlay re-bases them
+    other.write_text("\n".join([rows[0]] + [",".join([f"late-{i}", str(int(r.split(",")[1]) + 432000),
+                                                         *r.split(",")[2:]]) for i, r in enumerate(rows[1:121])]) + "\n")
+    out = _goals("--traces", str(TRACES / "cluster10.csv"), "--traces", str(other), "--sets", "pairs",
+                 "--workers", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    (run,) = json.loads(out.stdout)["runs"]
+    assert (run["set"], run["trace"], run["seed"]) == ("pairs", "cluster10+late", 0)
+    assert run["checks"]["light_wait_p95"]["target"] == "<= 0.35"  # the generic targets
+    # the same jobs written as one trace, through simulate: the same figures for every policy
+    from kfp_pytorch.fairness_scheduler.trace import read_trace
+
+    jobs = overlay(read_trace(TRACES / "cluster10.csv"), read_trace(other), ("cluster10", "late"))
+    assert len(jobs) == 260 + 120 and jobs[0].submit == 0
+    merged = tmp_path / "merged.csv"
+    merged.write_text("job_id,submission_time,duration,num_gpu\n"
+                      + "".join(f"{j.job_id},{j.submit!r},{j.duration!r},{j.gpus}\n" for j in jobs))
+    sim = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(merged), "--json"],
+                         capture_output=True, text=True)
+    assert sim.returncode == 0, sim.stderr
+    assert run["metrics"] == json.loads(sim.stdout)
+    # one trace cannot be paired
+    out = _goals("--traces", str(TRACES / "cluster10.csv"), "--sets", "full,pairs")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "--sets pairs: overlays each trace with the next one, so it needs at least two traces; 1 given" in out.stderr
 
 
 def test_seeds_parse_ranges_and_lists():
