@@ -198,6 +198,13 @@ def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] =
             bad.append(e)
     if bad:
         raise TraceError("\n".join(e.message for e in bad), bad[0].hint)
+    if PAIRS in sets:  # a draw of users for one trace and named users for the other would mix two kinds
+        items = list(parsed.items())
+        mixed = [f"--sets {PAIRS}: {items[i][0]} names its jobs' users and {items[k][0]} does not; overlay "
+                 "traces of one kind (both with a user column, or neither)"
+                 for i, k in _pairs(len(items)) if bool(trace_users(items[i][1])) != bool(trace_users(items[k][1]))]
+        if mixed:
+            raise SchedulerConfigError(mixed)
     params = (users, zipf, load, half_life, placement, fairshare, user_config)
     cache = Path(cache_dir) if cache_dir else None
     if cache:
@@ -234,14 +241,18 @@ def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] =
     return runs
 
 
+def _pairs(n: int) -> list[tuple[int, int]]:
+    """Which traces ``pairs`` overlays: each with the next, the last with the first (two: once)."""
+    return [(0, 1)] if n == 2 else [(i, (i + 1) % n) for i in range(n)] if n > 2 else []
+
+
 def _mixes(parsed: dict[Path, list[TraceJob]], sets: list[str]):
     """(set, name, jobs) of every job mix: each trace's cuts (``cluster03a``), or for ``pairs``
     each trace overlaid with the next one named (``cluster03+cluster05``; the last with the first)."""
     items = list(parsed.items())
     for set_name in sets:
         if set_name == PAIRS:
-            pairs = [(0, 1)] if len(items) == 2 else [(i, (i + 1) % len(items)) for i in range(len(items))]
-            for i, k in pairs:
+            for i, k in _pairs(len(items)):
                 (f, a), (g, b) = items[i], items[k]
                 yield set_name, f"{f.stem}+{g.stem}", overlay(a, b, (f.stem, g.stem))
             continue

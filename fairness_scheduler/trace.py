@@ -191,7 +191,8 @@ first (two traces: one overlay)."""
 def overlay(a: list[TraceJob], b: list[TraceJob], names: tuple[str, str]) -> list[TraceJob]:
     """Two traces' jobs as one cluster's workload: each re-based so its first job submits at 0,
     merged in submission-time order (``a``'s job first at equal times), each job id prefixed with
-    its trace's name (``names``) so ids stay unique. This is two clusters consolidated onto one,
+    its trace's name (``names``) so ids stay unique; named users keep their names (one name on both
+    traces is one user). This is two clusters consolidated onto one,
     its capacity set by the protocol from the merged demand: job mixes whose bursts overlap, with
     deeper backlogs than either trace has alone."""
     def rebased(jobs: list[TraceJob], name: str) -> list[TraceJob]:

@@ -145,6 +145,12 @@ def test_goals_cli_pairs_run_the_overlay_as_simulate_would(tmp_path):
                          capture_output=True, text=True)
     assert sim.returncode == 0, sim.stderr
     assert run["metrics"] == json.loads(sim.stdout)
+    # a trace naming its users cannot be overlaid with one whose users the protocol draws
+    named = tmp_path / "named.csv"
+    named.write_text("job_id,submission_time,duration,num_gpu,user\na,0,100,1,alice\n")
+    out = _goals("--traces", str(named), "--traces", str(other), "--sets", "pairs")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"{named} names its jobs' users and {other} does not" in out.stderr
     # one trace cannot be paired
     out = _goals("--traces", str(TRACES / "cluster10.csv"), "--sets", "full,pairs")
     assert out.returncode == 2 and "Traceback" not in out.stderr
