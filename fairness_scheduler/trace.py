@@ -192,9 +192,9 @@ def overlay(a: list[TraceJob], b: list[TraceJob], names: tuple[str, str]) -> lis
     """Two traces' jobs as one cluster's workload: each re-based so its first job submits at 0,
     merged in submission-time order (``a``'s job first at equal times), each job id prefixed with
     its trace's name (``names``) so ids stay unique; named users keep their names (one name on both
-    traces is one user). This is two clusters consolidated onto one,
-    its capacity set by the protocol from the merged demand: job mixes whose bursts overlap, with
-    deeper backlogs than either trace has alone."""
+    traces is one user). This is two clusters consolidated onto one, its capacity set by the
+    protocol from the merged demand: job mixes whose bursts overlap, with deeper backlogs than
+    either trace has alone."""
     def rebased(jobs: list[TraceJob], name: str) -> list[TraceJob]:
         t0 = min((j.submit for j in jobs), default=0.0)
         return [TraceJob(f"{name}/{j.job_id}", j.submit - t0, j.duration, j.gpus, j.line, j.user) for j in jobs]
