@@ -1,7 +1,9 @@
 """Trace CSVs (``shared/traces/itp-2021`` format) and the fair-share benchmark protocol.
 
 Columns: ``job_id, submission_time, duration, num_gpu`` (seconds from trace start, seconds of
-run time, GPUs), and optionally ``user``. The published traces have no users and no cluster size,
+run time, GPUs), and optionally ``user``. A job of 0 GPUs (CPU only) is kept: it draws its user like any
+other row (dropping it would shift every later job's user) and, needing no GPU, starts when it is
+submitted under every policy. The published traces have no users and no cluster size,
 so the protocol fixes both (see that folder's README, implemented here exactly):
 
 - users: ``rng = numpy.random.default_rng(seed)``; ``rng.choice(users, size=n, p=p)`` in file
@@ -72,10 +74,13 @@ def read_trace(path: str | Path) -> list[TraceJob]:
         shown = problems[:MAX_LISTED]
         more = f"\n... and {len(problems) - MAX_LISTED} more bad rows" if len(problems) > MAX_LISTED else ""
         raise TraceError("\n".join(shown) + more,
-                         "submission_time and duration must be numbers >= 0 and num_gpu a positive integer; "
+                         "submission_time and duration must be numbers >= 0 and num_gpu an integer >= 0; "
                          "fix or drop the rows above")
     if not jobs:
         raise TraceError(f"{path}: no jobs", "the trace has a header but no rows")
+    if not any(j.gpus for j in jobs):
+        raise TraceError(f"{path}: no job requests a GPU (every num_gpu is 0)",
+                         "the cluster's size comes from GPU demand: give a trace with GPU jobs")
     return jobs
 
 
@@ -120,8 +125,8 @@ def _parse_row(row: list[str], n_fields: int, idx: list[int], line: int, user_id
         return f"negative duration {dur}"
     if submit < 0:
         return f"negative submission_time {sub}"
-    if gpus_f < 1 or gpus_f != int(gpus_f):
-        return f"num_gpu must be a positive integer, got {gpu}"
+    if gpus_f < 0 or gpus_f != int(gpus_f):
+        return f"num_gpu must be an integer >= 0, got {gpu}"
     return TraceJob(jid, submit, duration, int(gpus_f), line, user)
 
 

@@ -39,8 +39,9 @@ def write(tmp_path, text, name="t.csv"):
     ("job_id,submission_time,duration\na,0,1\n", ":1:", "missing column(s) num_gpu"),
     ("job_id,submission_time,duration,num_gpu\na,0,10,1\nb,x,10,1\n", ":3:", "non-numeric"),
     ("job_id,submission_time,duration,num_gpu\na,0,10,1\nb,5,-3,1\n", ":3:", "negative duration"),
-    ("job_id,submission_time,duration,num_gpu\na,0,10,0\n", ":2:", "num_gpu must be a positive integer"),
+    ("job_id,submission_time,duration,num_gpu\na,0,10,1\nb,0,10,-2\n", ":3:", "num_gpu must be an integer >= 0, got -2"),
     ("job_id,submission_time,duration,num_gpu\na,0,10\n", ":2:", "expected 4 fields"),
+    ("job_id,submission_time,duration,num_gpu\na,0,10,0\nb,5,10,0\n", ":", "no job requests a GPU"),
     ("job_id,submission_time,duration,num_gpu,user\na,0,10,1,ann\nb,1,10,1, \n", ":3:", "empty user in b,1,10,1"),
 ])
 def test_malformed_rows_name_file_and_line(tmp_path, body, where, what):
@@ -68,7 +69,7 @@ def test_every_bad_row_is_named_in_one_error(tmp_path):
     with pytest.raises(TraceError) as e:
         read_trace(p)
     text = str(e.value)
-    assert f"{p}:3: non-numeric" in text and f"{p}:4: num_gpu must be a positive integer, got 1.5" in text
+    assert f"{p}:3: non-numeric" in text and f"{p}:4: num_gpu must be an integer >= 0, got 1.5" in text
     assert f"{p}:5: negative duration -1" in text and f"{p}:22: negative duration" in text
     assert f"{p}:23:" not in text and "... and 7 more bad rows" in text  # 27 bad rows, 20 named
 
@@ -154,6 +155,32 @@ def test_fifo_matches_an_independent_naive_run_of_the_protocol(trace, placement)
     assert capacity(tj) == cap
     got = simulate(protocol_workloads(tj), protocol_users(), protocol_nodes(cap), "fifo", placement=placement)
     assert got.metrics == pytest.approx(expected, rel=1e-9, abs=1e-9)
+
+
+def test_cpu_only_jobs_start_when_submitted_under_every_policy(tmp_path):
+    # A row of 0 GPUs is a job that needs none: it keeps its place in the user draw and starts at
+    # once, even while whole-cluster gangs hold every GPU (cluster01) and a scan would stop early.
+    from reference_protocol import protocol, read, run_fifo
+
+    rows = list(csv.reader((TRACES / "cluster01.csv").open()))
+    for i, r in enumerate(rows[1:]):
+        if i % 7 == 3:
+            r[3] = "0"
+    path = tmp_path / "cpu_jobs.csv"
+    with path.open("w", newline="") as f:
+        csv.writer(f).writerows(rows)
+    jobs = read(str(path))
+    users, cap = protocol(jobs)
+    tj = read_trace(path)
+    assert capacity(tj) == cap and sum(j.gpus == 0 for j in tj) == 228
+    for policy in POLICIES:
+        wl = protocol_workloads(tj)
+        r = simulate(wl, protocol_users(), protocol_nodes(cap), policy)
+        cpu = np.array([w.gpus == 0 for w in wl])
+        assert not np.isnan(r.start).any()
+        assert (r.start[cpu] == np.array([w.submit_time for w in wl])[cpu]).all(), policy
+        if policy == "fifo":
+            assert r.metrics == pytest.approx(run_fifo(jobs, users, cap), rel=1e-9, abs=1e-9)
 
 
 @pytest.mark.parametrize("policy", ["fifo", "static-priority", "drf", "slurm-fairshare", "kueue-afs", "fairshare"])
