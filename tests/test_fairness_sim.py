@@ -192,6 +192,48 @@ def test_every_policy_runs_every_job_of_a_real_trace(policy):
     assert 0 < r.metrics["utilization"] <= 1 and 0 < r.metrics["jain_service"] <= 1
 
 
+def test_random_traces_keep_the_simulators_invariants_under_every_policy(tmp_path):
+    """Traces unlike the published ones (bursts at one instant, 0-second and 0-GPU jobs, gangs of
+    3, 12 or 24 GPUs, 1-24 users, load 0.5-1.5), as traces held back or a cluster's own may be:
+    every job starts no earlier than its submission or is reported unschedulable, the GPUs held
+    never exceed the cluster's, every metric is finite, and a run repeats exactly."""
+    sizes = [0, 1, 1, 1, 2, 3, 4, 5, 8, 12, 16, 24, 32, 64]
+    full = 0
+    for seed in range(30):
+        rng = np.random.default_rng(seed)
+        n = int(rng.integers(5, 300))
+        submit = rng.exponential(rng.uniform(10, 5000), n).cumsum().round()
+        if seed % 3 == 0:
+            submit[: n // 2] = submit[0]
+        duration = rng.lognormal(8, 2, n).round()
+        duration[rng.random(n) < 0.05] = 0
+        gpus = rng.choice(sizes, n)
+        gpus[0] = 1  # at least one GPU job: the cluster's size comes from GPU demand
+        path = write(tmp_path, "job_id,submission_time,duration,num_gpu\n" + "".join(
+            f"j{i},{submit[i]:g},{duration[i]:g},{gpus[i]}\n" for i in range(n)))
+        jobs = read_trace(path)
+        c = capacity(jobs, load=float(rng.uniform(0.5, 1.5)))
+        n_users = int(rng.integers(1, 25))
+        for policy in POLICIES:
+            wl = protocol_workloads(jobs, n_users=n_users, seed=seed)
+            r = simulate(wl, protocol_users(n_users), protocol_nodes(c), policy, light_users=max(1, n_users // 2))
+            ran = ~np.isnan(r.start)
+            where = (seed, policy)
+            assert ran.sum() + len(r.unschedulable) == n, where
+            assert set(r.unschedulable) == {w.name for w, g in zip(wl, gpus) if g > c}, where
+            assert (r.start[ran] >= np.array([w.submit_time for w in wl])[ran]).all(), where
+            events = sorted([(e, -g) for e, g, ok in zip(r.end, gpus, ran) if ok]
+                            + [(t, g) for t, g, ok in zip(r.start, gpus, ran) if ok])  # ends first at a tie
+            assert max(np.cumsum([g for _, g in events])) <= c, where
+            full += max(np.cumsum([g for _, g in events])) == c
+            assert all(math.isfinite(v) for v in r.metrics.values()), where
+            if seed % 10 == 0:
+                again = simulate(protocol_workloads(jobs, n_users=n_users, seed=seed), protocol_users(n_users),
+                                 protocol_nodes(c), policy, light_users=max(1, n_users // 2))
+                assert np.array_equal(again.start, r.start, equal_nan=True), where
+    assert full > 90  # runs that fill the cluster: the capacity bound is tested where it binds
+
+
 def test_one_workload_set_serves_every_policy_of_a_run():
     """run_protocol hands the same Workload objects to each policy: the simulator must leave them
     as it found them, so a policy's results do not depend on which ran before it."""
