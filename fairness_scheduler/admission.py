@@ -346,8 +346,6 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
             else:
                 blocked.add(k)
         keys = fit
-        # A head of no GPUs (a CPU-only job) fits on a full cluster: the scan may not stop early then.
-        gpu_free = not any(k[1] == 0 for k in keys)
         if ranked:
             heap = []
             for k in keys:
@@ -394,8 +392,8 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
                         heapq.heappush(heap, (key(queues[k2][0], now), version[w.user], k2))
             elif k in queues:
                 heapq.heappush(heap, (key(queues[k][0], now), version.get(k[0], 0), k))
-            if largest == 0 and whole == 0 and gpu_free:
-                break
+            if largest == 0 and whole == 0 and all(k2[1] for k2 in keys):
+                break  # nothing fits a full cluster, but a head of no GPUs (a CPU-only job)
 
     def explain_pending() -> None:
         """A reason for every queue head that did not start, from the state the cycle leaves."""
