@@ -144,7 +144,11 @@ def run(args: argparse.Namespace) -> dict:
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
         t0 = time.perf_counter()
-        loss_sum, correct, seen = 0.0, 0, 0
+        # Running sums stay on the device: a .item() per step would make every step wait for the
+        # GPU (a host sync); they are read once, at the epoch's end.
+        loss_sum = torch.zeros((), device=device)
+        correct = torch.zeros((), dtype=torch.long, device=device)
+        seen = 0
         bar = None
         if show:
             from tqdm import tqdm
@@ -158,13 +162,14 @@ def run(args: argparse.Namespace) -> dict:
             loss = nn.functional.cross_entropy(logits, yb)
             loss.backward()
             optimizer.step()
-            loss_sum += loss.item() * len(yb)
-            correct += (logits.argmax(1) == yb).sum().item()
+            loss_sum += loss.detach() * len(yb)
+            correct += (logits.detach().argmax(1) == yb).sum()
             seen += len(yb)
             if bar is not None:
                 bar.update(1)
+        loss_total, n_correct = loss_sum.item(), correct.item()  # waits for the epoch's last step
         elapsed = time.perf_counter() - t0
-        g_loss, g_acc, g_rate = _all_mean([loss_sum / max(1, seen), correct / max(1, seen), seen / elapsed], device)
+        g_loss, g_acc, g_rate = _all_mean([loss_total / max(1, seen), n_correct / max(1, seen), seen / elapsed], device)
         val_loss, val_acc = _evaluate(model, xv, yv)
         entry = {"epoch": epoch + 1, "loss": g_loss, "accuracy": g_acc, "val_loss": val_loss,
                  "val_accuracy": val_acc, "samples_per_second": g_rate * world, "seconds": elapsed,
