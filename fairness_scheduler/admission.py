@@ -393,7 +393,7 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
             elif k in queues:
                 heapq.heappush(heap, (key(queues[k][0], now), version.get(k[0], 0), k))
             if largest == 0 and whole == 0 and all(k2[1] for k2 in keys):
-                break  # nothing fits a full cluster, but a head of no GPUs (a CPU-only job)
+                break  # a full cluster fits nothing more, unless a head needs no GPU (a CPU-only job)
 
     def explain_pending() -> None:
         """A reason for every queue head that did not start, from the state the cycle leaves."""

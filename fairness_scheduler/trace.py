@@ -1,9 +1,9 @@
 """Trace CSVs (``shared/traces/itp-2021`` format) and the fair-share benchmark protocol.
 
 Columns: ``job_id, submission_time, duration, num_gpu`` (seconds from trace start, seconds of
-run time, GPUs), and optionally ``user``. A job of 0 GPUs (CPU only) is kept: it draws its user like any
-other row (dropping it would shift every later job's user) and, needing no GPU, starts when it is
-submitted under every policy. The published traces have no users and no cluster size,
+run time, GPUs), and optionally ``user``. A job of 0 GPUs (CPU only) is kept: it draws its user
+like any other row (dropping it would shift every later job's user) and, needing no GPU, starts
+when it is submitted under every policy. The published traces have no users and no cluster size,
 so the protocol fixes both (see that folder's README, implemented here exactly):
 
 - users: ``rng = numpy.random.default_rng(seed)``; ``rng.choice(users, size=n, p=p)`` in file
