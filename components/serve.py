@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -95,11 +96,32 @@ def _pick_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-# One keep-alive connection pool for the process, shared by every call and thread. urllib3 directly,
-# not requests: requests' per-call machinery (hooks, cookies, proxy and netrc lookups from the
-# environment) costs about 2.5 ms a request on a slow machine, as much as the model server itself
-# (`make bench`, serve rows). Retries are off: an inference is not idempotent for a caller that counts.
-_POOL = urllib3.PoolManager(maxsize=64, retries=False)  # connections open on demand: 64 threads keep theirs
+# One keep-alive connection pool per model server, shared by every call and thread. urllib3
+# directly, not requests: requests' per-call machinery (hooks, cookies, proxy and netrc lookups
+# from the environment) costs about 2.5 ms a request on a slow machine, as much as the model server
+# itself (`make bench`, serve rows). The pool is kept per base URL, not looked up through a
+# PoolManager on every call: the manager's URL parsing and pool-key building cost another 0.5 ms a
+# request here. Retries are off: an inference is not idempotent for a caller that counts.
+_POOLS: dict[str, tuple[urllib3.HTTPConnectionPool, str]] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(url: str) -> tuple[urllib3.HTTPConnectionPool, str]:
+    """The kept-alive pool for the server at ``url`` and the path prefix of ``url`` (often empty)."""
+    found = _POOLS.get(url)
+    if found is None:
+        with _POOLS_LOCK:
+            found = _POOLS.get(url)
+            if found is None:
+                parsed = urllib3.util.parse_url(url)
+                if parsed.scheme not in ("http", "https") or not parsed.host:
+                    raise ServingError(f"not a model server URL: {url!r}",
+                                       "give the server's base URL, e.g. http://127.0.0.1:8080 "
+                                       "(`kfp-pytorch serve list` shows it)")
+                # Connections open on demand: up to 64 threads keep theirs.
+                pool = urllib3.connection_from_url(url, maxsize=64, retries=False)
+                found = _POOLS[url] = (pool, (parsed.path or "").rstrip("/"))
+    return found
 
 
 def infer(url: str, name: str, rows, timeout: float = 10.0) -> dict:
@@ -110,12 +132,13 @@ def infer(url: str, name: str, rows, timeout: float = 10.0) -> dict:
                            "pass rows as a list of equal-length lists of numbers")
     body = {"inputs": [{"name": "input-0", "shape": [len(rows), len(rows[0])], "datatype": "FP32",
                         "data": [v for r in rows for v in r]}]}
-    target = f"{url}/v2/models/{name}/infer"
+    pool, prefix = _pool(url)
+    path = f"{prefix}/v2/models/{name}/infer"
     try:
-        r = _POOL.request("POST", target, body=json.dumps(body).encode(),
-                          headers={"Content-Type": "application/json"}, timeout=timeout)
+        r = pool.urlopen("POST", path, body=json.dumps(body).encode(),
+                         headers={"Content-Type": "application/json"}, timeout=timeout, redirect=False)
     except urllib3.exceptions.HTTPError as e:
-        raise ServingError(f"could not reach the model server at {target}: {e}",
+        raise ServingError(f"could not reach the model server at {url}{path}: {e}",
                            "check that it runs (`kfp-pytorch serve list`) and that the URL is right") from None
     if r.status != 200:
         raise ServingError(f"inference request failed: HTTP {r.status}: {r.data[:300].decode(errors='replace')}")

@@ -70,6 +70,12 @@ def test_client_errors_say_what_to_do(endpoint):
     with pytest.raises(ServingError, match=f"could not reach the model server at http://127.0.0.1:{port}/") as e:
         infer(f"http://127.0.0.1:{port}", "digits", [[0.0] * 64], timeout=2)
     assert "kfp-pytorch serve list" in str(e.value)
+    with pytest.raises(ServingError, match="not a model server URL: '127.0.0.1:8080'[\\s\\S]*e.g. http://"):
+        infer("127.0.0.1:8080", "digits", [[0.0] * 64])
+    # A base URL with a trailing slash, or behind a path prefix, reaches the same model.
+    assert infer(endpoint.url + "/", "digits", [[0.0] * 64])["model_name"] == "digits"
+    with pytest.raises(ServingError, match="HTTP 404"):
+        infer(endpoint.url + "/serving/ns", "digits", [[0.0] * 64])  # the prefix is sent, not dropped
 
 
 def test_server_is_listed_and_stopped(endpoint):
