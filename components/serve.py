@@ -138,7 +138,7 @@ def infer(url: str, name: str, rows, timeout: float = 10.0) -> dict:
         r = pool.urlopen("POST", path, body=json.dumps(body).encode(),
                          headers={"Content-Type": "application/json"}, timeout=timeout, redirect=False)
     except urllib3.exceptions.HTTPError as e:
-        raise ServingError(f"could not reach the model server at {url}{path}: {e}",
+        raise ServingError(f"could not reach the model server at {pool.scheme}://{pool.host}:{pool.port}{path}: {e}",
                            "check that it runs (`kfp-pytorch serve list`) and that the URL is right") from None
     if r.status != 200:
         raise ServingError(f"inference request failed: HTTP {r.status}: {r.data[:300].decode(errors='replace')}")

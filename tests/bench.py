@@ -83,7 +83,7 @@ def bench_train(tmp: Path) -> None:
     epochs, bs, lr, seed = 3, 128, 0.001, 0
     # Interleaved, so machine noise hits both alike. Each side's figure is the median of its 12 epoch
     # times, times the epochs: on this shared 2-core machine one epoch takes 0.9-1.4 s, and the best
-    # run (or best epoch) of four swung the ratio by +-10 % between bench runs, the median by half that.
+    # run of four swung the ratio between 0.92x and 1.17x across bench runs, the median 0.91x-1.06x.
     ours, base = [], []
     for rep in range(4):
         env = dict(os.environ, OMP_NUM_THREADS="1", PET_NNODES="1", PET_NPROC_PER_NODE="2", PET_NODE_RANK="0",

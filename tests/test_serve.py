@@ -76,6 +76,8 @@ def test_client_errors_say_what_to_do(endpoint):
     assert infer(endpoint.url + "/", "digits", [[0.0] * 64])["model_name"] == "digits"
     with pytest.raises(ServingError, match="HTTP 404"):
         infer(endpoint.url + "/serving/ns", "digits", [[0.0] * 64])  # the prefix is sent, not dropped
+    with pytest.raises(ServingError, match=f"server at http://127.0.0.1:{port}/serving/ns/v2/models/digits/infer:"):
+        infer(f"http://127.0.0.1:{port}/serving/ns", "digits", [[0.0] * 64], timeout=2)
 
 
 def test_server_is_listed_and_stopped(endpoint):
