@@ -80,6 +80,25 @@ def test_client_errors_say_what_to_do(endpoint):
         infer(f"http://127.0.0.1:{port}/serving/ns", "digits", [[0.0] * 64], timeout=2)
 
 
+def test_client_survives_a_redeploy_on_the_same_port(trained_model):
+    # The client keeps its connection alive between calls. A redeploy closes it on the server's
+    # side; the next call must notice and reconnect, not fail on the dead connection.
+    row = [[0.0] * 64]
+    ep = serve(ServeSpec(trained_model.model_uri, "redeploy"))
+    port = int(ep.url.rsplit(":", 1)[1])
+    try:
+        assert infer(ep.url, "redeploy", row)["model_name"] == "redeploy"
+        stop_server("redeploy")
+        again = serve(ServeSpec(trained_model.model_uri, "redeploy", port=port))
+        assert again.url == ep.url and again.pid != ep.pid
+        assert infer(ep.url, "redeploy", row)["model_name"] == "redeploy"
+        stop_server("redeploy")
+        with pytest.raises(ServingError, match=f"could not reach the model server at http://127.0.0.1:{port}/"):
+            infer(ep.url, "redeploy", row, timeout=2)
+    finally:
+        stop_server("redeploy")
+
+
 def test_server_is_listed_and_stopped(endpoint):
     [info] = [s for s in list_servers() if s["name"] == "digits"]
     assert info["alive"] and info["pid"] == endpoint.pid
