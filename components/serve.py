@@ -112,7 +112,7 @@ _LOCAL = threading.local()
 
 @dataclass
 class _Conn:
-    http: http.client.HTTPConnection
+    conn: http.client.HTTPConnection
     prefix: str
     """The base URL's path prefix (often empty)."""
     origin: str
@@ -149,7 +149,7 @@ def infer(url: str, name: str, rows, timeout: float = 10.0) -> dict:
     body = {"inputs": [{"name": "input-0", "shape": [len(rows), len(rows[0])], "datatype": "FP32",
                         "data": [v for r in rows for v in r]}]}
     c = _connection(url)
-    conn, path = c.http, f"{c.prefix}/v2/models/{name}/infer"
+    conn, path = c.conn, f"{c.prefix}/v2/models/{name}/infer"
     try:
         if conn.sock is not None:
             if wait_for_read(conn.sock, timeout=0.0):  # readable while idle: the server closed it

@@ -211,7 +211,7 @@ def bench_serve(tmp: Path) -> None:
         row("serve p50 ms, concurrency 1 (HTTP / in-process)", p50_h, p50_in, p50_h / p50_in,
             "overhead <= 3 ms", p50_h - p50_in <= 3.0, "ms")
         row("serve p50 overhead ms, concurrency 1", p50_h - p50_in, 0.0, None, "<= 3", p50_h - p50_in <= 3.0, "ms")
-        # What the client library costs: the same request through requests (about 2.5 ms more on a
+        # What the client library costs: the same request through requests (1–1.5 ms more here, 2.5 on a
         # slow machine) and through a bare keep-alive http.client connection (the floor).
         p50_req, p50_bare = (np.percentile(lat[k], 50) * 1e3 for k in ("requests", "bare"))
         row("serve p50 overhead ms, concurrency 1, requests.Session", p50_req - p50_in, 0.0, None, "report", None, "ms")
