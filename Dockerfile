@@ -18,11 +18,13 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 
 WORKDIR /opt/kfp-pytorch
 COPY pyproject.toml README.md __init__.py cli.py ./
+COPY .ci/constraints.txt ./constraints.txt
 COPY components ./components
 COPY pipelines ./pipelines
 COPY fairness_scheduler ./fairness_scheduler
 COPY monitoring ./monitoring
-RUN pip install . && python -c "import kfp_pytorch.components.kserve_predictor, kfp_pytorch.components.train_worker"
+# The releases the tests ran with (torch is not in the file: the line above chose it).
+RUN pip install -c constraints.txt . && python -c "import kfp_pytorch.components.kserve_predictor, kfp_pytorch.components.train_worker"
 
 # Non-root, as restricted Pod Security Standards require.
 RUN useradd --uid 1000 --create-home kfp
