@@ -84,7 +84,7 @@ def bench_train(tmp: Path) -> None:
     # Interleaved, so machine noise hits both alike. Each side's figure is the median of its 12 epoch
     # times, times the epochs: on this shared 2-core machine one epoch takes 0.9-1.7 s, and the best
     # run of four swung the ratio between 0.92x and 1.17x across bench runs, the median 0.88x-1.14x
-    # while the baseline always ran first in each pair (0.94x-1.00x since the order alternates).
+    # while the baseline always ran first in each pair (0.90x-1.12x in five runs since the order alternates).
     ours, base = [], []
 
     def run_base():
@@ -111,10 +111,10 @@ def bench_train(tmp: Path) -> None:
         else:
             run_ours(rep)
             run_base()
-    rate = n * 0.7 * epochs / (statistics.median(t for run in ours for t in run) * epochs)
     o, b = (statistics.median(t for run in runs for t in run) * epochs for runs in (ours, base))
     row("train loop seconds (kfp-pytorch / torchrun)", o, b, o / b, "<= 1.10", o / b <= 1.10, "s")
-    row("train samples/s (kfp-pytorch)", rate, n * 0.7 * epochs / b, None, "report", None, "1/s")
+    samples = n * 0.7 * epochs  # the train split's rows, every epoch
+    row("train samples/s (kfp-pytorch)", samples / o, samples / b, None, "report", None, "1/s")
 
 
 def bench_data(tmp: Path) -> None:
