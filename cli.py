@@ -428,7 +428,7 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
         problems.append(problem)
     if schedule_path and (problem := _output_problem(schedule_path, "--schedule", (".csv",))):
         problems.append(problem)
-    problems += option_problems(users, zipf, load, hl, placement or (cfg.placement if cfg else "binpack"))
+    problems += option_problems(users, zipf, load, hl, placement or (cfg.placement if cfg else "binpack"), seed)
     if workers is not None:
         problems += workers_problems(workers)
     if per_user and as_json:

@@ -33,7 +33,8 @@ def parse_policies(text: str) -> list[str]:
     return _policy_names(text)
 
 
-def option_problems(users: int, zipf: float, load: float, half_life: float, placement: str) -> list[str]:
+def option_problems(users: int, zipf: float, load: float, half_life: float, placement: str,
+                    seed: int = 0) -> list[str]:
     """Every bad protocol option, each with its flag."""
     problems = []
     if problem := placement_problem(placement, "--placement"):
@@ -46,6 +47,8 @@ def option_problems(users: int, zipf: float, load: float, half_life: float, plac
         problems.append(f"--zipf: must be >= 0, got {zipf}")
     if not half_life > 0:
         problems.append(f"--half-life: must be > 0, got {half_life}")
+    if seed < 0:  # numpy's default_rng takes non-negative seeds only
+        problems.append(f"--seed: must be >= 0, got {seed}")
     return problems
 
 
@@ -61,7 +64,7 @@ def run_protocol(trace: str | Path, policies: list[str], users: int = 20, zipf: 
                  ) -> tuple[dict[str, SimResult], dict]:
     """Every policy on the same input. ``workers`` > 1 runs policies in that many processes at once;
     each simulation is deterministic, so the results are the same as one after the other."""
-    if problems := option_problems(users, zipf, load, half_life, placement) + workers_problems(workers):
+    if problems := option_problems(users, zipf, load, half_life, placement, seed) + workers_problems(workers):
         raise SchedulerConfigError(problems)
     return run_jobs(read_trace(trace), policies, users, zipf, seed, load, half_life, fairshare, progress, placement,
                     workers, trace=str(trace), user_config=user_config)
