@@ -100,6 +100,7 @@ def compile_cmd(pipeline, output, platform_file):
     """Compile PIPELINE to KFP IR YAML (upload it in the KFP UI or with `kfp-pytorch submit`)."""
     from kfp import compiler
 
+    from kfp_pytorch.components._kfp import check_component_image
     from kfp_pytorch.components.errors import ConfigError
     from kfp_pytorch.pipelines import get_pipeline
     from kfp_pytorch.pipelines.platform import load_platform
@@ -107,6 +108,7 @@ def compile_cmd(pipeline, output, platform_file):
     # KFP writes .json too, but deprecated and without platform (Kubernetes) settings: YAML only.
     if problem := _output_problem(output, "-o/--output", (".yaml", ".yml")):
         raise ConfigError([problem], "give a writable KFP IR file path, e.g. -o pipeline.yaml")
+    check_component_image()
     entry = get_pipeline(pipeline)
     func = entry.func
     if platform_file:
@@ -256,11 +258,13 @@ def _kfp_options(f):
 @click.option("--wait/--no-wait", default=True, help="Follow the run until it ends.")
 def submit_cmd(pipeline, host, namespace, experiment, token, params, run_name, wait):
     """Upload PIPELINE to a KFP server, start a run and follow it."""
+    from kfp_pytorch.components._kfp import check_component_image
     from kfp_pytorch.pipelines import get_pipeline
     from kfp_pytorch.pipelines.kfp_api import KfpApi
 
     entry = get_pipeline(pipeline)
     values = entry.resolve(_parse_params(params))
+    check_component_image()  # local problems before any call to the server
     api = KfpApi(host, namespace, token)
     run_id = api.submit(entry, values, experiment, run_name)
     click.echo(f"run {run_id} created: {host.rstrip('/')}/#/runs/details/{run_id}")
@@ -281,6 +285,7 @@ def submit_cmd(pipeline, host, namespace, experiment, token, params, run_name, w
               help="Runs of this schedule at once (KFP allows 1-10).")
 def schedule_cmd(pipeline, host, namespace, experiment, token, cron, params, name, max_concurrency):
     """Create a recurring run of PIPELINE (e.g. nightly retraining)."""
+    from kfp_pytorch.components._kfp import check_component_image
     from kfp_pytorch.pipelines import get_pipeline
     from kfp_pytorch.pipelines.kfp_api import KfpApi
     from kfp_pytorch.pipelines.schedule import validate_cron
@@ -288,6 +293,7 @@ def schedule_cmd(pipeline, host, namespace, experiment, token, cron, params, nam
     cron = validate_cron(cron)
     entry = get_pipeline(pipeline)
     values = entry.resolve(_parse_params(params))
+    check_component_image()
     rr = KfpApi(host, namespace, token).schedule(entry, values, cron, experiment, name, max_concurrency)
     click.echo(f"recurring run {rr} created: {pipeline} at '{cron}'")
 

@@ -11,8 +11,20 @@ import os
 from pathlib import PurePosixPath
 from urllib.parse import urlparse
 
-IMAGE = os.environ.get("KFP_PYTORCH_IMAGE", "ghcr.io/kfp-pytorch/kfp-pytorch:0.1.0")
+IMAGE = os.environ.get("KFP_PYTORCH_IMAGE") or "ghcr.io/kfp-pytorch/kfp-pytorch:0.1.0"
 COMPONENT_KW = {"base_image": IMAGE, "install_kfp_package": False}
+
+
+def check_component_image() -> None:
+    """Raise a ConfigError before compiling if the steps' image (``KFP_PYTORCH_IMAGE``) is not an
+    image reference: KFP writes any string into the IR, and the run would fail on its first pod."""
+    from .cluster import image_problem
+    from .errors import ConfigError
+
+    if problem := image_problem(IMAGE, "the kfp-pytorch image every step runs in"):
+        raise ConfigError(["KFP_PYTORCH_IMAGE" + problem.removeprefix("image")],
+                          "set KFP_PYTORCH_IMAGE to the image built from the Dockerfile, or unset it",
+                          title="invalid step image")
 
 
 def artifact_store_uri(artifact, storage_root: str) -> str:

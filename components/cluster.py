@@ -20,6 +20,26 @@ FAIRNESS_GATE = "fairness.kfp-pytorch.io/admission"
 LABEL_PREFIX = "kfp-pytorch.io"
 QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# The image reference grammar of distribution/reference (what containerd and the kubelet parse):
+# [domain[:port]/]path[:tag][@digest], path components lower-case. The API server stores any
+# string, and a bad one surfaces only as the pod's InvalidImageName after the job was created,
+# so it is checked here, before anything is submitted. No maintained Python package parses it.
+_DOMAIN = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*|\[[0-9a-fA-F:]+\])(?::[0-9]+)?"
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+IMAGE_REFERENCE = re.compile(
+    rf"^(?:{_DOMAIN}/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*"
+    r"(?::[\w][\w.-]{0,127})?"
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$")
+
+
+def image_problem(image: str, what: str) -> str | None:
+    """Why ``image`` is not a usable container image reference, or None."""
+    if not image:
+        return f"image: required ({what}, e.g. registry.example.com/kfp-pytorch:0.1.0)"
+    if len(image) > 255 + 128 + 80 or IMAGE_REFERENCE.match(image) is None:
+        return (f"image: {image!r} is not an image reference; write [registry[:port]/]name[:tag][@sha256:digest] "
+                "with a lower-case name, e.g. registry.example.com/kfp-pytorch:0.1.0")
+    return None
 
 
 def is_dns1123_label(value: str | None, max_len: int = 63) -> bool:
@@ -145,9 +165,8 @@ class ClusterTrainSpec:
 
     def validate(self) -> dict:
         problems = []
-        if not self.image:
-            problems.append("image: required (the kfp-pytorch image built from the Dockerfile, e.g. "
-                            "registry.example.com/kfp-pytorch:0.1.0)")
+        if problem := image_problem(self.image, "the kfp-pytorch image built from the Dockerfile"):
+            problems.append(problem)
         if not is_dns1123_label(self.namespace):
             problems.append(f"namespace: must be a DNS-1123 label, got {self.namespace!r}")
         if self.nodes < 1:
@@ -263,8 +282,8 @@ class ClusterServeSpec:
 
     def validate(self) -> dict:
         problems = []
-        if not self.image:
-            problems.append("image: required (the kfp-pytorch image, which holds the predictor)")
+        if problem := image_problem(self.image, "the kfp-pytorch image, which holds the predictor"):
+            problems.append(problem)
         if not is_dns1123_label(self.model_name, 45):
             problems.append(f"model_name: must be a DNS-1123 label of at most 45 characters, got {self.model_name!r}")
         if not self.model_uri.startswith(("s3://", "minio://", "pvc://")):

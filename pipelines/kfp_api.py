@@ -59,6 +59,9 @@ class KfpApi:
         """Upload the compiled pipeline (a new version if it exists); returns (pipeline_id, version_id)."""
         from kfp import compiler
 
+        from ..components._kfp import check_component_image
+
+        check_component_image()
         with tempfile.TemporaryDirectory() as tmp:
             path = str(Path(tmp) / f"{entry.name}.yaml")
             compiler.Compiler().compile(entry.func, package_path=path)

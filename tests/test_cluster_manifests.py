@@ -130,6 +130,25 @@ def test_missing_image_and_more_are_listed_together():
         assert needle in text
 
 
+@pytest.mark.parametrize("image", ["kfp-pytorch", "registry.example.com/kfp-pytorch:0.1.0",
+                                   "localhost:5000/team/kfp_pytorch__x-y:v1.2-rc.1", "[::1]:5000/kfp-pytorch",
+                                   "ghcr.io/o/kfp-pytorch:0.1@sha256:" + "ab" * 32])
+def test_image_references_that_a_kubelet_pulls_are_accepted(image):
+    assert to_pytorchjob(spec(image=image))["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
+        "containers"][0]["image"] == image
+
+
+@pytest.mark.parametrize("image", ["kfp pytorch", "Registry.example.com/KFP-pytorch", "kfp-pytorch:", "-kfp",
+                                   "reg.example.com/", "kfp-pytorch@sha256:abc", "kfp-pytorch:" + "t" * 129])
+def test_a_malformed_image_reference_is_refused_before_submission(image):
+    with pytest.raises(ConfigError) as e:
+        to_pytorchjob(spec(image=image))
+    assert f"image: {image!r} is not an image reference" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        to_inference_service(ClusterServeSpec("s3://models/digits/v1", "digits", image))
+    assert "is not an image reference" in str(e.value)
+
+
 def test_schema_validation_catches_an_invalid_manifest():
     job = to_pytorchjob(spec())
     job["spec"]["runPolicy"]["backoffLimit"] = "three"

@@ -208,3 +208,17 @@ def test_malformed_platform_file_gets_an_error_not_a_traceback(tmp_path, body, n
 def test_compile_output_is_checked_before_compiling(tmp_path, out, needle):
     r = run_cli("compile", "train_and_serve", "-o", str(tmp_path / out))
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_bad_step_image_is_refused_before_compiling_or_calling_the_server(tmp_path):
+    bad = {"KFP_PYTORCH_IMAGE": "Registry.example.com/kfp pytorch:0.1"}
+    r = run_cli("compile", "train_and_serve", "-o", str(tmp_path / "p.yaml"), env=bad)
+    assert r.returncode == 2 and "KFP_PYTORCH_IMAGE: 'Registry.example.com/kfp pytorch:0.1' is not an image" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "p.yaml").exists()
+    # submit checks it before it reaches for the server (nothing listens on this port)
+    r = run_cli("submit", "train_and_serve", "--host", f"http://127.0.0.1:{free_port()}", env=bad)
+    assert r.returncode == 2 and "KFP_PYTORCH_IMAGE" in r.stderr and "cannot reach" not in r.stderr, r.stderr
+    # an empty variable means the default image, as an unset one does
+    r = run_cli("compile", "train_and_serve", "-o", str(tmp_path / "p.yaml"), env={"KFP_PYTORCH_IMAGE": ""})
+    assert r.returncode == 0, r.stderr
+    assert "ghcr.io/kfp-pytorch/kfp-pytorch:0.1.0" in (tmp_path / "p.yaml").read_text()
