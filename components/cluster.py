@@ -27,7 +27,7 @@ DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DOMAIN = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*|\[[0-9a-fA-F:]+\])(?::[0-9]+)?"
 _PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 IMAGE_REFERENCE = re.compile(
-    rf"^(?:{_DOMAIN}/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*"
+    rf"^(?P<name>(?:{_DOMAIN}/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*)"
     r"(?::[\w][\w.-]{0,127})?"
     r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$")
 
@@ -36,7 +36,8 @@ def image_problem(image: str, what: str) -> str | None:
     """Why ``image`` is not a usable container image reference, or None."""
     if not image:
         return f"image: required ({what}, e.g. registry.example.com/kfp-pytorch:0.1.0)"
-    if len(image) > 255 + 128 + 80 or IMAGE_REFERENCE.match(image) is None:
+    match = IMAGE_REFERENCE.match(image)
+    if match is None or len(match["name"]) > 255:  # the grammar's limit on the name
         return (f"image: {image!r} is not an image reference; write [registry[:port]/]name[:tag][@sha256:digest] "
                 "with a lower-case name, e.g. registry.example.com/kfp-pytorch:0.1.0")
     return None

@@ -139,7 +139,8 @@ def test_image_references_that_a_kubelet_pulls_are_accepted(image):
 
 
 @pytest.mark.parametrize("image", ["kfp pytorch", "Registry.example.com/KFP-pytorch", "kfp-pytorch:", "-kfp",
-                                   "reg.example.com/", "kfp-pytorch@sha256:abc", "kfp-pytorch:" + "t" * 129])
+                                   "reg.example.com/", "kfp-pytorch@sha256:abc", "kfp-pytorch:" + "t" * 129,
+                                   "reg.example.com/" + "a" * 240])
 def test_a_malformed_image_reference_is_refused_before_submission(image):
     with pytest.raises(ConfigError) as e:
         to_pytorchjob(spec(image=image))
