@@ -74,8 +74,8 @@ def read_trace(path: str | Path) -> list[TraceJob]:
         shown = problems[:MAX_LISTED]
         more = f"\n... and {len(problems) - MAX_LISTED} more bad rows" if len(problems) > MAX_LISTED else ""
         raise TraceError("\n".join(shown) + more,
-                         "submission_time and duration must be numbers >= 0 and num_gpu an integer >= 0; "
-                         "fix or drop the rows above")
+                         "every job needs its own job_id, submission_time and duration must be numbers >= 0 "
+                         "and num_gpu an integer >= 0; fix or drop the rows above")
     if not jobs:
         raise TraceError(f"{path}: no jobs", "the trace has a header but no rows")
     if not any(j.gpus for j in jobs):
@@ -95,6 +95,7 @@ def _read_rows(reader, path: Path, jobs: list[TraceJob], problems: list[str]) ->
                          "the header must name " + ", ".join(COLUMNS))
     idx = [header.index(c) for c in COLUMNS]
     user_idx = header.index(USER_COLUMN) if USER_COLUMN in header else None
+    first_line: dict[str, int] = {}  # job_id -> the line it was first seen on
     for row in reader:
         if not row or all(not c.strip() for c in row):
             continue
@@ -102,6 +103,12 @@ def _read_rows(reader, path: Path, jobs: list[TraceJob], problems: list[str]) ->
         job = _parse_row(row, len(header), idx, line, user_idx)
         if isinstance(job, str):
             problems.append(f"{path}:{line}: {job}")
+            continue
+        # A job's id is its identity (pending reasons, the ledger, a pod's name in the controller):
+        # a repeated id is most often the same job twice, from traces concatenated or exported twice.
+        seen = first_line.setdefault(job.job_id, line)
+        if seen != line:
+            problems.append(f"{path}:{line}: duplicate job_id {job.job_id!r} (first on line {seen})")
         else:
             jobs.append(job)
 
@@ -112,6 +119,8 @@ def _parse_row(row: list[str], n_fields: int, idx: list[int], line: int, user_id
     if len(row) < n_fields:
         return f"expected {n_fields} fields, got {len(row)}: {','.join(row)}"
     jid, sub, dur, gpu = (row[i].strip() for i in idx)
+    if not jid:
+        return f"empty job_id in {','.join(row)}"
     user = row[user_idx].strip() if user_idx is not None else None
     if user == "":
         return f"empty user in {','.join(row)} (the header has a user column: name every job's user)"

@@ -43,6 +43,8 @@ def write(tmp_path, text, name="t.csv"):
     ("job_id,submission_time,duration,num_gpu\na,0,10\n", ":2:", "expected 4 fields"),
     ("job_id,submission_time,duration,num_gpu\na,0,10,0\nb,5,10,0\n", ":", "no job requests a GPU"),
     ("job_id,submission_time,duration,num_gpu,user\na,0,10,1,ann\nb,1,10,1, \n", ":3:", "empty user in b,1,10,1"),
+    ("job_id,submission_time,duration,num_gpu\na,0,10,1\nb,1,10,1\na,5,10,2\n", ":4:", "duplicate job_id 'a' (first on line 2)"),
+    ("job_id,submission_time,duration,num_gpu\na,0,10,1\n ,1,10,1\n", ":3:", "empty job_id in  ,1,10,1"),
 ])
 def test_malformed_rows_name_file_and_line(tmp_path, body, where, what):
     p = write(tmp_path, body)
