@@ -425,7 +425,7 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
     from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
     from kfp_pytorch.fairness_scheduler.report import (default_workers, format_per_user, format_table, option_problems,
                                                        parse_policies, plot, policy_problems, run_protocol,
-                                                       workers_problems, write_schedule)
+                                                       unschedulable_lines, workers_problems, write_schedule)
 
     # Every bad option and config field in one error, so one run shows all there is to fix.
     problems = policy_problems(policies)
@@ -447,6 +447,8 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
                                  workers=workers or default_workers(len(names)), user_config=cfg.user)
     if as_json:
         click.echo(json.dumps({p: r.metrics for p, r in results.items()}, indent=1))
+        for line in unschedulable_lines(results):  # the object keeps the protocol's shape: say it beside
+            click.echo(line, err=True)
     else:
         click.echo(format_table(results, info))
         if per_user:

@@ -30,9 +30,9 @@ of the same user and shape above an older one, so only queue heads compete. One 
 Reservations are re-derived every cycle from the pool and the queue, so they need no extra state
 and survive a controller restart.
 
-Edge cases, decided here: a workload that cannot fit even an empty cluster is *unschedulable*
-and is reported once at enqueue, never queued (no endless loop); quota is checked before
-placement; ties in key are impossible (keys end with submit time and arrival sequence).
+Edge cases, decided here: a workload that cannot fit even an empty cluster, or asks for more
+GPUs than its user's quota, is *unschedulable* (``NodePool.never_starts``) and is reported once
+at enqueue, never queued (no endless loop); quota is checked before placement; ties in key are impossible (keys end with submit time and arrival sequence).
 """
 from __future__ import annotations
 
@@ -98,6 +98,16 @@ class NodePool:
         if known is None:
             known = self._ever_fits[w.pods] = self._fits_empty(w.pods)
         return known
+
+    def never_starts(self, w: Workload, quota: float | None = None) -> str | None:
+        """Why ``w`` can never start here (None: it can): larger than the empty cluster, or than its
+        user's GPU quota. Such a workload is reported once, not queued to wait for ever."""
+        if not self.ever_fits(w):
+            return (f"needs {w.gpus:g} GPUs in {len(w.pods)} pod(s), more than the empty cluster can place "
+                    f"({self.total.gpu:g} GPUs on {len(self.nodes)} nodes)")
+        if quota is not None and w.gpus > quota + 1e-9:
+            return f"needs {w.gpus:g} GPUs, more than user {w.user}'s GPU quota of {quota:g}"
+        return None
 
     def _fits_empty(self, pods: tuple[Resources, ...]) -> bool:
         free = [a for a in self.alloc]
@@ -407,7 +417,10 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
             quota = over_quota(w) if quotas else None
             pod, n = w.pods[0], len(w.pods)
             single = n == 1 and pod.gpu < pool.max_gpu
-            if quota is not None:
+            if quota is not None and w.gpus > quota + 1e-9:
+                why = (f"needs {w.gpus:g} GPUs, more than user {w.user}'s GPU quota of {quota:g}: it cannot "
+                       "start until the quota is raised")
+            elif quota is not None:
                 why = f"user {w.user} is at its GPU quota ({held_gpu.get(w.user, 0.0):g}/{quota:g} held)"
             elif largest == 0 and whole == 0:
                 why = "cluster full: no free GPUs" + (" outside reserved nodes" if pool.held else "")

@@ -204,9 +204,7 @@ def format_table(results: dict[str, SimResult], info: dict) -> str:
                 base = fifo.metrics[m]
                 cells.append(f"{results[p].metrics[m] / base:>{w - 1}.3f}x" if base > 0 else f"{'-':>{w}}")
             lines.append(f"{p:<16}" + "".join(cells))
-    unsched = {p: len(r.unschedulable) for p, r in results.items() if r.unschedulable}
-    if unsched:
-        lines.append(f"unschedulable (larger than the cluster, reported, not run): {unsched}")
+    lines += unschedulable_lines(results)
     lines.append("service = GPU-time held / max-min fair GPU-time (1.0 = fair share); "
                  "--json gives every metric with times in seconds")
     return "\n".join(lines)
@@ -251,6 +249,24 @@ def format_per_user(results: dict[str, SimResult]) -> str:
 SCHEDULE_COLUMNS = ("policy", "job_id", "user", "gpus", "submit_s", "start_s", "end_s", "wait_s", "status")
 
 
+MAX_UNSCHEDULABLE_LISTED = 5
+
+
+def unschedulable_lines(results: dict[str, SimResult]) -> list[str]:
+    """The jobs that could never start, each with why (the same under every policy: the cluster and
+    the quotas are), the first few by name."""
+    why: dict[str, str] = {}
+    for r in results.values():
+        why.update(r.unschedulable_why or dict.fromkeys(r.unschedulable, "cannot start"))
+    if not why:
+        return []
+    lines = [f"unschedulable, reported and not run under any policy: {len(why)} job(s)"]
+    lines += [f"  {name}: {reason}" for name, reason in list(why.items())[:MAX_UNSCHEDULABLE_LISTED]]
+    if len(why) > MAX_UNSCHEDULABLE_LISTED:
+        lines.append(f"  ... and {len(why) - MAX_UNSCHEDULABLE_LISTED} more (--schedule FILE.csv lists every job)")
+    return lines
+
+
 def write_schedule(results: dict[str, SimResult], path: str | Path) -> int:
     """One CSV row per job and policy, in trace order: when each policy started and ended it.
 
@@ -262,7 +278,7 @@ def write_schedule(results: dict[str, SimResult], path: str | Path) -> int:
         out.writerow(SCHEDULE_COLUMNS)
         for name, r in results.items():
             for w, st, en in zip(r.workloads, r.start.tolist(), r.end.tolist()):
-                if math.isnan(st):  # a simulation runs until every job that fits the cluster has run
+                if math.isnan(st):  # a simulation runs until every job that can ever start has run
                     status, times = "unschedulable", ("", "", "")
                 else:
                     status, times = "done", (f"{st:.3f}", f"{en:.3f}", f"{st - w.submit_time:.3f}")

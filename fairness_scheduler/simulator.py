@@ -85,6 +85,9 @@ class SimResult:
     end: np.ndarray
     service: dict[str, float]
     unschedulable: list[str] = field(default_factory=list)
+    """Workloads that could never start (reported at submission, not run), in submission order."""
+    unschedulable_why: dict[str, str] = field(default_factory=dict)
+    """Name -> why it can never start (:meth:`.admission.NodePool.never_starts`)."""
     wall_seconds: float = 0.0
     waits: np.ndarray = field(default_factory=lambda: np.zeros(0))
     workloads: list[Workload] = field(default_factory=list, repr=False)
@@ -121,7 +124,7 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
     end = np.full(n, np.nan)
     pos = {id(w): i for i, w in enumerate(workloads)}
     queue = PendingQueue()
-    unschedulable: list[str] = []
+    unschedulable: dict[str, str] = {}  # name -> why it can never start
     # Per-user state as plain lists: with tens of users, Python floats beat numpy's per-call cost.
     n_users = len(users)
     held = [0.0] * n_users
@@ -200,8 +203,8 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
             if tick is not None and ai - ticked >= 256:
                 tick(ai - ticked)
                 ticked = ai
-            if not pool.ever_fits(w):
-                unschedulable.append(w.name)
+            if (why := pool.never_starts(w, quotas.get(w.user) if quotas else None)) is not None:
+                unschedulable[w.name] = why  # never queued: its demand would count into the fair shares
                 continue
             queue.push(w)
             u = uidx[w.user]
@@ -260,8 +263,8 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
     service = {names[i]: float(held_int[i] / fair_int[i]) for i in range(len(names)) if fair_int[i] > 0}
     submit = np.array([w.submit_time for w in workloads])
     waits = (start - submit)[~np.isnan(start)]
-    return SimResult(policy_name, metrics, start, end, service, unschedulable, time.perf_counter() - t_wall, waits,
-                     workloads, light)
+    return SimResult(policy_name, metrics, start, end, service, list(unschedulable), unschedulable,
+                     time.perf_counter() - t_wall, waits, workloads, light)
 
 
 class TypicalWait:

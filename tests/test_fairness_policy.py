@@ -389,7 +389,20 @@ def test_quota_is_respected():
     res, _, _ = run_cycle([W(f"j{i}").gpus(2).at(i).build() for i in range(4)], n_nodes=2, users=users,
                           quotas={"u": 4})
     assert len(res.started) == 2
-    assert any("quota" in r for r in res.pending_reasons.values())
+    assert set(res.pending_reasons.values()) == {"user u is at its GPU quota (4/4 held)"}
+
+
+def test_a_head_above_its_users_quota_is_told_it_cannot_start_until_the_quota_is_raised():
+    # In the controller quotas can change while a workload waits, so admission keeps it queued, but
+    # its reason must not read as if the user's running work were in the way.
+    users = [UserConfig("u", gpu_quota=4)]
+    res, _, _ = run_cycle([W("big").gpus(8).build()], n_nodes=2, users=users, quotas={"u": 4})
+    assert res.started == []
+    assert res.pending_reasons["big"] == ("needs 8 GPUs, more than user u's GPU quota of 4: it cannot start "
+                                          "until the quota is raised")
+    pool = NodePool(nodes(2))
+    assert pool.never_starts(W("ok").gpus(8).build(), quota=8) is None
+    assert pool.never_starts(W("ok").gpus(8).build()) is None
 
 
 def test_unschedulable_workload_is_recognised():

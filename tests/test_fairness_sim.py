@@ -132,6 +132,8 @@ def test_job_larger_than_the_cluster_is_reported_not_dropped(tmp_path):
           Workload("ok", "a", 1, gang_for_gpus(8), duration=10, seq=1)]
     r = simulate(wl, [UserConfig("a")], protocol_nodes(16), "fairshare")
     assert r.unschedulable == ["huge"] and r.end[1] == 11
+    assert r.unschedulable_why["huge"] == ("needs 64 GPUs in 8 pod(s), more than the empty cluster can place "
+                                           "(16 GPUs on 2 nodes)")
     # ... and keeps its row, without times, in the per-job schedule
     out = tmp_path / "s.csv"
     assert write_schedule({"fairshare": r}, out) == 2
@@ -656,6 +658,43 @@ def test_gpu_quota_holds_in_the_simulator_under_every_policy(policy):
     r = simulate(jobs, users, nodes, policy)
     assert r.start[:6].tolist() == [0.0, 0.0, 100.0, 200.0, 300.0, 300.0]
     assert r.start[6:].tolist() == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_a_job_above_its_users_gpu_quota_is_reported_not_left_queued(policy):
+    # u's 16-GPU job can never start under u's 8-GPU quota. It is reported at submission, like a job
+    # larger than the cluster, rather than left queued until the run ends: it does not run, and its
+    # demand does not count into the max-min fair shares (u's service and Jain's index), while u's
+    # other jobs run as if it had never been submitted.
+    users = [UserConfig("u", gpu_quota=8), UserConfig("v")]
+    nodes = [Node(f"n{i}", Resources(8)) for i in range(4)]
+    jobs = [Workload("u1", "u", 0.0, (Resources(8),), duration=100.0, seq=0),
+            Workload("big", "u", 5.0, gang_for_gpus(16), duration=100.0, seq=1),
+            Workload("v1", "v", 20.0, (Resources(8),), duration=50.0, seq=2)]
+    r = simulate(jobs, users, nodes, policy)
+    assert r.unschedulable == ["big"]
+    assert r.unschedulable_why["big"] == "needs 16 GPUs, more than user u's GPU quota of 8"
+    assert np.isnan(r.start[1]) and r.start[[0, 2]].tolist() == [0.0, 20.0]
+    without = simulate([jobs[0], jobs[2]], users, nodes, policy)
+    assert r.metrics == without.metrics and r.service == without.service
+    assert r.service == {"u": pytest.approx(1.0), "v": pytest.approx(1.0)}
+
+
+def test_simulate_cli_names_the_jobs_that_can_never_start(tmp_path):
+    trace = write(tmp_path, "job_id,submission_time,duration,num_gpu,user\nbig,0,100,16,ann\n"
+                            "small,10,100,1,ann\nother,20,50,2,bob\n")
+    config = tmp_path / "c.yaml"
+    config.write_text("users:\n  - {name: ann, gpu_quota: 8}\n")
+    cmd = [sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(trace), "--config", str(config),
+           "--policies", "fifo,fairshare"]
+    table = subprocess.run(cmd, capture_output=True, text=True)
+    assert table.returncode == 0, table.stderr
+    assert ("unschedulable, reported and not run under any policy: 1 job(s)\n"
+            "  big: needs 16 GPUs, more than user ann's GPU quota of 8") in table.stdout
+    as_json = subprocess.run(cmd + ["--json"], capture_output=True, text=True)
+    assert as_json.returncode == 0, as_json.stderr
+    assert set(json.loads(as_json.stdout)) == {"fifo", "fairshare"}  # the protocol's shape, unchanged
+    assert "big: needs 16 GPUs, more than user ann's GPU quota of 8" in as_json.stderr
 
 
 @pytest.mark.parametrize("policy", [p for p, cls in POLICIES.items()
