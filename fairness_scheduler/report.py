@@ -188,7 +188,7 @@ def format_table(results: dict[str, SimResult], info: dict) -> str:
     who = (f"{info['users']} users from the trace's user column" if info.get("users_from") == "trace" else
            f"{info['users']} users, zipf {info['zipf']}, seed {info['seed']}")
     lines = [f"trace {info['trace']}: {info['jobs']} jobs, C = {info['capacity_gpus']} GPUs "
-             f"({info['nodes']} nodes of 8), {who}, load {info['load']}, placement {info.get('placement', 'binpack')}",
+             f"({info['nodes']} node{'s' if info['nodes'] != 1 else ''} of 8), {who}, load {info['load']}, placement {info.get('placement', 'binpack')}",
              head, "-" * len(head)]
     for p, r in results.items():
         cells = [f"{r.metrics[m]:>{w}.4f}" if m in _FRACTION_METRICS else f"{format_duration(r.metrics[m]):>{w}}"
