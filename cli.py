@@ -371,6 +371,17 @@ def storage_check(uri):
         sys.exit(1)
 
 
+def _unused_users_note(cfg, names) -> list[str]:
+    """A line naming the users the config lists that are not among ``names``: their entries (shares,
+    tier, quota) applied to nothing, which is most often a misspelt name."""
+    unused = cfg.unused_users(names) if cfg is not None else []
+    if not unused:
+        return []
+    some = ", ".join(list(names)[:3]) + (", ..." if len(names) > 3 else "")
+    return [f"note: --config lists users who are not in this run, so their entries were not used: {', '.join(unused)} "
+            f"(the users here: {some})"]
+
+
 def _config_and_half_life(config: str | None, half_life: str | None, problems: list[str]):
     """The scheduler config (``--config``, else the defaults) and the usage half-life in seconds:
     ``--half-life`` if given, else the config's. Problems are appended, not raised, so one error
@@ -445,12 +456,15 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
     results, info = run_protocol(trace, names, users, zipf, seed, load, hl, cfg.fairshare,
                                  progress=not as_json and sys.stderr.isatty(), placement=placement or cfg.placement,
                                  workers=workers or default_workers(len(names)), user_config=cfg.user)
+    notes = unschedulable_lines(results) + _unused_users_note(cfg, info["user_names"])
     if as_json:
         click.echo(json.dumps({p: r.metrics for p, r in results.items()}, indent=1))
-        for line in unschedulable_lines(results):  # the object keeps the protocol's shape: say it beside
+        for line in notes:  # the object keeps the protocol's shape: say it beside
             click.echo(line, err=True)
     else:
         click.echo(format_table(results, info))
+        for line in notes:
+            click.echo(line)
         if per_user:
             click.echo("\n" + format_per_user(results))
     if plot_path:
@@ -497,6 +511,7 @@ def goals_cmd(traces, seeds, sets, config, placement, users, zipf, load, half_li
     from kfp_pytorch.fairness_scheduler.evaluate import (evaluate_goals, format_goals, goal_grid, parse_seeds,
                                                          set_problems, to_json, trace_files)
     from kfp_pytorch.fairness_scheduler.report import PROTOCOL_DEFAULTS, option_problems, usable_cpus, workers_problems
+    from kfp_pytorch.fairness_scheduler.trace import protocol_users, read_trace, trace_users
 
     problems = []
     try:
@@ -527,6 +542,11 @@ def goals_cmd(traces, seeds, sets, config, placement, users, zipf, load, half_li
         if changed:  # the goals' targets were set at the protocol defaults: say these runs are not there
             click.echo(f"protocol changed from the defaults the goals were set at: {', '.join(changed)}")
         click.echo(format_goals(runs, verbose))
+    if cfg.users:  # which of the config's users appear in any run (a trace's own, or the protocol's draw)
+        drawn = [u.name for u in protocol_users(users)]
+        names = [n for f in files for n in (trace_users(read_trace(f)) or drawn)]
+        for line in _unused_users_note(cfg, list(dict.fromkeys(names))):
+            click.echo(line, err=as_json)
     if plot_path:
         goal_grid(runs).savefig(plot_path, dpi=110)
         if not as_json:

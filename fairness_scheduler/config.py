@@ -156,11 +156,19 @@ class SchedulerConfig:
     """Node choice for pods smaller than a node: ``binpack`` (fullest node that fits) or
     ``spread`` (emptiest; kube-scheduler's default scoring). See :data:`.model.PLACEMENTS`."""
 
-    def user(self, name: str) -> UserConfig:
+    def user(self, name: str, default: UserConfig | None = None) -> UserConfig:
+        """The user as ``users`` lists it (every field: omitted ones take the config's defaults);
+        a user it does not list is ``default`` (the protocol's, for a trace's drawn users) or one of
+        ``default_shares`` shares at tier 1."""
         for u in self.users:
             if u.name == name:
                 return u
-        return UserConfig(name, shares=self.default_shares)
+        return default if default is not None else UserConfig(name, shares=self.default_shares)
+
+    def unused_users(self, names) -> list[str]:
+        """The users ``users`` lists that are not among ``names`` (their entries apply to nothing)."""
+        present = set(names)
+        return [u.name for u in self.users if u.name not in present]
 
 
 FAIRSHARE_MODES = ("classic", "ratio", "fairtree")

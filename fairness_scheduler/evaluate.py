@@ -23,12 +23,11 @@ from .config import FairShareConfig
 from .errors import SchedulerConfigError, TraceError
 from .goals import (BASELINES, FAIR_BASELINES, GOALS, Check, baseline_checks, check, meets_all, miss_score,
                     missed, shared_misses)
-from .report import run_jobs, workers_problems
+from .report import UserLookup, run_jobs, trace_people, workers_problems
 from .simulator import METRICS
-from .model import UserConfig
 from .trace import CUTS, PAIRS, TraceJob, cut, overlay, read_trace, trace_users
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: every run's users (shares, tiers, quotas) are part of the key
 """Bump when a baseline's behaviour changes, so cached baseline metrics are not reused."""
 
 
@@ -138,10 +137,8 @@ def _run_unit(u: _Unit) -> dict[str, dict[str, float]]:
 def _cache_key(jobs: list[TraceJob], seed: int, params: tuple) -> str:
     users, zipf, load, half_life, placement, _, user_config = params
     h = hashlib.sha256(json.dumps([CACHE_VERSION, users, zipf, seed, load, half_life, placement]).encode())
-    named = trace_users(jobs)
-    if named:  # a trace's own users, and the shares and tiers the config gives them
-        people = [user_config(n) if user_config else UserConfig(n) for n in named]
-        h.update(json.dumps([[u.name, u.shares, u.priority, u.gpu_quota] for u in people]).encode())
+    people = trace_people(jobs, users, user_config)  # shares, tiers and quotas: the config's where it lists them
+    h.update(json.dumps([[u.name, u.shares, u.priority, u.gpu_quota] for u in people]).encode())
     for j in jobs:
         h.update(f"{j.submit!r},{j.duration!r},{j.gpus}{'' if j.user is None else ',' + j.user}\n".encode())
     return h.hexdigest()[:20]
@@ -175,11 +172,12 @@ def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] =
                    cache_dir: str | Path | None = None, progress: bool | Callable[[int, int], None] = False,
                    users: int = 20, zipf: float = 1.1, load: float = 0.9,
                    half_life: float = 7 * 86400.0,
-                   user_config: Callable[[str], UserConfig] | None = None) -> list[GoalRun]:
+                   user_config: UserLookup | None = None) -> list[GoalRun]:
     """``fairshare`` (with ``fairshare``'s setting) and the five baselines on every cut of every
     trace in ``sets``, under every seed; each run judged by :func:`.goals.check`. A trace with a
     ``user`` column keeps its users, so it runs under the first seed only (user draws do not
-    apply); ``user_config`` gives their shares and tiers (see :func:`.report.run_jobs`).
+    apply); ``user_config`` gives the shares, tiers and quotas of the users it lists (see
+    :func:`.report.run_jobs`).
 
     ``cache_dir`` keeps the baselines' metrics (they do not depend on the ``fairshare`` setting),
     keyed by the jobs and the protocol options, so comparing settings re-runs only ``fairshare``.

@@ -52,6 +52,19 @@ def option_problems(users: int, zipf: float, load: float, half_life: float, plac
     return problems
 
 
+UserLookup = Callable[[str, UserConfig], UserConfig]
+"""A user's config given its name and its default (the protocol's): ``SchedulerConfig.user``."""
+
+
+def trace_people(jobs: list[TraceJob], users: int = 20, user_config: UserLookup | None = None) -> list[UserConfig]:
+    """The users a run simulates. A trace with a ``user`` column keeps its users; otherwise the
+    protocol draws ``users`` of them (1 share each, tiers 3/2/1). Either way a user that
+    ``user_config`` lists (the scheduler config's ``users``) is as it says: shares, tier and quota."""
+    named = trace_users(jobs)
+    defaults = [UserConfig(n) for n in named] if named else protocol_users(users)
+    return [user_config(u.name, u) for u in defaults] if user_config else defaults
+
+
 PROTOCOL_DEFAULTS = {"users": 20, "zipf": 1.1, "load": 0.9, "half_life_s": 7 * 86400.0}
 """The benchmark protocol's defaults (shared/traces/itp-2021/README.md), at which issue #4's goals
 are set."""
@@ -60,7 +73,7 @@ are set."""
 def run_protocol(trace: str | Path, policies: list[str], users: int = 20, zipf: float = 1.1, seed: int = 0,
                  load: float = 0.9, half_life: float = 7 * 86400.0, fairshare: FairShareConfig | None = None,
                  progress: bool = False, placement: str = "binpack",
-                 workers: int = 1, user_config: Callable[[str], UserConfig] | None = None
+                 workers: int = 1, user_config: UserLookup | None = None
                  ) -> tuple[dict[str, SimResult], dict]:
     """Every policy on the same input. ``workers`` > 1 runs policies in that many processes at once;
     each simulation is deterministic, so the results are the same as one after the other."""
@@ -73,23 +86,22 @@ def run_protocol(trace: str | Path, policies: list[str], users: int = 20, zipf: 
 def run_jobs(jobs: list[TraceJob], policies: list[str], users: int = 20, zipf: float = 1.1, seed: int = 0,
              load: float = 0.9, half_life: float = 7 * 86400.0, fairshare: FairShareConfig | None = None,
              progress: bool = False, placement: str = "binpack", workers: int = 1,
-             trace: str = "", user_config: Callable[[str], UserConfig] | None = None
+             trace: str = "", user_config: UserLookup | None = None
              ) -> tuple[dict[str, SimResult], dict]:
     """:func:`run_protocol` on parsed jobs (a trace, or a cut of one: :func:`.trace.cut`).
 
     Jobs with users of their own (a ``user`` column) keep them: ``users``, ``zipf`` and ``seed`` do
-    not apply, and each user's shares and tier come from ``user_config`` (the scheduler config's
-    :meth:`.config.SchedulerConfig.user`; default: 1 share, tier 1)."""
+    not apply. Users that ``user_config`` lists (the scheduler config's
+    :meth:`.config.SchedulerConfig.user`) have its shares, tier and quota, under every policy; the
+    others 1 share and the protocol's tier (tier 1 for a trace's own users)."""
     c = capacity(jobs, load)
-    named = trace_users(jobs)
-    if named:
-        people = [user_config(n) if user_config else UserConfig(n) for n in named]
-        info_users = {"users": len(named), "users_from": "trace"}
+    people = trace_people(jobs, users, user_config)
+    if trace_users(jobs):
+        info_users = {"users": len(people), "users_from": "trace"}
     else:
-        people = protocol_users(users)
         info_users = {"users": users, "zipf": zipf, "seed": seed}
     info = {"trace": trace, "jobs": len(jobs), "capacity_gpus": c, "nodes": c // 8, **info_users, "load": load,
-            "half_life_s": half_life, "placement": placement}
+            "half_life_s": half_life, "placement": placement, "user_names": [u.name for u in people]}
     workloads = protocol_workloads(jobs, users, zipf, seed)  # read-only to the simulator: one set for all
     # The protocol's light users are the 10 of its 20 with the least submitted GPU-time: the lighter
     # half, which is what other user counts (and a trace's own users) get too.

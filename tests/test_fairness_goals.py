@@ -366,3 +366,41 @@ def test_goals_runs_a_trace_with_its_own_users_once_and_caches_by_user(tmp_path)
     fresh = json.loads(_goals("--traces", str(own), "--workers", "1", "--json").stdout)["runs"][0]["metrics"]
     assert other == fresh and other["kueue-afs"] != data["runs"][0]["metrics"]["kueue-afs"]
     assert len(list(cache.glob("own-s0-*.json"))) == 2
+
+
+def test_the_configs_users_apply_to_the_protocols_drawn_users_too(tmp_path):
+    """A config that lists a drawn user (user-00) sets its shares, tier and quota under every
+    policy, as it would for a trace's own users: it was silently ignored before. Users it lists
+    that are in no run are named, since their entries applied to nothing (a misspelt name)."""
+    from kfp_pytorch.fairness_scheduler.config import load_config
+    from kfp_pytorch.fairness_scheduler.report import run_protocol
+
+    cfg = load_config({"users": [{"name": "user-00", "shares": 4, "priority": 3, "gpu_quota": 1},
+                                 {"name": "alice"}]})
+    default, _ = run_protocol(TRACES / "cluster10.csv", ["fifo", "fairshare"])
+    res, info = run_protocol(TRACES / "cluster10.csv", ["fifo", "fairshare"], user_config=cfg.user)
+    gpus = {w.name: (w.user, w.gpus) for w in res["fifo"].workloads}
+    over = sorted(n for n, (u, g) in gpus.items() if u == "user-00" and g > 1)
+    assert over and sorted(res["fifo"].unschedulable) == over == sorted(res["fairshare"].unschedulable)
+    assert res["fairshare"].metrics != default["fairshare"].metrics and not default["fifo"].unschedulable
+    assert cfg.unused_users(info["user_names"]) == ["alice"] and len(info["user_names"]) == 20
+    config = tmp_path / "c.yaml"
+    config.write_text("users:\n  - {name: user-00, shares: 4}\n  - {name: alcie}\n")
+    out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(TRACES / "cluster10.csv"),
+                          "--policies", "fifo", "--config", str(config), "--json"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert set(json.loads(out.stdout)) == {"fifo"}
+    assert ("note: --config lists users who are not in this run, so their entries were not used: alcie "
+            "(the users here: user-00, user-01, user-02, ...)") in out.stderr
+
+
+def test_goals_cache_keys_the_users_config_of_drawn_users(tmp_path):
+    # The baselines' cached metrics depend on the users' shares, tiers and quotas: a config that
+    # changes user-00 must not read the baselines cached without it.
+    cache = tmp_path / "cache"
+    args = ["--traces", str(TRACES / "cluster10.csv"), "--cache", str(cache), "--workers", "1", "--json"]
+    plain = json.loads(_goals(*args).stdout)["runs"][0]["metrics"]
+    config = tmp_path / "c.yaml"
+    config.write_text("users:\n  - {name: user-00, gpu_quota: 1}\n")
+    capped = json.loads(_goals(*args, "--config", str(config)).stdout)["runs"][0]["metrics"]
+    assert capped["fifo"] != plain["fifo"] and len(list(cache.glob("cluster10-s0-*.json"))) == 2
