@@ -52,8 +52,9 @@ def option_problems(users: int, zipf: float, load: float, half_life: float, plac
     return problems
 
 
-UserLookup = Callable[[str, UserConfig], UserConfig]
-"""A user's config given its name and its default (the protocol's): ``SchedulerConfig.user``."""
+UserLookup = Callable[[str, "UserConfig | None"], UserConfig]
+"""A user's config given its name and its default (the protocol's; None: the config's own default,
+``default_shares`` at tier 1): ``SchedulerConfig.user``."""
 
 
 def trace_people(jobs: list[TraceJob], users: int = 20, user_config: UserLookup | None = None) -> list[UserConfig]:
@@ -61,8 +62,10 @@ def trace_people(jobs: list[TraceJob], users: int = 20, user_config: UserLookup 
     protocol draws ``users`` of them (1 share each, tiers 3/2/1). Either way a user that
     ``user_config`` lists (the scheduler config's ``users``) is as it says: shares, tier and quota."""
     named = trace_users(jobs)
-    defaults = [UserConfig(n) for n in named] if named else protocol_users(users)
-    return [user_config(u.name, u) for u in defaults] if user_config else defaults
+    if named:
+        return [user_config(n, None) if user_config else UserConfig(n) for n in named]
+    drawn = protocol_users(users)
+    return [user_config(u.name, u) for u in drawn] if user_config else drawn
 
 
 PROTOCOL_DEFAULTS = {"users": 20, "zipf": 1.1, "load": 0.9, "half_life_s": 7 * 86400.0}

@@ -404,3 +404,16 @@ def test_goals_cache_keys_the_users_config_of_drawn_users(tmp_path):
     config.write_text("users:\n  - {name: user-00, gpu_quota: 1}\n")
     capped = json.loads(_goals(*args, "--config", str(config)).stdout)["runs"][0]["metrics"]
     assert capped["fifo"] != plain["fifo"] and len(list(cache.glob("cluster10-s0-*.json"))) == 2
+
+
+def test_default_shares_apply_to_a_traces_own_users_and_not_to_drawn_ones(tmp_path):
+    from kfp_pytorch.fairness_scheduler.config import load_config
+    from kfp_pytorch.fairness_scheduler.report import trace_people
+    from kfp_pytorch.fairness_scheduler.trace import read_trace
+
+    cfg = load_config({"default_shares": 3, "users": [{"name": "u1", "shares": 1}, {"name": "user-07", "shares": 2}]})
+    own = read_trace(_with_users(tmp_path, lambda i: f"u{i % 3}"))
+    assert [(u.name, u.shares, u.priority) for u in trace_people(own, user_config=cfg.user)] == [
+        ("u0", 3, 1), ("u1", 1, 1), ("u2", 3, 1)]
+    drawn = trace_people(read_trace(TRACES / "cluster10.csv"), 20, cfg.user)  # the protocol fixes 1 share each
+    assert [(u.shares, u.priority) for u in drawn[:10]] == [(1, 3)] * 5 + [(1, 2)] * 2 + [(2, 1)] + [(1, 2)] * 2
