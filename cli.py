@@ -638,7 +638,7 @@ def ledger_show(ledger_url, at, half_life, config, capacity, as_json):
     compacted = (f"compacted up to {format_time(led.compacted_before)}" if led.compacted_before is not None
                  else "never compacted")
     header = [f"usage ledger {led.display_url} at {format_time(t)}: half-life {describe_half_life(led.half_life)}, "
-              f"{n_open} intervals, {compacted}",
+              f"{n_open} interval{'' if n_open == 1 else 's'}, {compacted}",
               "usage share U counts GPU-seconds only (--capacity gpu=N,cpu=N,memory=N weighs CPU and memory too)"
               if not (cap.cpu or cap.memory_gb) else
               f"usage share U weighs each resource by the cluster's capacity: {cap.gpu:g} GPUs, {cap.cpu:g} CPUs, "
@@ -686,7 +686,7 @@ def ledger_compact(ledger_url, at, half_life, older_than, as_json):
     if as_json:
         click.echo(json.dumps({"folded": folded, "before": before, "remaining": left}))
     else:
-        click.echo(f"folded {folded} intervals that ended by {format_time(before)} into per-user aggregates; "
+        click.echo(f"folded {folded} interval{'' if folded == 1 else 's'} that ended by {format_time(before)} into per-user aggregates; "
                    f"{left} remain")
 
 
