@@ -371,6 +371,15 @@ def storage_check(uri):
         sys.exit(1)
 
 
+def _given_on_command_line(*params: str) -> list[str]:
+    """Those of ``params`` the user gave (command line or environment), as ``--option`` names."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    given = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    return [f"--{p.replace('_', '-')}" for p in params if ctx.get_parameter_source(p) in given]
+
+
 def _unused_users_note(cfg, names) -> list[str]:
     """A line naming the users the config lists that are not among ``names``: their entries (shares,
     tier, quota) applied to nothing, which is most often a misspelt name."""
@@ -416,7 +425,8 @@ def _config_and_half_life(config: str | None, half_life: str | None, problems: l
 @click.option("--half-life", "half_life", default=None,
               help="Usage half-life: 7d, 12h, seconds. Overrides the config's (default 7d).")
 @click.option("--config", "config", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Scheduler config YAML: fairshare weights; shares and tiers of a trace's own users.")
+              help="Scheduler config YAML: fairshare weights; shares, tiers and GPU quotas of the users it "
+                   "lists (drawn by the protocol or a trace's own).")
 @click.option("--placement", type=click.Choice(PLACEMENTS), default=None,
               help="Node for pods below a node's size: fullest that fits (binpack, the default) or "
                    "emptiest (spread, kube-scheduler's default scoring). Overrides the config's.")
@@ -456,13 +466,15 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
     results, info = run_protocol(trace, names, users, zipf, seed, load, hl, cfg.fairshare,
                                  progress=not as_json and sys.stderr.isatty(), placement=placement or cfg.placement,
                                  workers=workers or default_workers(len(names)), user_config=cfg.user)
-    notes = unschedulable_lines(results) + _unused_users_note(cfg, info["user_names"])
+    notes = _unused_users_note(cfg, info["user_names"])
+    if info.get("users_from") == "trace" and (given := _given_on_command_line("users", "zipf", "seed")):
+        notes.append(f"note: {', '.join(given)} did not apply: the trace names its jobs' users (a user column)")
     if as_json:
         click.echo(json.dumps({p: r.metrics for p, r in results.items()}, indent=1))
-        for line in notes:  # the object keeps the protocol's shape: say it beside
+        for line in unschedulable_lines(results) + notes:  # the object keeps the protocol's shape: say it beside
             click.echo(line, err=True)
     else:
-        click.echo(format_table(results, info))
+        click.echo(format_table(results, info))  # the unschedulable jobs included
         for line in notes:
             click.echo(line)
         if per_user:

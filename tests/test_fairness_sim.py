@@ -691,10 +691,13 @@ def test_simulate_cli_names_the_jobs_that_can_never_start(tmp_path):
     assert table.returncode == 0, table.stderr
     assert ("unschedulable, reported and not run under any policy: 1 job(s)\n"
             "  big: needs 16 GPUs, more than user ann's GPU quota of 8") in table.stdout
+    assert table.stdout.count("big: needs") == 1 and "did not apply" not in table.stdout
+    seeded = subprocess.run(cmd + ["--seed", "3", "--zipf", "2"], capture_output=True, text=True)
+    assert "note: --zipf, --seed did not apply: the trace names its jobs' users (a user column)" in seeded.stdout
     as_json = subprocess.run(cmd + ["--json"], capture_output=True, text=True)
     assert as_json.returncode == 0, as_json.stderr
     assert set(json.loads(as_json.stdout)) == {"fifo", "fairshare"}  # the protocol's shape, unchanged
-    assert "big: needs 16 GPUs, more than user ann's GPU quota of 8" in as_json.stderr
+    assert as_json.stderr.count("big: needs 16 GPUs, more than user ann's GPU quota of 8") == 1
 
 
 @pytest.mark.parametrize("policy", [p for p, cls in POLICIES.items()
