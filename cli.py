@@ -131,7 +131,7 @@ def run_cmd(pipeline, local, params, predict, as_json):
     from kfp_pytorch.pipelines.local import preflight, run_local, summarize
 
     entry = get_pipeline(pipeline)
-    values = entry.resolve(_parse_params(params))
+    values = _resolve_params(entry, params)
     preflight(values)
     run = run_local(entry, values)
     summary = summarize(run)
@@ -143,6 +143,16 @@ def run_cmd(pipeline, local, params, predict, as_json):
         _print_summary(summary)
     if not run.succeeded:
         sys.exit(1)
+
+
+def _resolve_params(entry, params) -> dict:
+    """The pipeline's parameters from ``--param`` strings, validated; a note on stderr for each given
+    parameter that the chosen backends will not read."""
+    raw = _parse_params(params)
+    values = entry.resolve(raw)
+    for note in entry.inert_notes(raw, values):
+        click.echo(f"note: {note}", err=True)
+    return values
 
 
 def _predict_sample(summary: dict, values: dict) -> dict:
@@ -263,7 +273,7 @@ def submit_cmd(pipeline, host, namespace, experiment, token, params, run_name, w
     from kfp_pytorch.pipelines.kfp_api import KfpApi
 
     entry = get_pipeline(pipeline)
-    values = entry.resolve(_parse_params(params))
+    values = _resolve_params(entry, params)
     check_component_image()  # local problems before any call to the server
     api = KfpApi(host, namespace, token)
     run_id = api.submit(entry, values, experiment, run_name)
@@ -292,7 +302,7 @@ def schedule_cmd(pipeline, host, namespace, experiment, token, cron, params, nam
 
     cron = validate_cron(cron)
     entry = get_pipeline(pipeline)
-    values = entry.resolve(_parse_params(params))
+    values = _resolve_params(entry, params)
     check_component_image()
     rr = KfpApi(host, namespace, token).schedule(entry, values, cron, experiment, name, max_concurrency)
     click.echo(f"recurring run {rr} created: {pipeline} at '{cron}'")

@@ -28,6 +28,11 @@ class PipelineEntry:
     summary: str
     build: Callable | None = None
     """Builds the pipeline with Kubernetes platform settings (``build(platform)``), if supported."""
+    inert: Callable[[set, dict], list[str]] | None = None
+    """Notes on given parameters the run will not read (``inert(given names, resolved values)``)."""
+
+    def inert_notes(self, raw: dict, values: dict) -> list[str]:
+        return self.inert(set(raw), values) if self.inert else []
 
     @property
     def params(self) -> list[Param]:
@@ -93,7 +98,7 @@ def parse_value(value: Any, typ: type) -> Any:
 PIPELINES: dict[str, PipelineEntry] = {
     "train_and_serve": PipelineEntry("train_and_serve", _tas.train_and_serve, _tas.check,
                                      "prepare -> train (DDP / PyTorchJob) -> evaluate -> register -> serve",
-                                     _tas.build),
+                                     _tas.build, _tas.inert_params),
 }
 
 

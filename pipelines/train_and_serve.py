@@ -98,6 +98,27 @@ def check(p: dict) -> None:
                           title="invalid parameters for pipeline train_and_serve")
 
 
+# Parameters that only one backend reads: given for the other, they change nothing.
+_BACKEND_ONLY = (
+    ("train_backend", "cluster", ("nodes", "gpus_per_node"), "a PyTorchJob's pods and their GPUs"),
+    ("serve_backend", "cluster", ("canary_traffic_percent",), "a KServe canary rollout"),
+    ("serve_backend", "local", ("serve_port",), "the local model server's port"),
+)
+
+
+def inert_params(given: set[str], p: dict) -> list[str]:
+    """A note for each group of ``given`` parameters that the chosen backends do not read (the run
+    goes ahead: a parameter set shared between a cluster and this machine is not an error)."""
+    notes = []
+    for backend, needs, names, what in _BACKEND_ONLY:
+        unread = [n for n in names if n in given]
+        if unread and p.get(backend) != needs:
+            many = len(unread) > 1
+            notes.append(f"{', '.join(unread)} only appl{'y' if many else 'ies'} with {backend}={needs} ({what}); "
+                         f"this run has {backend}={p.get(backend)}, so {'they change' if many else 'it changes'} nothing")
+    return notes
+
+
 PARAM_DOCS = {
     "dataset_uri": "CSV/Parquet table: local path, s3://bucket/key, minio://bucket/key, or sample://digits",
     "model_name": "registered model and endpoint name (DNS-1123 label)",

@@ -99,11 +99,31 @@ def test_end_to_end_on_s3_and_mlflow_server(s3, bucket, mlflow_server):
 
 
 def test_gate_failure_skips_register_and_serve():
-    r = run_cli("run", "train_and_serve", "--local", "--json", "--param", "epochs=1", "--param", "threshold=0.999")
+    # ... and parameters the local backends do not read are named, while the run goes ahead
+    r = run_cli("run", "train_and_serve", "--local", "--json", "--param", "epochs=1", "--param", "threshold=0.999",
+                "--param", "gpus_per_node=1", "--param", "canary_traffic_percent=20")
     assert r.returncode == 0, r.stderr[-2000:]
     s = summary_of(r.stdout)
     assert s["gate_passed"] is False and "model" not in s and "endpoint" not in s
     assert not _project_processes()
+    assert ("note: gpus_per_node only applies with train_backend=cluster (a PyTorchJob's pods and their GPUs); "
+            "this run has train_backend=local, so it changes nothing") in r.stderr
+    assert "note: canary_traffic_percent only applies with serve_backend=cluster" in r.stderr
+
+
+def test_only_parameters_the_backends_do_not_read_get_a_note():
+    from kfp_pytorch.pipelines.train_and_serve import inert_params
+
+    cluster = {"train_backend": "cluster", "serve_backend": "cluster"}
+    assert inert_params({"nodes", "gpus_per_node", "canary_traffic_percent"}, cluster) == []
+    assert inert_params({"serve_port"}, cluster) == [
+        "serve_port only applies with serve_backend=local (the local model server's port); "
+        "this run has serve_backend=cluster, so it changes nothing"]
+    local = {"train_backend": "local", "serve_backend": "local"}
+    assert inert_params({"epochs", "serve_port"}, local) == []
+    assert inert_params({"nodes", "gpus_per_node"}, local) == [
+        "nodes, gpus_per_node only apply with train_backend=cluster (a PyTorchJob's pods and their GPUs); "
+        "this run has train_backend=local, so they change nothing"]
 
 
 @pytest.mark.parametrize("args,needle", [
