@@ -251,12 +251,23 @@ def _namespace(ctx, param, value):
     return value
 
 
+def _host(ctx, param, value):
+    """The KFP API's URL: refused here when it has no http(s) scheme or host, not after a failed call."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(value or "")
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise click.BadParameter(f"{value!r} is not a URL of the KFP API: give http(s)://HOST[:PORT], e.g. "
+                                 "http://127.0.0.1:8080 after kubectl -n kubeflow port-forward svc/ml-pipeline-ui 8080:80")
+    return value
+
+
 def _kfp_options(f):
     f = click.option("--token", envvar="KF_PIPELINES_TOKEN", default=None, help="Bearer token (or KF_PIPELINES_TOKEN).")(f)
     f = click.option("--experiment", default="kfp-pytorch", show_default=True)(f)
     f = click.option("--namespace", default=None, callback=_namespace,
                      help="Kubeflow profile namespace (multi-user).")(f)
-    f = click.option("--host", required=True, envvar="KFP_HOST", help="KFP API URL (or KFP_HOST).")(f)
+    f = click.option("--host", required=True, envvar="KFP_HOST", callback=_host, help="KFP API URL (or KFP_HOST).")(f)
     return f
 
 

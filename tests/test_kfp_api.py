@@ -56,6 +56,8 @@ def test_options_kfp_would_refuse_are_refused_before_any_call(kfp_server):
     assert r.returncode == 2 and "'--max-concurrency': 11 is not in the range 1<=x<=10" in r.stderr
     r = cli("runs", "--host", url, "--namespace", "Team_A")
     assert r.returncode == 2 and "'Team_A' is not a Kubernetes namespace" in r.stderr
+    r = cli("submit", "train_and_serve", "--host", url.split("://", 1)[1])  # the scheme left out
+    assert r.returncode == 2 and "is not a URL of the KFP API: give http(s)://HOST[:PORT]" in r.stderr
     assert len(fake.requests) == before and not fake.recurring
 
 
