@@ -81,6 +81,9 @@ class StorageConfig:
         endpoint = None
         if raw:
             parsed = urlparse(raw if "://" in raw else f"//{raw}")
+            if parsed.scheme not in ("", "http", "https"):
+                raise StorageError(f"S3 endpoint {raw!r} has the scheme {parsed.scheme!r}; S3 speaks http or https",
+                                   "set AWS_ENDPOINT_URL=http://HOST:PORT (https:// for TLS)")
             endpoint = parsed.netloc or parsed.path
             if parsed.scheme:
                 secure_default = parsed.scheme == "https"
@@ -126,6 +129,14 @@ def parse_uri(uri: str) -> Location:
     if parsed.scheme in S3_SCHEMES:
         if not parsed.netloc:
             raise StorageError(f"URI {uri!r} has no bucket", "write it as s3://BUCKET/KEY")
+        from minio.helpers import check_bucket_name
+
+        try:  # minio's own rule, checked here: its client would raise a bare ValueError mid-step
+            check_bucket_name(parsed.netloc)
+        except ValueError:
+            raise StorageError(f"URI {uri!r}: {parsed.netloc!r} is not a valid bucket name",
+                               "bucket names are 3-63 characters: lower-case letters, digits, '.' and '-', "
+                               "starting and ending with a letter or digit") from None
         return Location("s3", parsed.netloc, parsed.path.lstrip("/"))
     if parsed.scheme == "file":
         return Location("file", "", parsed.path)
@@ -207,9 +218,18 @@ class Storage:
                 raise self._map_error(e, loc, action) from e
             raise
 
+    @staticmethod
+    def _object(uri: str, action: str) -> Location:
+        """``uri`` parsed, for a one-object operation: an S3 URI must name a key, not just a bucket."""
+        loc = parse_uri(uri)
+        if loc.is_s3 and not loc.key:
+            raise StorageError(f"{action} {uri}: the URI names a bucket, not an object",
+                               "write s3://BUCKET/KEY; `kfp-pytorch storage ls s3://BUCKET/` lists the keys there")
+        return loc
+
     # ---- public API -------------------------------------------------------------------------
     def exists(self, uri: str) -> bool:
-        loc = parse_uri(uri)
+        loc = self._object(uri, "stat")
         if not loc.is_s3:
             return loc.path.exists()
         from minio.error import S3Error
@@ -225,7 +245,7 @@ class Storage:
             raise self._map_error(e, loc, "stat") from e
 
     def read_bytes(self, uri: str) -> bytes:
-        loc = parse_uri(uri)
+        loc = self._object(uri, "read")
         if not loc.is_s3:
             try:
                 return loc.path.read_bytes()
@@ -244,7 +264,7 @@ class Storage:
 
     def iter_chunks(self, uri: str, chunk_size: int = _CHUNK) -> Iterator[bytes]:
         """Stream an object in chunks (for objects larger than memory)."""
-        loc = parse_uri(uri)
+        loc = self._object(uri, "read")
         if not loc.is_s3:
             with open(loc.path, "rb") as f:
                 while chunk := f.read(chunk_size):
@@ -258,7 +278,7 @@ class Storage:
             resp.release_conn()
 
     def write_bytes(self, uri: str, data: bytes, content_type: str = "application/octet-stream") -> None:
-        loc = parse_uri(uri)
+        loc = self._object(uri, "write")
         if not loc.is_s3:
             _atomic_write_local(loc.path, data)
             return
@@ -266,7 +286,7 @@ class Storage:
                  content_type=content_type)
 
     def upload_file(self, path: str | Path, uri: str) -> None:
-        loc = parse_uri(uri)
+        loc = self._object(uri, "upload")
         if not loc.is_s3:
             loc.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = loc.path.with_name(f".{loc.path.name}.tmp-{os.getpid()}")
@@ -276,7 +296,7 @@ class Storage:
         self._s3(loc, "upload", self.client.fput_object, loc.bucket, loc.key, str(path))
 
     def download_file(self, uri: str, path: str | Path) -> Path:
-        loc, path = parse_uri(uri), Path(path)
+        loc, path = self._object(uri, "download"), Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         if not loc.is_s3:
             if not loc.path.exists():

@@ -323,7 +323,7 @@ def bench_k8s(tmp: Path) -> None:
     calls, latency, server_reqs = [], [], []
     try:
         for run in range(5):
-            spec = ClusterTrainSpec(TrainSpec("s3://d/x", "s3://m/x", workers=4), image="reg/kfp-pytorch:0.1.0",
+            spec = ClusterTrainSpec(TrainSpec("s3://data/x", "s3://models/x", workers=4), image="reg/kfp-pytorch:0.1.0",
                                     namespace="bench", run_id=f"run-{run}", task="train-op", nodes=4)
             moved = {}
 

@@ -164,5 +164,5 @@ def test_schema_validation_catches_an_invalid_manifest():
 def test_no_credentials_in_any_manifest(monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "super-secret-value")
     text = json.dumps([to_pytorchjob(spec()), to_trainjob(spec()),
-                       to_inference_service(ClusterServeSpec("s3://m/x", "digits", IMAGE)), kfp_launcher_configmap("a")])
+                       to_inference_service(ClusterServeSpec("s3://models/x", "digits", IMAGE)), kfp_launcher_configmap("a")])
     assert "super-secret-value" not in text

@@ -17,7 +17,7 @@ NS = "team-a"
 
 
 def spec(nodes=4, **kw):
-    return ClusterTrainSpec(TrainSpec("s3://d/x", "s3://m/x", workers=nodes), image="reg/kfp-pytorch:0.1.0",
+    return ClusterTrainSpec(TrainSpec("s3://data/x", "s3://models/x", workers=nodes), image="reg/kfp-pytorch:0.1.0",
                             namespace=NS, run_id="run-123", task="train-op", user="alice", nodes=nodes, **kw)
 
 
@@ -127,13 +127,13 @@ def test_rbac_and_missing_operator_errors(k8s):
 def test_inference_service_ready_and_canary_update(k8s):
     fake, api = k8s
     server = ClusterServer(Kube(api), out=io.StringIO())
-    first = server.run(ClusterServeSpec("s3://m/run1/model", "digits", "reg/kfp-pytorch:0.1.0", namespace=NS), 10)
+    first = server.run(ClusterServeSpec("s3://models/run1/model", "digits", "reg/kfp-pytorch:0.1.0", namespace=NS), 10)
     assert first["url"] == f"http://digits.{NS}.svc.cluster.local" and not first["updated"]
-    second = server.run(ClusterServeSpec("s3://m/run2/model", "digits", "reg/kfp-pytorch:0.1.0", namespace=NS,
+    second = server.run(ClusterServeSpec("s3://models/run2/model", "digits", "reg/kfp-pytorch:0.1.0", namespace=NS,
                                          canary_traffic_percent=20), 10)
     isvc = fake.get("inferenceservices", NS, "digits")
     assert second["updated"] and isvc["spec"]["predictor"]["canaryTrafficPercent"] == 20
-    assert isvc["spec"]["predictor"]["storageUris"][0]["uri"] == "s3://m/run2/model"
+    assert isvc["spec"]["predictor"]["storageUris"][0]["uri"] == "s3://models/run2/model"
 
 
 def test_inference_service_not_ready_times_out(k8s):
@@ -141,7 +141,7 @@ def test_inference_service_not_ready_times_out(k8s):
     fake.operator.isvc_ready = False
     with pytest.raises(ServingError, match="not Ready within 1s"):
         ClusterServer(Kube(api), out=io.StringIO()).run(
-            ClusterServeSpec("s3://m/x", "stuck", "reg/kfp-pytorch:0.1.0", namespace=NS), 1)
+            ClusterServeSpec("s3://models/x", "stuck", "reg/kfp-pytorch:0.1.0", namespace=NS), 1)
 
 
 def _kubeconfig(tmp_path, url):

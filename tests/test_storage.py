@@ -7,8 +7,8 @@ from servers import free_port
 
 
 @pytest.mark.parametrize("uri,expected", [
-    ("s3://b/k/x.csv", ("s3", "b", "k/x.csv")),
-    ("minio://b/k", ("s3", "b", "k")),
+    ("s3://bkt/k/x.csv", ("s3", "bkt", "k/x.csv")),
+    ("minio://bkt/k", ("s3", "bkt", "k")),
     ("/tmp/a", ("file", "", "/tmp/a")),
     ("file:///tmp/a", ("file", "", "/tmp/a")),
     ("rel/path", ("file", "", "rel/path")),
@@ -18,11 +18,36 @@ def test_parse_uri(uri, expected):
     assert (loc.scheme, loc.bucket, loc.key) == expected
 
 
-@pytest.mark.parametrize("uri", ["gs://bucket/x", "s3:///nobucket", ""])
+@pytest.mark.parametrize("uri", ["gs://bucket/x", "s3:///nobucket", "", "s3://b/x", "s3://-bkt/x", "s3://10.0.0.1/x"])
 def test_parse_uri_rejects_with_hint(uri):
     with pytest.raises(StorageError) as e:
         parse_uri(uri)
     assert e.value.hint
+
+
+def test_a_bad_bucket_name_or_endpoint_scheme_is_an_error_not_a_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "kfp_pytorch.cli", "storage", "ls"]
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}
+    short = subprocess.run([*cli, "s3://b/x"], capture_output=True, text=True, env=env)
+    assert short.returncode == 1 and "'b' is not a valid bucket name" in short.stderr
+    assert "Traceback" not in short.stderr and "3-63 characters" in short.stderr
+    ftp = subprocess.run([*cli, "s3://bkt/x"], capture_output=True, text=True,
+                         env={**env, "AWS_ENDPOINT_URL": "ftp://127.0.0.1:9"})
+    assert ftp.returncode == 1 and "has the scheme 'ftp'; S3 speaks http or https" in ftp.stderr
+
+
+@pytest.mark.parametrize("call", ["exists", "read_bytes", "write_bytes", "iter_chunks", "download_file", "upload_file"])
+def test_a_bucket_without_a_key_is_refused_for_one_object_operations(call, tmp_path):
+    st = Storage(StorageConfig(endpoint="127.0.0.1:9"))  # refused before any request: nothing listens there
+    args = {"write_bytes": ("s3://bkt/", b"x"), "download_file": ("s3://bkt/", tmp_path / "f"),
+            "upload_file": (tmp_path / "f", "s3://bkt")}.get(call, ("s3://bkt/",))
+    with pytest.raises(StorageError) as e:
+        out = getattr(st, call)(*args)
+        list(out) if call == "iter_chunks" else None
+    assert "the URI names a bucket, not an object" in str(e.value) and "s3://BUCKET/KEY" in e.value.hint
 
 
 def test_join_keeps_scheme():
@@ -107,5 +132,5 @@ def test_s3_unreachable_endpoint():
 
 def test_s3_without_endpoint_says_how_to_configure():
     with pytest.raises(StorageError) as e:
-        Storage(StorageConfig()).read_bytes("s3://b/k")
+        Storage(StorageConfig()).read_bytes("s3://bkt/k")
     assert "AWS_ENDPOINT_URL" in e.value.hint

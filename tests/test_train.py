@@ -45,9 +45,9 @@ def test_workers_get_the_pytorchjob_environment(digits_data, tmp_path, monkeypat
 
 
 def test_worker_command_is_the_replica_entrypoint():
-    cmd = worker_command(TrainSpec("s3://b/data", "s3://b/out", epochs=3))
+    cmd = worker_command(TrainSpec("s3://bkt/data", "s3://bkt/out", epochs=3))
     assert cmd[:5] == ["python", "-m", "torch.distributed.run", "-m", "kfp_pytorch.components.train_worker"]
-    assert "--dataset-uri" in cmd and "s3://b/data" in cmd
+    assert "--dataset-uri" in cmd and "s3://bkt/data" in cmd
 
 
 def test_s3_dataset_checkpoints_and_model(s3, bucket, tmp_path):
