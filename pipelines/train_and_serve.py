@@ -11,6 +11,7 @@ from kfp import dsl
 from kfp_pytorch.components.errors import ConfigError
 from kfp_pytorch.components.ops.evaluate import evaluate_op
 from kfp_pytorch.components.models import ZOO
+from kfp_pytorch.components.storage import StorageError, parse_uri
 from kfp_pytorch.components.ops.prepare_data import prepare_data_op
 from kfp_pytorch.components.ops.register import register_op
 from kfp_pytorch.components.ops.serve import serve_op
@@ -75,6 +76,12 @@ def validate_params(p: dict) -> list[str]:
         problems.append(f"threshold: must be in [0, 1], got {p['threshold']}")
     if p["storage_root"] and not re.match(r"^(s3|minio)://[^/]+", p["storage_root"]):
         problems.append(f"storage_root: must be s3://BUCKET[/PREFIX] or minio://..., got {p['storage_root']!r}")
+    for k in ("storage_root", "dataset_uri"):  # a bucket name S3 would refuse, found before any step or pod
+        if re.match(r"^(s3|minio)://[^/]+", p[k]):
+            try:
+                parse_uri(p[k])
+            except StorageError as e:
+                problems.append(f"{k}: {e.message}" + (f" ({e.hint})" if e.hint else ""))
     if not 0 <= p["serve_port"] <= 65535:
         problems.append(f"serve_port: must be in [0, 65535], got {p['serve_port']}")
     for k in ("train_backend", "serve_backend"):

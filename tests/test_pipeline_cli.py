@@ -135,6 +135,10 @@ def test_only_parameters_the_backends_do_not_read_get_a_note():
     (["run", "train_and_serve", "--local", "--param", "model_arch=nosuchpkg_q.models:net"],
      "cannot import model factory module 'nosuchpkg_q.models'"),
     (["run", "train_and_serve", "--local", "--param", "batch_size"], "expected key=value"),
+    (["run", "train_and_serve", "--local", "--param", "storage_root=s3://b/runs"],
+     "storage_root: URI 's3://b/runs': 'b' is not a valid bucket name (bucket names are 3-63 characters"),
+    (["manifest", "pytorchjob", "--image", "reg/kfp-pytorch:0.1.0", "--param", "dataset_uri=s3://-data/x.csv"],
+     "dataset_uri: URI 's3://-data/x.csv': '-data' is not a valid bucket name"),
 ])
 def test_bad_input_is_a_clear_error(args, needle):
     r = run_cli(*args)
