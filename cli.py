@@ -299,7 +299,7 @@ def submit_cmd(pipeline, host, namespace, experiment, token, params, run_name, w
 @cli.command("schedule")
 @click.argument("pipeline")
 @_kfp_options
-@click.option("--cron", required=True, help='6 fields, seconds first: "0 0 3 * * *" is 03:00 daily.')
+@click.option("--cron", required=True, help='6 fields, seconds first: "0 0 3 * * *" is 03:00 daily; or a descriptor: "@daily", "@every 6h".')
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE")
 @click.option("--name", default=None, help="Recurring run name.")
 @click.option("--max-concurrency", default=1, show_default=True, type=click.IntRange(1, 10),

@@ -3,7 +3,8 @@
 Endpoints: healthz; pipelines upload / upload_version / list / versions; experiments create / list;
 runs create / get / list; recurringruns create / list. Validation mirrors the server: a run needs
 a display name and an existing pipeline version (or an inline spec), parameters must be declared
-inputs of the pipeline, a cron must have 6 fields, an upload must be a parsable PipelineSpec.
+inputs of the pipeline, a cron must parse as robfig/cron's ``Parse`` would take it (5 or 6 fields,
+seconds first, or a descriptor such as ``@daily``), an upload must be a parsable PipelineSpec.
 ``require_token`` makes every call without ``Authorization: Bearer <token>`` a 401.
 """
 from __future__ import annotations
@@ -110,8 +111,9 @@ class FakeKfp:
                 problems.append(f"parameter {k!r} is not an input of the pipeline")
         if kind == "recurring":
             cron = ((body.get("trigger") or {}).get("cron_schedule") or {}).get("cron")
-            if cron is not None and len(cron.split()) != 6:
-                problems.append(f"invalid cron {cron!r}: KFP expects 6 fields (seconds first)")
+            if cron is not None and not _robfig_parses(cron):
+                problems.append(f"Schedule cron is not a supported format(https://godoc.org/github.com/robfig/cron): "
+                                f"{cron!r}")
         if problems:
             raise KfpError(400, "Invalid input error: " + "; ".join(problems))
         return spec
@@ -257,3 +259,17 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_DELETE(self):
         self._handle("DELETE")
+
+
+_ROBFIG_DESCRIPTORS = {"@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly"}
+
+
+def _robfig_parses(cron: str) -> bool:
+    """The shape robfig/cron v1's Parse accepts (KFP's API server validates with it): 5 or 6 fields
+    (second minute hour dom month [dow]), or a descriptor. Field values are not checked here."""
+    words = cron.split()
+    if words and words[0].startswith("@"):
+        if words[0] == "@every":
+            return len(words) == 2 and re.fullmatch(r"((\d+(\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h))+", words[1]) is not None
+        return len(words) == 1 and words[0] in _ROBFIG_DESCRIPTORS
+    return len(words) in (5, 6)

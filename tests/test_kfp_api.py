@@ -43,6 +43,14 @@ def test_schedule_with_six_field_cron(kfp_server):
     assert rr["runtime_config"]["parameters"]["threshold"] == 0.95
 
 
+def test_schedule_with_a_descriptor(kfp_server):
+    fake, url = kfp_server
+    r = cli("schedule", "train_and_serve", "--host", url, "--cron", "@every 6h", "--name", "every-6h")
+    assert r.returncode == 0, r.stderr
+    assert [rr["trigger"]["cron_schedule"]["cron"] for rr in fake.recurring.values()
+            if rr["display_name"] == "every-6h"] == ["@every 6h"]
+
+
 def test_five_field_cron_shows_the_six_field_form(kfp_server):
     _, url = kfp_server
     r = cli("schedule", "train_and_serve", "--host", url, "--cron", "0 3 * * *")
@@ -62,8 +70,11 @@ def test_options_kfp_would_refuse_are_refused_before_any_call(kfp_server):
 
 
 @pytest.mark.parametrize("expr,ok", [("0 0 3 * * *", True), ("*/30 * * * * ?", True), ("0 0 3 * * MON-FRI", True),
-                                     ("0 61 * * * *", False), ("0 0 3 * *", False), ("daily", False)])
+                                     ("@daily", True), ("@hourly", True), ("@every 1h30m", True), ("@every 90s", True),
+                                     ("0 61 * * * *", False), ("0 0 3 * *", False), ("daily", False), ("@fortnightly", False),
+                                     ("@every 500ms", False), ("@every 1 hour", False), ("@every", False)])
 def test_validate_cron(expr, ok):
+    # KFP reads a recurring run's cron with robfig/cron's Parse: 6 fields or a descriptor
     if ok:
         assert validate_cron(expr) == expr
     else:
