@@ -89,6 +89,14 @@ def resolve_factory(name: str) -> Callable[..., nn.Module]:
     if fn is None or not callable(fn):
         raise ModelFactoryError(f"module {mod_name!r} has no callable {fn_name!r}",
                                 f"define def {fn_name}(input_dim, num_classes, image_shape=None) -> nn.Module")
+    try:  # the call build_model makes, checked now: found before any step runs, not in a worker
+        inspect.signature(fn).bind(input_dim=1, num_classes=2)
+    except TypeError:
+        raise ModelFactoryError(f"model factory {name!r} takes {fn_name}{inspect.signature(fn)}, but is called "
+                                "as factory(input_dim=..., num_classes=...[, image_shape=...])",
+                                f"define def {fn_name}(input_dim, num_classes, image_shape=None) -> nn.Module") from None
+    except ValueError:  # no signature to read (a builtin): the call itself will tell
+        pass
     return fn
 
 

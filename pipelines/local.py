@@ -6,6 +6,7 @@ that the model factory imports, and that a fixed serving port is free. A run tha
 has its failed task's partial outputs removed, so nothing half-written is left behind.
 """
 import json
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,15 +88,20 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
     elapsed = time.perf_counter() - t0
     if error is None:
         return LocalRun(entry.name, run_dir, True, outputs, elapsed_s=elapsed)
-    failed = None
-    import re
-
-    m = re.search(r"Inner task failed: \W*'?([\w-]+)", str(error).replace("\x1b", ""))
-    if m:
-        failed = re.sub(r"\[\d+m", "", m.group(1))
+    failed = failed_task_of(str(error))
     if failed and (run_dir / failed).exists():
         shutil.rmtree(run_dir / failed, ignore_errors=True)  # partial outputs of the failed step
     return LocalRun(entry.name, run_dir, False, outputs, failed, elapsed)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def failed_task_of(message: str) -> str | None:
+    """The failed task's name in kfp.local's error (``... Inner task failed: 'train-op'.``, with
+    terminal colour codes around the name), or None."""
+    m = re.search(r"Inner task failed: '([\w.-]+)'", _ANSI.sub("", message))
+    return m.group(1) if m else None
 
 
 def summarize(run: LocalRun) -> dict:

@@ -126,6 +126,30 @@ def test_only_parameters_the_backends_do_not_read_get_a_note():
         "this run has train_backend=local, so they change nothing"]
 
 
+def test_a_step_that_fails_is_named_and_its_partial_outputs_removed(tmp_path):
+    # The factory passes the checks made before any step (it imports, its signature binds) and
+    # fails in the training workers: the summary names the step (kfp.local colours its name).
+    (tmp_path / "badfactory.py").write_text("def net(input_dim, num_classes, image_shape=None):\n    return 42\n")
+    r = run_cli("run", "train_and_serve", "--local", "--param", "model_arch=badfactory:net", "--param", "epochs=1",
+                env={"PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 1
+    assert "failed task: train-op (its error is printed above; partial outputs removed)" in r.stdout
+    assert "returned int, not a torch.nn.Module" in r.stdout + r.stderr
+    run_dir = max((Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").iterdir(), key=lambda d: d.stat().st_mtime)
+    assert (run_dir / "prepare-data-op").is_dir() and not (run_dir / "train-op").exists()
+    assert not _project_processes()
+
+
+def test_failed_task_is_read_from_kfp_locals_coloured_message():
+    from kfp_pytorch.pipelines.local import failed_task_of
+
+    coloured = ("Pipeline \x1b[95m'train-and-serve'\x1b[0m finished with status \x1b[91mFAILURE\x1b[0m. "
+                "Inner task failed: \x1b[96m'train-op'\x1b[0m.")
+    assert failed_task_of(coloured) == "train-op"
+    assert failed_task_of("Pipeline 'p' finished with status FAILURE. Inner task failed: 'evaluate-op'.") == "evaluate-op"
+    assert failed_task_of("something else") is None
+
+
 @pytest.mark.parametrize("args,needle", [
     (["run", "no_such_pipeline", "--local"], "unknown pipeline 'no_such_pipeline'"),
     (["run", "train_and_serve", "--local", "--param", "epoch=3"], "did you mean 'epochs'"),
@@ -135,6 +159,8 @@ def test_only_parameters_the_backends_do_not_read_get_a_note():
     (["run", "train_and_serve", "--local", "--param", "model_arch=nosuchpkg_q.models:net"],
      "cannot import model factory module 'nosuchpkg_q.models'"),
     (["run", "train_and_serve", "--local", "--param", "batch_size"], "expected key=value"),
+    (["run", "train_and_serve", "--local", "--param", "model_arch=json:dumps"],
+     "model factory 'json:dumps' takes dumps(obj, *, skipkeys=False"),
     (["run", "train_and_serve", "--local", "--param", "storage_root=s3://b/runs"],
      "storage_root: URI 's3://b/runs': 'b' is not a valid bucket name (bucket names are 3-63 characters"),
     (["manifest", "pytorchjob", "--image", "reg/kfp-pytorch:0.1.0", "--param", "dataset_uri=s3://-data/x.csv"],
