@@ -244,6 +244,8 @@ def test_bad_platform_file_is_reported(tmp_path):
     ("gpu_tolerations: [3]\n", "gpu_tolerations[0]: must be a mapping"),
     ("s3_keys: 3\ns3_secret: My_Secret\n", "s3_secret: 'My_Secret' is not a valid Secret name"),
     ("labels: {a: [\n", "platform.yaml:2: not valid YAML"),
+    ("s3_endpoint: ftp://minio:9000\n", "s3_endpoint: 'ftp://minio:9000' is not an S3 endpoint; write http(s)://HOST[:PORT]"),
+    ("s3_endpoint: http://minio:9000/bucket\n", "s3_endpoint: 'http://minio:9000/bucket' is not an S3 endpoint"),
 ])
 def test_malformed_platform_file_gets_an_error_not_a_traceback(tmp_path, body, needle):
     plat = tmp_path / "platform.yaml"
