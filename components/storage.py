@@ -84,6 +84,9 @@ class StorageConfig:
             if parsed.scheme not in ("", "http", "https"):
                 raise StorageError(f"S3 endpoint {raw!r} has the scheme {parsed.scheme!r}; S3 speaks http or https",
                                    "set AWS_ENDPOINT_URL=http://HOST:PORT (https:// for TLS)")
+            if parsed.netloc and parsed.path.strip("/"):  # minio's client takes no path: it would be dropped
+                raise StorageError(f"S3 endpoint {raw!r} has a path; the endpoint is the server only",
+                                   "set AWS_ENDPOINT_URL=http://HOST:PORT and put the bucket in the URI: s3://BUCKET/KEY")
             endpoint = parsed.netloc or parsed.path
             if parsed.scheme:
                 secure_default = parsed.scheme == "https"

@@ -37,6 +37,11 @@ def test_a_bad_bucket_name_or_endpoint_scheme_is_an_error_not_a_traceback(tmp_pa
     ftp = subprocess.run([*cli, "s3://bkt/x"], capture_output=True, text=True,
                          env={**env, "AWS_ENDPOINT_URL": "ftp://127.0.0.1:9"})
     assert ftp.returncode == 1 and "has the scheme 'ftp'; S3 speaks http or https" in ftp.stderr
+    with pytest.raises(StorageError) as e:
+        StorageConfig.from_env({"AWS_ENDPOINT_URL": "http://minio:9000/models", "KFP_PYTORCH_STORAGE_CONFIG": "/nope"})
+    assert "has a path; the endpoint is the server only" in str(e.value) and "s3://BUCKET/KEY" in e.value.hint
+    assert StorageConfig.from_env({"AWS_ENDPOINT_URL": "http://minio:9000/", "KFP_PYTORCH_STORAGE_CONFIG": "/nope"}
+                                  ).endpoint == "minio:9000"
 
 
 @pytest.mark.parametrize("call", ["exists", "read_bytes", "write_bytes", "iter_chunks", "download_file", "upload_file"])
