@@ -32,7 +32,8 @@ and survive a controller restart.
 
 Edge cases, decided here: a workload that cannot fit even an empty cluster, or asks for more
 GPUs than its user's quota, is *unschedulable* (``NodePool.never_starts``) and is reported once
-at enqueue, never queued (no endless loop); quota is checked before placement; ties in key are impossible (keys end with submit time and arrival sequence).
+at enqueue, never queued (no endless loop); quota is checked before placement; ties in key are
+impossible (keys end with submit time and arrival sequence).
 """
 from __future__ import annotations
 
@@ -47,6 +48,13 @@ from .errors import SchedulerConfigError
 from .model import Node, Resources, Workload, placement_problem
 from .policy import CycleContext, Policy
 from .usage import format_duration
+
+
+def _above_quota(w: Workload, quota: float | None) -> str | None:
+    """Why ``w`` exceeds its user's GPU quota on its own (None: it does not)."""
+    if quota is not None and w.gpus > quota + 1e-9:
+        return f"needs {w.gpus:g} GPUs, more than user {w.user}'s GPU quota of {quota:g}"
+    return None
 
 
 class NodePool:
@@ -105,9 +113,7 @@ class NodePool:
         if not self.ever_fits(w):
             return (f"needs {w.gpus:g} GPUs in {len(w.pods)} pod(s), more than the empty cluster can place "
                     f"({self.total.gpu:g} GPUs on {len(self.nodes)} nodes)")
-        if quota is not None and w.gpus > quota + 1e-9:
-            return f"needs {w.gpus:g} GPUs, more than user {w.user}'s GPU quota of {quota:g}"
-        return None
+        return _above_quota(w, quota)
 
     def _fits_empty(self, pods: tuple[Resources, ...]) -> bool:
         free = [a for a in self.alloc]
@@ -417,9 +423,8 @@ def admit(queue: PendingQueue, pool: NodePool, policy: Policy, ctx: CycleContext
             quota = over_quota(w) if quotas else None
             pod, n = w.pods[0], len(w.pods)
             single = n == 1 and pod.gpu < pool.max_gpu
-            if quota is not None and w.gpus > quota + 1e-9:
-                why = (f"needs {w.gpus:g} GPUs, more than user {w.user}'s GPU quota of {quota:g}: it cannot "
-                       "start until the quota is raised")
+            if quota is not None and (above := _above_quota(w, quota)):
+                why = f"{above}: it cannot start until the quota is raised"  # quotas change in the controller
             elif quota is not None:
                 why = f"user {w.user} is at its GPU quota ({held_gpu.get(w.user, 0.0):g}/{quota:g} held)"
             elif largest == 0 and whole == 0:
