@@ -272,7 +272,7 @@ def unschedulable_lines(results: dict[str, SimResult]) -> list[str]:
     the quotas are), the first few by name."""
     why: dict[str, str] = {}
     for r in results.values():
-        why.update(r.unschedulable_why or dict.fromkeys(r.unschedulable, "cannot start"))
+        why.update(r.unschedulable_why)
     if not why:
         return []
     lines = [f"unschedulable, reported and not run under any policy: {len(why)} job(s)"]

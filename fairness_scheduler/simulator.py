@@ -84,16 +84,19 @@ class SimResult:
     start: np.ndarray
     end: np.ndarray
     service: dict[str, float]
-    unschedulable: list[str] = field(default_factory=list)
-    """Workloads that could never start (reported at submission, not run), in submission order."""
     unschedulable_why: dict[str, str] = field(default_factory=dict)
-    """Name -> why it can never start (:meth:`.admission.NodePool.never_starts`)."""
+    """Workloads that could never start (reported at submission, not run), in submission order:
+    name -> why (:meth:`.admission.NodePool.never_starts`)."""
     wall_seconds: float = 0.0
     waits: np.ndarray = field(default_factory=lambda: np.zeros(0))
     workloads: list[Workload] = field(default_factory=list, repr=False)
     """The simulated workloads; ``start[i]`` and ``end[i]`` are those of ``workloads[i]`` (NaN: never started)."""
     light_users: list[str] = field(default_factory=list)
     """The users ``light_wait_p95`` is taken over (least submitted GPU-time first)."""
+
+    @property
+    def unschedulable(self) -> list[str]:
+        return list(self.unschedulable_why)
 
 
 def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Node], policy_name: str,
@@ -263,8 +266,8 @@ def simulate(workloads: list[Workload], users: list[UserConfig], nodes: list[Nod
     service = {names[i]: float(held_int[i] / fair_int[i]) for i in range(len(names)) if fair_int[i] > 0}
     submit = np.array([w.submit_time for w in workloads])
     waits = (start - submit)[~np.isnan(start)]
-    return SimResult(policy_name, metrics, start, end, service, list(unschedulable), unschedulable,
-                     time.perf_counter() - t_wall, waits, workloads, light)
+    return SimResult(policy_name, metrics, start, end, service, unschedulable, time.perf_counter() - t_wall, waits,
+                     workloads, light)
 
 
 class TypicalWait:
