@@ -80,16 +80,9 @@ class StorageConfig:
         secure_default = bool(file_cfg.get("secure", False))
         endpoint = None
         if raw:
-            parsed = urlparse(raw if "://" in raw else f"//{raw}")
-            if parsed.scheme not in ("", "http", "https"):
-                raise StorageError(f"S3 endpoint {raw!r} has the scheme {parsed.scheme!r}; S3 speaks http or https",
-                                   "set AWS_ENDPOINT_URL=http://HOST:PORT (https:// for TLS)")
-            if parsed.netloc and parsed.path.strip("/"):  # minio's client takes no path: it would be dropped
-                raise StorageError(f"S3 endpoint {raw!r} has a path; the endpoint is the server only",
-                                   "set AWS_ENDPOINT_URL=http://HOST:PORT and put the bucket in the URI: s3://BUCKET/KEY")
-            endpoint = parsed.netloc or parsed.path
-            if parsed.scheme:
-                secure_default = parsed.scheme == "https"
+            endpoint, scheme = parse_endpoint(raw)
+            if scheme:
+                secure_default = scheme == "https"
         return cls(
             endpoint=endpoint,
             access_key=env.get("AWS_ACCESS_KEY_ID") or file_cfg.get("access_key"),
@@ -122,6 +115,20 @@ class Location:
 
     def __str__(self) -> str:
         return f"s3://{self.bucket}/{self.key}" if self.is_s3 else self.key
+
+
+def parse_endpoint(raw: str) -> tuple[str, str]:
+    """An S3 endpoint, ``http(s)://HOST[:PORT]`` or ``HOST:PORT``, as (``HOST[:PORT]``, scheme or "")."""
+    parsed = urlparse(raw if "://" in raw else f"//{raw}")
+    if parsed.scheme not in ("", "http", "https"):
+        raise StorageError(f"S3 endpoint {raw!r} has the scheme {parsed.scheme!r}; S3 speaks http or https",
+                           "set AWS_ENDPOINT_URL=http://HOST:PORT (https:// for TLS)")
+    if not parsed.netloc:
+        raise StorageError(f"S3 endpoint {raw!r} has no host", "set AWS_ENDPOINT_URL=http://HOST:PORT")
+    if parsed.path.strip("/"):  # minio's client takes no path: it would be dropped
+        raise StorageError(f"S3 endpoint {raw!r} has a path; the endpoint is the server only",
+                           "set AWS_ENDPOINT_URL=http://HOST:PORT and put the bucket in the URI: s3://BUCKET/KEY")
+    return parsed.netloc, parsed.scheme
 
 
 def parse_uri(uri: str) -> Location:

@@ -12,9 +12,9 @@ fairness labels (``add_pod_label``); GPU steps get node selectors and toleration
 """
 import re
 from dataclasses import dataclass, field, fields
-from urllib.parse import urlparse
 
 from kfp_pytorch.components.errors import ConfigError
+from kfp_pytorch.components.storage import StorageError, parse_endpoint
 
 _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
@@ -54,10 +54,10 @@ def load_platform(data: dict | None) -> Platform:
         if k in data and not isinstance(data[k], str):
             problems.append(f"{k}: must be a string, got {data[k]!r}")
     if isinstance(data.get("s3_endpoint"), str) and data["s3_endpoint"]:
-        ep = data["s3_endpoint"]
-        parsed = urlparse(ep if "://" in ep else f"//{ep}")  # as the pods' storage config reads it
-        if parsed.scheme not in ("", "http", "https") or not parsed.netloc or parsed.path.strip("/"):
-            problems.append(f"s3_endpoint: {ep!r} is not an S3 endpoint; write http(s)://HOST[:PORT], "
+        try:  # as the pods' storage config will read it
+            parse_endpoint(data["s3_endpoint"])
+        except StorageError:
+            problems.append(f"s3_endpoint: {data['s3_endpoint']!r} is not an S3 endpoint; write http(s)://HOST[:PORT], "
                             "e.g. http://minio-service.kubeflow:9000")
     if isinstance(data.get("s3_secret"), str) and not _SECRET_NAME.match(data["s3_secret"]):
         problems.append(f"s3_secret: {data['s3_secret']!r} is not a valid Secret name (lowercase DNS-1123)")
