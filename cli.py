@@ -635,7 +635,7 @@ def ledger_show(ledger_url, at, half_life, config, capacity, as_json):
     Usage counts once a workload's interval is recorded in the ledger."""
     from kfp_pytorch.components.errors import ConfigError
     from kfp_pytorch.fairness_scheduler.config import load_config
-    from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
+    from kfp_pytorch.fairness_scheduler.errors import LedgerError, SchedulerConfigError
     from kfp_pytorch.fairness_scheduler.ledger import UsageLedger
     from kfp_pytorch.fairness_scheduler.standing import (describe_half_life, format_standings, parse_capacity,
                                                          user_standings)
@@ -657,6 +657,13 @@ def ledger_show(ledger_url, at, half_life, config, capacity, as_json):
         raise SchedulerConfigError(problems)
     led = UsageLedger(ledger_url, hl, must_exist=True)
     try:
+        if led.compacted_before is not None and t < led.compacted_before:
+            # the folded intervals survive only as aggregates as of the watermark: earlier usage is not
+            # recorded any more, and showing the watermark's figures as if they were --at's would mislead
+            wm = format_time(led.compacted_before)
+            raise LedgerError(f"--at {format_time(t)} is before {wm}, up to which the ledger is compacted: the "
+                              "intervals that ended by then survive only as usage totals as of that time",
+                              f"ask for --at {wm} or later")
         rows = user_standings(led.usage(t), cfg, cap, t)
         n_open = led.intervals_count()
     finally:
@@ -695,6 +702,8 @@ def ledger_compact(ledger_url, at, half_life, older_than, as_json):
     """Fold old usage intervals into per-user decayed aggregates (one transaction).
 
     Usage stays exact; run-time estimates for backfilling come from the intervals that remain."""
+    import time
+
     from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
     from kfp_pytorch.fairness_scheduler.ledger import UsageLedger
     from kfp_pytorch.fairness_scheduler.usage import format_time, parse_duration
@@ -707,6 +716,12 @@ def ledger_compact(ledger_url, at, half_life, older_than, as_json):
             raise ValueError
     except ValueError:
         problems.append(f"--older-than: must be a duration >= 0 like 30d, 12h or seconds, got {older_than!r}")
+    else:
+        if t is not None and t - age > time.time():
+            # compaction decays what it folds to its cut: a cut in the future would make the scheduler
+            # under-count that usage until then
+            problems.append(f"--at and --older-than: the cut, {format_time(t - age)}, is in the future; "
+                            "compaction folds only intervals that have ended (leave --at at now)")
     if problems:
         raise SchedulerConfigError(problems)
     led = UsageLedger(ledger_url, hl, must_exist=True)

@@ -209,7 +209,10 @@ class UsageLedger:
         self._add(iv.user, iv.resources, iv.start, iv.end)
 
     def compact(self, before: float) -> int:
-        """Fold intervals that ended at or before ``before`` into the aggregates; returns how many."""
+        """Fold intervals that ended at or before ``before`` into the aggregates; returns how many.
+
+        The aggregates are decayed to ``before``, so ``before`` must not be in the future: until
+        then, :meth:`usage` would count the folded usage as already decayed."""
         from sqlalchemy import delete, select
 
         h = self.half_life
@@ -254,7 +257,8 @@ class UsageLedger:
         self._open.setdefault(user, []).append((r, start, end))
 
     def usage(self, now: float) -> dict[str, Resources]:
-        """Decayed usage of every user at ``now`` (resource-seconds)."""
+        """Decayed usage of every user at ``now`` (resource-seconds). Exact at or after
+        :attr:`compacted_before`; before it, folded usage is as of the watermark (nothing finer is kept)."""
         out: dict[str, Resources] = {}
         for user, (base, as_of) in self._base.items():
             out[user] = _decay(base, now - as_of, self.half_life)

@@ -166,3 +166,21 @@ def test_a_password_in_the_ledger_url_is_never_shown(postgres_server, capsys):
     down = f"postgresql+psycopg://kfp:s3cret@127.0.0.1:{free_port()}/x?connect_timeout=2"
     rc, out, err = _run(capsys, "ledger", "compact", "--ledger", down, "--older-than", "1d")
     assert rc == 1 and "cannot open usage ledger" in err and "s3cret" not in out + err and "kfp:***@" in err
+
+
+def test_compacted_usage_is_never_shown_for_a_time_it_cannot_be_known(tmp_path, capsys):
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+    led = UsageLedger(url, half_life=H)
+    led.record(Interval("w1", "a", Resources(1), 0, 3600))
+    led.close()
+    rc, out, err = _run(capsys, "ledger", "compact", "--ledger", url, "--at", "2999-01-01", "--older-than", "0")
+    assert rc == 2 and "the cut, 2999-01-01T00:00:00Z, is in the future" in err
+    assert UsageLedger(url).intervals_count() == 1  # nothing folded
+    rc, out, err = _run(capsys, "ledger", "compact", "--ledger", url, "--at", "7200", "--older-than", "0")
+    assert rc == 0 and out.startswith("folded 1 interval ")
+    # before the watermark only the totals as of 7200 s are left: no made-up figures for 3600 s
+    rc, out, err = _run(capsys, "ledger", "show", "--ledger", url, "--at", "3600")
+    assert rc == 1 and out == "" and "--at 1970-01-01T01:00:00Z is before 1970-01-01T02:00:00Z" in err
+    assert "hint: ask for --at 1970-01-01T02:00:00Z or later" in err
+    rc, out, err = _run(capsys, "ledger", "show", "--ledger", url, "--at", "7200", "--json")
+    assert rc == 0 and json.loads(out)["users"][0]["usage"]["gpu_s"] == pytest.approx(interval_usage(Resources(1), 0, 3600, 7200, H).gpu)
