@@ -54,8 +54,8 @@ class Tracker:
         self.uri = resolve_tracking_uri(tracking_uri)
         self.mlflow = mlflow
         mlflow.set_tracking_uri(self.uri)
-        self.client = mlflow.MlflowClient(self.uri)
         with _mapped("open experiment", self.uri):
+            self.client = mlflow.MlflowClient(self.uri)
             exp = self.client.get_experiment_by_name(experiment)
             if exp is None:
                 location = None

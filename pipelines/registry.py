@@ -1,5 +1,7 @@
 """The pipelines the CLI knows, their typed parameters, and parsing of ``key=value`` strings."""
 import difflib
+import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -8,7 +10,7 @@ from kfp_pytorch.components.errors import ConfigError
 from . import train_and_serve as _tas
 
 _KFP_TYPES = {"STRING": str, "NUMBER_INTEGER": int, "NUMBER_DOUBLE": float, "BOOLEAN": bool}
-_TYPE_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean"}
+_TYPE_NAMES = {str: "string", int: "integer", float: "finite number", bool: "boolean"}
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,8 @@ class PipelineEntry:
     name: str
     func: Any
     """The ``@dsl.pipeline`` object."""
-    validate: Callable[[dict], None]
+    validate: Callable[[dict], list[str]]
+    """Every problem with a full parameter set, each starting with the parameter's name."""
     summary: str
     build: Callable | None = None
     """Builds the pipeline with Kubernetes platform settings (``build(platform)``), if supported."""
@@ -71,17 +74,24 @@ class PipelineEntry:
                 values[key] = parse_value(value, params[key].type)
             except ValueError:
                 problems.append(f"{key}: expected {_TYPE_NAMES[params[key].type]}, got {value!r}")
+        # the defaults stand in for values that did not parse: no word on a check that would read them
+        unread = re.compile("|".join(rf"\b{re.escape(p.partition(':')[0])}\b" for p in problems) or "(?!)")
+        problems += [p for p in self.validate(values) if not unread.search(p)]
         if problems:
             raise ConfigError(problems, f"run `kfp-pytorch pipelines` to see {self.name}'s parameters",
                               title=f"invalid parameters for pipeline {self.name}")
-        self.validate(values)
         return values
 
 
 def parse_value(value: Any, typ: type) -> Any:
+    if typ is float:  # KFP carries parameters as protobuf Values, which have no inf or NaN
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ValueError(value)
+        number = float(value)
+        if not math.isfinite(number):
+            raise ValueError(value)
+        return number
     if not isinstance(value, str):
-        if typ is float and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
         if isinstance(value, typ) and not (typ is int and isinstance(value, bool)):
             return value
         raise ValueError(value)
@@ -96,7 +106,7 @@ def parse_value(value: Any, typ: type) -> Any:
 
 
 PIPELINES: dict[str, PipelineEntry] = {
-    "train_and_serve": PipelineEntry("train_and_serve", _tas.train_and_serve, _tas.check,
+    "train_and_serve": PipelineEntry("train_and_serve", _tas.train_and_serve, _tas.validate_params,
                                      "prepare -> train (DDP / PyTorchJob) -> evaluate -> register -> serve",
                                      _tas.build, _tas.inert_params),
 }

@@ -8,7 +8,6 @@ import re
 
 from kfp import dsl
 
-from kfp_pytorch.components.errors import ConfigError
 from kfp_pytorch.components.ops.evaluate import evaluate_op
 from kfp_pytorch.components.models import ZOO
 from kfp_pytorch.components.storage import StorageError, parse_uri
@@ -58,6 +57,10 @@ def build(platform: Platform | None = None):
     return train_and_serve
 
 
+# The tracking URIs MLflow opens a store for (a driver may follow '+': postgresql+psycopg2://).
+_TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "file")
+
+
 def validate_params(p: dict) -> list[str]:
     """Every problem with a full parameter set (defaults applied), with the parameter's name."""
     problems = []
@@ -82,6 +85,11 @@ def validate_params(p: dict) -> list[str]:
                 parse_uri(p[k])
             except StorageError as e:
                 problems.append(f"{k}: {e.message}" + (f" ({e.hint})" if e.hint else ""))
+    if p["tracking_uri"]:
+        scheme = p["tracking_uri"].partition("://")[0].split("+")[0] if "://" in p["tracking_uri"] else ""
+        if scheme not in _TRACKING_SCHEMES:
+            problems.append(f"tracking_uri: must be an MLflow server (http(s)://HOST[:PORT]) or a store URI "
+                            f"({', '.join(s + '://' for s in _TRACKING_SCHEMES[2:])}), got {p['tracking_uri']!r}")
     if not 0 <= p["serve_port"] <= 65535:
         problems.append(f"serve_port: must be in [0, 65535], got {p['serve_port']}")
     for k in ("train_backend", "serve_backend"):
@@ -96,13 +104,6 @@ def validate_params(p: dict) -> list[str]:
     if not (p["canary_traffic_percent"] == -1 or 0 <= p["canary_traffic_percent"] <= 100):
         problems.append(f"canary_traffic_percent: -1 (all traffic) or 0..100, got {p['canary_traffic_percent']}")
     return problems
-
-
-def check(p: dict) -> None:
-    problems = validate_params(p)
-    if problems:
-        raise ConfigError(problems, "fix the parameters (kfp-pytorch pipelines lists them)",
-                          title="invalid parameters for pipeline train_and_serve")
 
 
 # Parameters that only one backend reads: given for the other, they change nothing.

@@ -274,3 +274,25 @@ def test_a_bad_step_image_is_refused_before_compiling_or_calling_the_server(tmp_
     r = run_cli("compile", "train_and_serve", "-o", str(tmp_path / "p.yaml"), env={"KFP_PYTORCH_IMAGE": ""})
     assert r.returncode == 0, r.stderr
     assert "ghcr.io/kfp-pytorch/kfp-pytorch:0.1.0" in (tmp_path / "p.yaml").read_text()
+
+
+def test_every_parameter_problem_is_listed_at_once_and_numbers_must_be_finite():
+    from kfp_pytorch.components.errors import ConfigError
+    from kfp_pytorch.pipelines import get_pipeline
+
+    entry = get_pipeline("train_and_serve")
+    with pytest.raises(ConfigError) as e:  # inf/NaN would reach KFP's protobuf as a traceback, after the steps began
+        entry.resolve({"lr": "inf", "threshold": "nan", "epochs": "0", "tracking_uri": "mlflow.kubeflow:5000",
+                       "workers": "two", "nodes": "3"})
+    assert e.value.problems == [
+        "lr: expected finite number, got 'inf'", "threshold: expected finite number, got 'nan'",
+        "workers: expected integer, got 'two'",
+        "epochs: must be >= 1, got 0",  # and no word on nodes=3 against a default workers=2 it does not divide
+        "tracking_uri: must be an MLflow server (http(s)://HOST[:PORT]) or a store URI (sqlite://, postgresql://, "
+        "mysql://, mssql://, file://), got 'mlflow.kubeflow:5000'"]
+    # an unsupported scheme failed in MLflow after training; the ones MLflow opens pass, drivers included
+    for uri in ("http://mlflow.kubeflow:5000", "postgresql+psycopg2://u@db/mlflow", "sqlite:////tmp/m.db", ""):
+        assert entry.resolve({"tracking_uri": uri})["tracking_uri"] == uri
+    assert "tracking_uri" in entry.resolve({"lr": 1})  # a whole number is a number
+    with pytest.raises(ConfigError, match="expected finite number, got True"):
+        entry.resolve({"lr": True})
