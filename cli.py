@@ -91,11 +91,31 @@ def pipelines_cmd(as_json):
             click.echo(f"  {p.name:<14} {p.type.__name__:<6} default={p.default!r:<18} {p.description}")
 
 
+def _platform_option(f):
+    return click.option("--platform", "platform_file", type=click.Path(exists=True, dir_okay=False), default=None,
+                        help="YAML of Kubernetes settings for every step (S3 Secret and endpoint, MLflow server, "
+                             "labels, GPU node selector/tolerations).")(f)
+
+
+def _with_platform(entry, platform_file: str | None):
+    """``entry`` built with the platform file's Kubernetes settings (validated), and those settings."""
+    import dataclasses
+
+    from kfp_pytorch.components.errors import ConfigError
+    from kfp_pytorch.pipelines.platform import load_platform
+
+    if not platform_file:
+        return entry, None
+    if entry.build is None:
+        raise ConfigError([f"pipeline {entry.name} takes no platform settings"])
+    platform = load_platform(_read_yaml(platform_file, "--platform"))
+    return dataclasses.replace(entry, func=entry.build(platform)), platform
+
+
 @cli.command("compile")
 @click.argument("pipeline")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="KFP IR YAML file to write.")
-@click.option("--platform", "platform_file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="YAML of Kubernetes settings for every step (S3 Secret, labels, GPU node selector/tolerations).")
+@_platform_option
 def compile_cmd(pipeline, output, platform_file):
     """Compile PIPELINE to KFP IR YAML (upload it in the KFP UI or with `kfp-pytorch submit`)."""
     from kfp import compiler
@@ -103,20 +123,23 @@ def compile_cmd(pipeline, output, platform_file):
     from kfp_pytorch.components._kfp import check_component_image
     from kfp_pytorch.components.errors import ConfigError
     from kfp_pytorch.pipelines import get_pipeline
-    from kfp_pytorch.pipelines.platform import load_platform
 
     # KFP writes .json too, but deprecated and without platform (Kubernetes) settings: YAML only.
     if problem := _output_problem(output, "-o/--output", (".yaml", ".yml")):
         raise ConfigError([problem], "give a writable KFP IR file path, e.g. -o pipeline.yaml")
     check_component_image()
-    entry = get_pipeline(pipeline)
-    func = entry.func
-    if platform_file:
-        if entry.build is None:
-            raise ConfigError([f"pipeline {entry.name} takes no platform settings"])
-        func = entry.build(load_platform(_read_yaml(platform_file, "--platform")))
-    compiler.Compiler().compile(func, package_path=output)
+    entry, _ = _with_platform(get_pipeline(pipeline), platform_file)
+    compiler.Compiler().compile(entry.func, package_path=output)
     click.echo(f"wrote {output}")
+
+
+def _cluster_notes(values: dict, platform) -> None:
+    """Notes on a run bound for a KFP server whose results would not outlive its pods."""
+    if "tracking_uri" in values and not values["tracking_uri"] and not (platform and platform.mlflow_tracking_uri):
+        click.echo("note: tracking_uri is empty: each step's pod would keep its MLflow runs and the registered model "
+                   "in an embedded sqlite store that goes with the pod; pass --param tracking_uri=http://MLFLOW:5000 "
+                   "or set mlflow_tracking_uri in --platform (unless the pods' environment sets MLFLOW_TRACKING_URI)",
+                   err=True)
 
 
 @cli.command("run")
@@ -277,7 +300,8 @@ def _kfp_options(f):
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE")
 @click.option("--run-name", default=None)
 @click.option("--wait/--no-wait", default=True, help="Follow the run until it ends.")
-def submit_cmd(pipeline, host, namespace, experiment, token, params, run_name, wait):
+@_platform_option
+def submit_cmd(pipeline, host, namespace, experiment, token, params, run_name, wait, platform_file):
     """Upload PIPELINE to a KFP server, start a run and follow it."""
     from kfp_pytorch.components._kfp import check_component_image
     from kfp_pytorch.pipelines import get_pipeline
@@ -285,7 +309,9 @@ def submit_cmd(pipeline, host, namespace, experiment, token, params, run_name, w
 
     entry = get_pipeline(pipeline)
     values = _resolve_params(entry, params)
+    entry, platform = _with_platform(entry, platform_file)
     check_component_image()  # local problems before any call to the server
+    _cluster_notes(values, platform)
     api = KfpApi(host, namespace, token)
     run_id = api.submit(entry, values, experiment, run_name)
     click.echo(f"run {run_id} created: {host.rstrip('/')}/#/runs/details/{run_id}")
@@ -304,7 +330,8 @@ def submit_cmd(pipeline, host, namespace, experiment, token, params, run_name, w
 @click.option("--name", default=None, help="Recurring run name.")
 @click.option("--max-concurrency", default=1, show_default=True, type=click.IntRange(1, 10),
               help="Runs of this schedule at once (KFP allows 1-10).")
-def schedule_cmd(pipeline, host, namespace, experiment, token, cron, params, name, max_concurrency):
+@_platform_option
+def schedule_cmd(pipeline, host, namespace, experiment, token, cron, params, name, max_concurrency, platform_file):
     """Create a recurring run of PIPELINE (e.g. nightly retraining)."""
     from kfp_pytorch.components._kfp import check_component_image
     from kfp_pytorch.pipelines import get_pipeline
@@ -314,7 +341,9 @@ def schedule_cmd(pipeline, host, namespace, experiment, token, cron, params, nam
     cron = validate_cron(cron)
     entry = get_pipeline(pipeline)
     values = _resolve_params(entry, params)
+    entry, platform = _with_platform(entry, platform_file)
     check_component_image()
+    _cluster_notes(values, platform)
     rr = KfpApi(host, namespace, token).schedule(entry, values, cron, experiment, name, max_concurrency)
     click.echo(f"recurring run {rr} created: {pipeline} at '{cron}'")
 

@@ -6,12 +6,14 @@ fairness labels (``add_pod_label``); GPU steps get node selectors and toleration
 
     s3_secret: kfp-pytorch-s3
     s3_endpoint: http://minio-service.kubeflow:9000
+    mlflow_tracking_uri: http://mlflow.kubeflow:5000
     labels: {kfp-pytorch.io/user: alice, kfp-pytorch.io/team: vision}
     gpu_node_selector: {nvidia.com/gpu.present: "true"}
     gpu_tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]
 """
 import re
 from dataclasses import dataclass, field, fields
+from urllib.parse import urlsplit
 
 from kfp_pytorch.components.errors import ConfigError
 from kfp_pytorch.components.storage import StorageError, parse_endpoint
@@ -27,6 +29,8 @@ class Platform:
                                                    "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"})
     """Secret key -> environment variable."""
     s3_endpoint: str = ""
+    mlflow_tracking_uri: str = ""
+    """The MLflow server every step reports to (``MLFLOW_TRACKING_URI``) when ``tracking_uri`` is empty."""
     labels: dict = field(default_factory=dict)
     gpu_node_selector: dict = field(default_factory=dict)
     gpu_tolerations: list = field(default_factory=list)
@@ -50,7 +54,7 @@ def load_platform(data: dict | None) -> Platform:
     for k in data:
         if k not in _KNOWN:
             problems.append(f"{k}: unknown field (known: {', '.join(sorted(_KNOWN))})")
-    for k in ("s3_secret", "s3_endpoint"):
+    for k in ("s3_secret", "s3_endpoint", "mlflow_tracking_uri"):
         if k in data and not isinstance(data[k], str):
             problems.append(f"{k}: must be a string, got {data[k]!r}")
     if isinstance(data.get("s3_endpoint"), str) and data["s3_endpoint"]:
@@ -59,6 +63,13 @@ def load_platform(data: dict | None) -> Platform:
         except StorageError:
             problems.append(f"s3_endpoint: {data['s3_endpoint']!r} is not an S3 endpoint; write http(s)://HOST[:PORT], "
                             "e.g. http://minio-service.kubeflow:9000")
+    uri = data.get("mlflow_tracking_uri")
+    if isinstance(uri, str) and uri:
+        parts = urlsplit(uri)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            # a pod's own sqlite or file store would go with the pod
+            problems.append(f"mlflow_tracking_uri: {uri!r} is not an MLflow server; write http(s)://HOST[:PORT], "
+                            "e.g. http://mlflow.kubeflow:5000")
     if isinstance(data.get("s3_secret"), str) and not _SECRET_NAME.match(data["s3_secret"]):
         problems.append(f"s3_secret: {data['s3_secret']!r} is not a valid Secret name (lowercase DNS-1123)")
     keys = data.get("s3_keys")
@@ -106,6 +117,8 @@ def apply_platform(task, platform: Platform | None, gpu: bool = False):
     kubernetes.use_secret_as_env(task, platform.s3_secret, dict(platform.s3_keys))
     if platform.s3_endpoint:
         task.set_env_variable("AWS_ENDPOINT_URL", platform.s3_endpoint)
+    if platform.mlflow_tracking_uri:
+        task.set_env_variable("MLFLOW_TRACKING_URI", platform.mlflow_tracking_uri)
     for k, v in platform.labels.items():
         kubernetes.add_pod_label(task, k, v)
     if gpu:

@@ -70,11 +70,26 @@ class FakeKfp:
         return ((spec.get("root") or {}).get("inputDefinitions") or {}).get("parameters") or {}
 
     def upload(self, name: str, data: bytes, pipeline_id: str | None = None) -> dict:
+        # as the API server's NewV2SpecTemplate: YAML documents, one pipeline spec and at most one
+        # platform spec with a kubernetes section (what `compile --platform` writes)
         try:
-            spec = yaml.safe_load(data)
-            assert isinstance(spec, dict) and "pipelineInfo" in spec and "root" in spec
-        except Exception:
-            raise KfpError(400, "Failed to upload pipeline: the file is not a valid pipeline spec") from None
+            docs = [d for d in yaml.safe_load_all(data) if d is not None]
+        except yaml.YAMLError as e:
+            raise KfpError(400, f"Failed to upload pipeline: unable to decode yaml document: {e}") from None
+        spec = platform = None
+        for d in docs:
+            if isinstance(d, dict) and "pipelineInfo" in d and "root" in d:
+                if spec is not None:
+                    raise KfpError(400, "Failed to upload pipeline: multiple pipeline specs provided")
+                if d.get("schemaVersion") != "2.1.0":
+                    raise KfpError(400, "Failed to upload pipeline: KFP only supports schema version 2.1.0")
+                spec = d
+            elif isinstance(d, dict) and "kubernetes" in (d.get("platforms") or {}):
+                if platform is not None:
+                    raise KfpError(400, "Failed to upload pipeline: multiple platform specs provided")
+                platform = d
+        if spec is None:
+            raise KfpError(400, "Failed to upload pipeline: no pipeline spec is provided")
         with self.lock:
             if pipeline_id is None:
                 if any(p["display_name"] == name for p in self.pipelines.values()):
@@ -87,7 +102,7 @@ class FakeKfp:
                 pid = pipeline_id
             vid = str(uuid.uuid4())
             self.versions[vid] = {"pipeline_id": pid, "pipeline_version_id": vid, "display_name": name,
-                                  "created_at": _now(), "pipeline_spec": spec}
+                                  "created_at": _now(), "pipeline_spec": spec, "platform_spec": platform}
             return self.pipelines[pid] if pipeline_id is None else self.versions[vid]
 
     def _check_run_body(self, body: dict, kind: str) -> dict:
@@ -203,7 +218,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(200, {"pipelines": items, "total_size": len(items)})
             m = re.fullmatch(r"/apis/v2beta1/pipelines/([^/]+)/versions", path)
             if m and verb == "GET":
-                items = [dict((a, b) for a, b in v.items() if a != "pipeline_spec") for v in k.versions.values()
+                items = [dict((a, b) for a, b in v.items() if a not in ("pipeline_spec", "platform_spec")) for v in k.versions.values()
                          if v["pipeline_id"] == m.group(1)]
                 items.sort(key=lambda v: v["created_at"], reverse=True)
                 return self._send(200, {"pipeline_versions": items, "total_size": len(items)})

@@ -25,6 +25,8 @@ def test_submit_uploads_runs_and_follows(kfp_server):
     r = cli("submit", "train_and_serve", "--host", url, "--experiment", "nightly", "--param", "epochs=3")
     assert r.returncode == 0, r.stderr
     assert "SUCCEEDED" in r.stdout and "RUNNING" in r.stderr  # the progress display shows each state
+    # no MLflow server named: the runs and the registered model would stay in the pods' own sqlite files
+    assert "note: tracking_uri is empty: each step's pod would keep its MLflow runs" in r.stderr
     [run] = fake.runs.values()
     assert run["runtime_config"]["parameters"]["epochs"] == 3
     assert run["experiment_id"] in fake.experiments and len(fake.pipelines) == 1
@@ -32,6 +34,32 @@ def test_submit_uploads_runs_and_follows(kfp_server):
     r = cli("submit", "train_and_serve", "--host", url, "--experiment", "nightly", "--no-wait")
     assert r.returncode == 0, r.stderr
     assert len(fake.pipelines) == 1 and len(fake.versions) == 2 and len(fake.experiments) == 1
+
+
+def test_submit_and_schedule_take_the_platform_file_that_compile_takes(kfp_server, tmp_path):
+    fake, url = kfp_server
+    plat = tmp_path / "platform.yaml"
+    plat.write_text("s3_secret: minio-creds\ns3_endpoint: http://minio-service.kubeflow:9000\n"
+                    "mlflow_tracking_uri: http://mlflow.kubeflow:5000\nlabels: {kfp-pytorch.io/user: alice}\n")
+    r = cli("submit", "train_and_serve", "--host", url, "--no-wait", "--platform", str(plat))
+    assert r.returncode == 0, r.stderr
+    assert "tracking_uri is empty" not in r.stderr  # the platform names the MLflow server
+    r = cli("schedule", "train_and_serve", "--host", url, "--cron", "@daily", "--platform", str(plat))
+    assert r.returncode == 0, r.stderr
+    assert len(fake.versions) == 2
+    for v in fake.versions.values():  # what the API server keeps: the pipeline spec and its kubernetes platform spec
+        execs = v["platform_spec"]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+        assert {e["secretAsEnv"][0]["secretName"] for e in execs.values()} == {"minio-creds"}
+        assert execs["exec-train-op"]["podMetadata"]["labels"] == {"kfp-pytorch.io/user": "alice"}
+        env = {e["name"]: e["value"] for e in
+               v["pipeline_spec"]["deploymentSpec"]["executors"]["exec-register-op"]["container"]["env"]}
+        assert env["MLFLOW_TRACKING_URI"] == "http://mlflow.kubeflow:5000"
+        assert env["AWS_ENDPOINT_URL"] == "http://minio-service.kubeflow:9000"
+    plat.write_text("s3_secret: Not_A_Name\n")
+    before = len(fake.requests)
+    r = cli("submit", "train_and_serve", "--host", url, "--platform", str(plat))
+    assert r.returncode == 2 and "s3_secret: 'Not_A_Name' is not a valid Secret name" in r.stderr
+    assert len(fake.requests) == before  # refused before any call to the server
 
 
 def test_schedule_with_six_field_cron(kfp_server):

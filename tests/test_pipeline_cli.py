@@ -246,6 +246,8 @@ def test_bad_platform_file_is_reported(tmp_path):
     ("labels: {a: [\n", "platform.yaml:2: not valid YAML"),
     ("s3_endpoint: ftp://minio:9000\n", "s3_endpoint: 'ftp://minio:9000' is not an S3 endpoint; write http(s)://HOST[:PORT]"),
     ("s3_endpoint: http://minio:9000/bucket\n", "s3_endpoint: 'http://minio:9000/bucket' is not an S3 endpoint"),
+    ("mlflow_tracking_uri: sqlite:///mlflow.db\n",
+     "mlflow_tracking_uri: 'sqlite:///mlflow.db' is not an MLflow server; write http(s)://HOST[:PORT]"),
 ])
 def test_malformed_platform_file_gets_an_error_not_a_traceback(tmp_path, body, needle):
     plat = tmp_path / "platform.yaml"
