@@ -258,10 +258,15 @@ def storage_grp():
 @storage_grp.command("ls")
 @click.argument("uri")
 def storage_ls(uri):
+    """Every object under URI (s3://BUCKET/PREFIX, minio:// or a local path), one per line."""
     from kfp_pytorch.components.storage import Storage
 
-    for u in Storage().list(uri):
+    found = Storage().list(uri)
+    for u in found:
         click.echo(u)
+    if not found:  # as `aws s3 ls`: an empty answer is not a success a script should read on
+        click.echo(f"nothing under {uri}", err=True)
+        sys.exit(1)
 
 
 def _namespace(ctx, param, value):
@@ -371,7 +376,7 @@ def runs_cmd(host, namespace, experiment, token, as_json):
 @click.argument("kind", type=click.Choice(["pytorchjob", "trainjob", "inferenceservice", "launcher-config", "s3-secret"]))
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
               help="train_and_serve parameters (epochs, workers, nodes, gpus_per_node, storage_root, model_name...).")
-@click.option("--namespace", default="kubeflow-user", show_default=True)
+@click.option("--namespace", default="kubeflow-user", show_default=True, callback=_namespace)
 @click.option("--image", envvar="KFP_PYTORCH_IMAGE", default="", help="The kfp-pytorch image (or KFP_PYTORCH_IMAGE).")
 @click.option("--run-id", default="dry-run", show_default=True)
 @click.option("--fairness/--no-fairness", default=False, help="Add the fairness scheduler's gate.")

@@ -327,7 +327,16 @@ class Storage:
         objs = self._s3(loc, "list", lambda: list(self.client.list_objects(loc.bucket, prefix=prefix, recursive=True)))
         return sorted(f"s3://{loc.bucket}/{o.object_name}" for o in objs)
 
+    def delete(self, uri: str) -> None:
+        """Remove one object (or local file); one that is not there is no error, as in S3."""
+        loc = self._object(uri, "delete")
+        if not loc.is_s3:
+            loc.path.unlink(missing_ok=True)
+            return
+        self._s3(loc, "delete", self.client.remove_object, loc.bucket, loc.key)
+
     def delete_prefix(self, uri: str) -> None:
+        """Remove every object *below* ``uri`` (``uri/...``), not an object named ``uri`` itself."""
         loc = parse_uri(uri)
         if not loc.is_s3:
             shutil.rmtree(loc.path, ignore_errors=True)
@@ -389,6 +398,15 @@ def check_access(uri: str = "", storage: "Storage | None" = None) -> list[tuple[
     import uuid
 
     results: list[tuple[str, bool]] = []
+    loc = None
+    if uri:  # a URI that could never work is the first thing to fix
+        try:
+            loc = parse_uri(uri)
+        except StorageError as e:
+            return [(str(e), False)]
+        if not loc.is_s3:
+            return [(f"{uri} is not an s3:// or minio:// URI: storage check diagnoses S3 access "
+                     "(write s3://BUCKET/PREFIX)", False)]
     try:
         storage = storage or Storage()
         cfg = storage.config
@@ -405,11 +423,8 @@ def check_access(uri: str = "", storage: "Storage | None" = None) -> list[tuple[
     except Exception as e:
         err = storage._map_error(e, Location("s3", "", ""), "list buckets")
         return results + [(str(err), False)]
-    if not uri:
+    if loc is None:
         return results
-    loc = parse_uri(uri)
-    if not loc.is_s3:
-        return results + [(f"{uri} is not an s3:// or minio:// URI", False)]
     if loc.bucket not in buckets:
         return results + [(f"bucket {loc.bucket!r} does not exist: create it (mc mb / the MinIO console) or "
                            "let kfp-pytorch create it on first write", False)]
@@ -426,7 +441,7 @@ def check_access(uri: str = "", storage: "Storage | None" = None) -> list[tuple[
     except StorageError as e:
         results.append((f"cannot read under {uri}: {e.message} (grant s3:GetObject)", False))
     try:
-        storage.delete_prefix(probe)
+        storage.delete(probe)
     except StorageError:
         results.append((f"note: could not delete the probe object {probe} (no s3:DeleteObject)", True))
     return results

@@ -92,6 +92,8 @@ def test_options_kfp_would_refuse_are_refused_before_any_call(kfp_server):
     assert r.returncode == 2 and "'--max-concurrency': 11 is not in the range 1<=x<=10" in r.stderr
     r = cli("runs", "--host", url, "--namespace", "Team_A")
     assert r.returncode == 2 and "'Team_A' is not a Kubernetes namespace" in r.stderr
+    r = cli("manifest", "s3-secret", "--namespace", "Team_A")  # a manifest the API server would refuse
+    assert r.returncode == 2 and "'Team_A' is not a Kubernetes namespace" in r.stderr and r.stdout == ""
     r = cli("submit", "train_and_serve", "--host", url.split("://", 1)[1])  # the scheme left out
     assert r.returncode == 2 and "is not a URL of the KFP API: give http(s)://HOST[:PORT]" in r.stderr
     assert len(fake.requests) == before and not fake.recurring
@@ -148,6 +150,15 @@ def test_storage_check(s3_server, bucket):
     assert missing.returncode == 1 and "does not exist" in missing.stdout
     dead = cli("storage", "check", env={**s3_server.env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"})
     assert dead.returncode == 1 and "cannot reach the S3 endpoint" in dead.stdout
+    # a URI that could never work is named first, whatever the endpoint
+    for uri, needle in (("ftp://x/y", "unsupported URI scheme 'ftp'"), ("/tmp/runs", "is not an s3:// or minio:// URI")):
+        r = cli("storage", "check", uri, env={**s3_server.env, "AWS_ENDPOINT_URL": ""})
+        assert r.returncode == 1 and r.stdout.count("FAIL") == 1 and needle in r.stdout, r.stdout
+    # ls: an empty answer says so and fails, as `aws s3 ls` does
+    r = cli("storage", "ls", f"s3://{bucket}/no-such-prefix", env=s3_server.env)
+    assert r.returncode == 1 and r.stdout == "" and f"nothing under s3://{bucket}/no-such-prefix" in r.stderr
+    r = cli("storage", "ls", f"s3://{bucket}/runs", env=s3_server.env)
+    assert r.returncode == 1 and r.stdout == "", r.stdout  # the check's probe object is gone: nothing left behind
 
 
 def test_manifest_dry_runs_are_valid():

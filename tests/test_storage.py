@@ -100,6 +100,9 @@ def test_s3_roundtrip(s3, bucket):
     assert b"".join(s3.iter_chunks(uri, 10_000)) == data
     s3.write_bytes(f"minio://{bucket}/dir/sub/b.bin", b"x")
     assert s3.list(f"s3://{bucket}/dir") == [uri, f"s3://{bucket}/dir/sub/b.bin"]
+    s3.delete(uri)
+    s3.delete(uri)  # gone already: no error, as in S3
+    assert s3.list(f"s3://{bucket}/dir") == [f"s3://{bucket}/dir/sub/b.bin"]
     s3.delete_prefix(f"s3://{bucket}/dir")
     assert s3.list(f"s3://{bucket}/dir") == []
 
