@@ -53,6 +53,10 @@ class ModelRunner:
             x = x[None, :]
         if x.ndim != 2 or x.shape[1] != self.num_features:
             raise ValueError(f"expected input of shape [n, {self.num_features}], got {list(x.shape)}")
+        if not np.isfinite(x).all():  # a NaN row would come back as class 0 with NaN probabilities
+            bad = sorted({int(i) for i in np.nonzero(~np.isfinite(x).all(axis=1))[0]})
+            raise ValueError(f"rows {bad[:10]}{' ...' if len(bad) > 10 else ''} hold NaN or infinite features "
+                             "(or values beyond FP32's range); send finite raw features")
         x = (x - self.mean) / self.std
         with self._torch.inference_mode():
             logits = self.module(self._torch.from_numpy(x))

@@ -48,6 +48,11 @@ def test_bad_request_gets_a_400_not_a_crash(endpoint):
                         ({"shape": [1, 64], "datatype": "BYTES", "data": ["a"]}, "datatype BYTES is not supported")):
         r = requests.post(endpoint.infer_url, json={"inputs": [{"name": "x", **inp}]})
         assert r.status_code == 400 and needle in r.text, r.text
+    big = [0.0] * 64
+    big[5] = 1e39  # beyond FP32: infinite once cast
+    r = requests.post(endpoint.infer_url, json={"inputs": [{"name": "x", "shape": [2, 64], "datatype": "FP32",
+                                                            "data": [0.0] * 64 + big}]})
+    assert r.status_code == 400 and "rows [1] hold NaN or infinite features" in r.text, r.text
     r = requests.post(endpoint.url + "/v1/models/digits:predict", json={"instances": [[1, 2], [3]]})
     assert r.status_code == 400 and "instances: must be rows of numbers" in r.text, r.text
     ok = requests.post(endpoint.url + "/v1/models/digits:predict", json={"instances": [[0.0] * 64] * 2})
