@@ -18,6 +18,7 @@ metadata so the predictor normalises raw requests the same way.
 import hashlib
 import io
 import json
+import math
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
@@ -96,7 +97,26 @@ def load_table(uri: str, storage: Storage | None = None, label_column: str = "la
                            "give a CSV with a header row, or a .parquet file") from e
 
 
-def validate_table(df, label_column: str) -> list[str]:
+def _split_sizes(n: int, val_fraction: float, test_fraction: float) -> dict[str, int]:
+    """Rows in each split as :func:`_split` draws them (sklearn rounds a test share up)."""
+    n_test = math.ceil(test_fraction * n)
+    n_val = math.ceil(val_fraction / (1 - test_fraction) * (n - n_test))
+    return {"train": n - n_test - n_val, "val": n_val, "test": n_test}
+
+
+def _too_few_rows(n: int, k: int, val_fraction: float, test_fraction: float) -> str | None:
+    """Why ``n`` rows of ``k`` classes cannot be split with one row of each class in every split."""
+    sizes = _split_sizes(n, val_fraction, test_fraction)
+    short = [f"{name} {rows}" for name, rows in sizes.items() if rows < k]
+    if not short:
+        return None
+    need = next(m for m in range(n + 1, 100 * k + 1000)
+                if min(_split_sizes(m, val_fraction, test_fraction).values()) >= k)
+    return (f"the table has {n} rows for {k} classes: the split would give {', '.join(short)} row(s), and a "
+            f"stratified split needs every class in every split; give at least {need} rows")
+
+
+def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fraction: float = 0.15) -> list[str]:
     """Every problem with the table, each with its column; empty when the table is usable."""
     import pandas as pd
 
@@ -127,6 +147,8 @@ def validate_table(df, label_column: str) -> list[str]:
             if len(small):
                 problems.append(f"label column {label_column!r}: classes {sorted(small.index.tolist())} have fewer "
                                 "than 3 rows; a stratified train/val/test split needs at least 3 per class")
+            elif len(counts) >= 2 and (why := _too_few_rows(len(df), len(counts), val_fraction, test_fraction)):
+                problems.append(why)
             if labels.min() < 0:
                 problems.append(f"label column {label_column!r}: class ids must be >= 0, got {labels.min()}")
     return problems
@@ -156,7 +178,7 @@ def prepare_data(spec: PrepareSpec, storage: Storage | None = None) -> dict:
     spec.validate()
     storage = storage or Storage()
     df = load_table(spec.dataset_uri, storage, spec.label_column)
-    problems = validate_table(df, spec.label_column)
+    problems = validate_table(df, spec.label_column, spec.val_fraction, spec.test_fraction)
     if problems:
         raise DatasetError(f"dataset {spec.dataset_uri} failed validation:\n" + "\n".join(f"  - {p}" for p in problems),
                            "fix the columns above (numeric features, integer labels, no NaNs) and run again")

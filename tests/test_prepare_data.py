@@ -86,3 +86,21 @@ def test_missing_dataset_and_bad_settings(tmp_path):
     with pytest.raises(ConfigError) as e:
         prepare_data(PrepareSpec("sample://digits", str(tmp_path / "o"), val_fraction=0.7, shard_rows=0))
     assert "val_fraction" in str(e.value) and "shard_rows" in str(e.value)
+
+
+def test_a_table_too_small_to_split_says_how_many_rows_it_needs(tmp_path):
+    from kfp_pytorch.components.prepare_data import _split, _split_sizes
+
+    path = tmp_path / "t.csv"
+    pd.DataFrame({"a": np.arange(6.0), "label": [0, 1] * 3}).to_csv(path, index=False)
+    with pytest.raises(DatasetError) as e:  # was sklearn's "test_size = 1 should be greater or equal to ..."
+        prepare_data(PrepareSpec(str(path), str(tmp_path / "o")))
+    assert ("the table has 6 rows for 2 classes: the split would give val 1, test 1 row(s), and a stratified split "
+            "needs every class in every split; give at least 8 rows") in str(e.value)
+    # the figure is the split's own: at 8 rows every split holds both classes
+    y = np.array([0, 1] * 4)
+    parts = _split(y, PrepareSpec("x", "y"))
+    assert {k: len(v) for k, v in parts.items()} == _split_sizes(8, 0.15, 0.15) == {"train": 4, "val": 2, "test": 2}
+    assert all(set(y[v]) == {0, 1} for v in parts.values())
+    pd.DataFrame({"a": np.arange(8.0), "label": [0, 1] * 4}).to_csv(path, index=False)
+    assert prepare_data(PrepareSpec(str(path), str(tmp_path / "o")))["rows"] == {"train": 4, "val": 2, "test": 2}
