@@ -154,6 +154,14 @@ def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fract
     return problems
 
 
+def check_table(uri: str, df, label_column: str, val_fraction: float = 0.15, test_fraction: float = 0.15) -> None:
+    """:func:`validate_table` as one DatasetError listing every problem."""
+    problems = validate_table(df, label_column, val_fraction, test_fraction)
+    if problems:
+        raise DatasetError(f"dataset {uri} failed validation:\n" + "\n".join(f"  - {p}" for p in problems),
+                           "fix the problems above (numeric features, integer labels, no NaNs, enough rows) and run again")
+
+
 def _split(y: np.ndarray, spec: PrepareSpec) -> dict[str, np.ndarray]:
     from sklearn.model_selection import train_test_split
 
@@ -178,10 +186,7 @@ def prepare_data(spec: PrepareSpec, storage: Storage | None = None) -> dict:
     spec.validate()
     storage = storage or Storage()
     df = load_table(spec.dataset_uri, storage, spec.label_column)
-    problems = validate_table(df, spec.label_column, spec.val_fraction, spec.test_fraction)
-    if problems:
-        raise DatasetError(f"dataset {spec.dataset_uri} failed validation:\n" + "\n".join(f"  - {p}" for p in problems),
-                           "fix the columns above (numeric features, integer labels, no NaNs) and run again")
+    check_table(spec.dataset_uri, df, spec.label_column, spec.val_fraction, spec.test_fraction)
     features = [str(c) for c in df.columns if c != spec.label_column]
     x = df[features].to_numpy(dtype=np.float32)
     y = df[spec.label_column].to_numpy().astype(np.int64)

@@ -14,7 +14,7 @@ from pathlib import Path
 from kfp_pytorch.components.errors import DatasetError, KfpPytorchError, PortInUseError
 from kfp_pytorch.components.models import resolve_factory
 from kfp_pytorch.components.paths import home
-from kfp_pytorch.components.prepare_data import SAMPLE_SCHEME, load_table, validate_table
+from kfp_pytorch.components.prepare_data import SAMPLE_SCHEME, check_table, load_table
 from kfp_pytorch.components.serve import port_is_free, read_server
 from kfp_pytorch.components.storage import Storage
 
@@ -33,10 +33,7 @@ def preflight(params: dict, storage: Storage | None = None) -> None:
             raise DatasetError(f"dataset not found: {uri}",
                                "check dataset_uri (a CSV/Parquet path, s3://bucket/key or sample://digits)")
         label = params.get("label_column", "label")
-        problems = validate_table(load_table(uri, storage, label), label)
-        if problems:
-            raise DatasetError(f"dataset {uri} failed validation:\n" + "\n".join(f"  - {p}" for p in problems),
-                               "fix the columns above (numeric features, integer labels, no NaNs) and run again")
+        check_table(uri, load_table(uri, storage, label), label)
     if params.get("storage_root"):
         storage.ensure_bucket(params["storage_root"])
     port = params.get("serve_port", 0)
