@@ -395,7 +395,28 @@ class ClusterConfig:
         import os
         from pathlib import Path
 
+        from .storage import StorageError, flag, flag_problem, parse_endpoint
+
         env = dict(os.environ if env is None else env)
+        problems = [p for p in (flag_problem(k, env.get(k)) for k in ("KFP_PYTORCH_FAIRNESS", "S3_VERIFY_SSL")) if p]
+        for key, allowed in (("KFP_PYTORCH_TRAIN_KIND", ("PyTorchJob", "TrainJob")),
+                             ("KFP_PYTORCH_DELETE_POLICY", ("on-success", "always", "never"))):
+            if env.get(key) and env[key] not in allowed:
+                problems.append(f"{key}: must be one of {', '.join(allowed)}, got {env[key]!r}")
+        for key, res in (("KFP_PYTORCH_CPU_PER_NODE", "cpu"), ("KFP_PYTORCH_MEMORY_PER_NODE", "memory")):
+            if env.get(key):
+                try:
+                    parse_resources({res: env[key]}, key)
+                except ConfigError as e:
+                    problems += [q.replace(f"{key}.{res}:", f"{key}:") for q in e.problems]
+        if env.get("AWS_ENDPOINT_URL"):
+            try:
+                parse_endpoint(env["AWS_ENDPOINT_URL"])
+            except StorageError as e:
+                problems.append(f"AWS_ENDPOINT_URL: {e.message}")
+        if problems:
+            raise ConfigError(problems, "fix the step's environment (a PodDefault, the platform file or the "
+                                        "kfp-launcher settings)", title="invalid cluster settings")
         ns = env.get("KFP_PYTORCH_NAMESPACE")
         sa_ns = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
         if not ns and sa_ns.exists():
@@ -407,12 +428,12 @@ class ClusterConfig:
             s3=S3Access(endpoint=env.get("AWS_ENDPOINT_URL", S3Access.endpoint),
                         secret_name=env.get("KFP_PYTORCH_S3_SECRET", S3Access.secret_name),
                         region=env.get("AWS_REGION", S3Access.region),
-                        verify_ssl=env.get("S3_VERIFY_SSL", "1") not in ("0", "false")),
+                        verify_ssl=flag(env.get("S3_VERIFY_SSL"), True)),
             cpu_per_node=env.get("KFP_PYTORCH_CPU_PER_NODE", ""),
             memory_per_node=env.get("KFP_PYTORCH_MEMORY_PER_NODE", ""),
-            fairness=env.get("KFP_PYTORCH_FAIRNESS", "0") in ("1", "true", "yes"),
-            train_kind=env.get("KFP_PYTORCH_TRAIN_KIND", "PyTorchJob"),
-            delete_policy=env.get("KFP_PYTORCH_DELETE_POLICY", "on-success"),
+            fairness=flag(env.get("KFP_PYTORCH_FAIRNESS"), False),
+            train_kind=env.get("KFP_PYTORCH_TRAIN_KIND") or "PyTorchJob",
+            delete_policy=env.get("KFP_PYTORCH_DELETE_POLICY") or "on-success",
             service_account=env.get("KFP_PYTORCH_SERVICE_ACCOUNT", "kfp-pytorch-s3"),
         )
 

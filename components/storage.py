@@ -39,10 +39,24 @@ _NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "NoSuchObject"}
 _CHUNK = 8 * 1024 * 1024
 
 
-def _truthy(value: str | None, default: bool) -> bool:
-    if value is None or value == "":
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def flag_problem(name: str, value) -> str | None:
+    """Why ``value`` is not a yes/no setting (None when it is one, or unset)."""
+    if value is None or isinstance(value, bool) or str(value).strip().lower() in ("",) + _TRUE + _FALSE:
+        return None
+    return f"{name}: must be one of {'/'.join(_TRUE)} or {'/'.join(_FALSE)}, got {value!r}"
+
+
+def flag(value, default: bool) -> bool:
+    """A yes/no setting (environment string or YAML bool) already checked by :func:`flag_problem`:
+    one reading everywhere, so a typo is refused instead of read as 'no'."""
+    if value is None or str(value).strip() == "":
         return default
-    return value.strip().lower() in {"1", "true", "yes", "on"}
+    if isinstance(value, bool):
+        return value
+    return str(value).strip().lower() in _TRUE
 
 
 @dataclass(frozen=True)
@@ -75,9 +89,15 @@ class StorageConfig:
             if not isinstance(file_cfg, dict):
                 raise StorageError(f"storage config {cfg_path}: must be a mapping, got {type(file_cfg).__name__}",
                                    "keys: endpoint, access_key, secret_key, region, secure, verify_ssl")
+        bad = [p for p in (flag_problem("S3_USE_HTTPS", env.get("S3_USE_HTTPS")),
+                           flag_problem("S3_VERIFY_SSL", env.get("S3_VERIFY_SSL")),
+                           flag_problem(f"{cfg_path}: secure", file_cfg.get("secure")),
+                           flag_problem(f"{cfg_path}: verify_ssl", file_cfg.get("verify_ssl"))) if p]
+        if bad:  # a mistyped 'true' read as 'no' would turn certificate checks off without a word
+            raise StorageError("invalid S3 settings: " + "; ".join(bad), "write 1/true/yes/on or 0/false/no/off")
         raw = (env.get("AWS_ENDPOINT_URL") or env.get("S3_ENDPOINT") or env.get("MLFLOW_S3_ENDPOINT_URL")
                or file_cfg.get("endpoint"))
-        secure_default = bool(file_cfg.get("secure", False))
+        secure_default = flag(file_cfg.get("secure"), False)
         endpoint = None
         if raw:
             endpoint, scheme = parse_endpoint(raw)
@@ -88,8 +108,8 @@ class StorageConfig:
             access_key=env.get("AWS_ACCESS_KEY_ID") or file_cfg.get("access_key"),
             secret_key=env.get("AWS_SECRET_ACCESS_KEY") or file_cfg.get("secret_key"),
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or file_cfg.get("region"),
-            secure=_truthy(env.get("S3_USE_HTTPS"), secure_default),
-            verify_ssl=_truthy(env.get("S3_VERIFY_SSL"), bool(file_cfg.get("verify_ssl", True))),
+            secure=flag(env.get("S3_USE_HTTPS"), secure_default),
+            verify_ssl=flag(env.get("S3_VERIFY_SSL"), flag(file_cfg.get("verify_ssl"), True)),
         )
 
     def __repr__(self) -> str:  # never print the secret

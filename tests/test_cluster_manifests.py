@@ -166,3 +166,23 @@ def test_no_credentials_in_any_manifest(monkeypatch):
     text = json.dumps([to_pytorchjob(spec()), to_trainjob(spec()),
                        to_inference_service(ClusterServeSpec("s3://models/x", "digits", IMAGE)), kfp_launcher_configmap("a")])
     assert "super-secret-value" not in text
+
+
+def test_the_steps_environment_is_checked_once_with_every_problem_named():
+    from kfp_pytorch.components.cluster import ClusterConfig
+
+    cfg = ClusterConfig.from_env({"KFP_PYTORCH_FAIRNESS": "True", "S3_VERIFY_SSL": "no", "KFP_PYTORCH_NAMESPACE": "t"})
+    assert cfg.fairness is True and cfg.s3.verify_ssl is False  # 'True' was read as off, 'no' as on
+    assert ClusterConfig.from_env({"KFP_PYTORCH_TRAIN_KIND": ""}).train_kind == "PyTorchJob"
+    with pytest.raises(ConfigError) as e:
+        ClusterConfig.from_env({"KFP_PYTORCH_FAIRNESS": "enabled", "KFP_PYTORCH_TRAIN_KIND": "pytorchjob",
+                                "KFP_PYTORCH_DELETE_POLICY": "onsuccess", "KFP_PYTORCH_CPU_PER_NODE": "four",
+                                "KFP_PYTORCH_MEMORY_PER_NODE": "16GB", "AWS_ENDPOINT_URL": "minio:9000/bucket"})
+    assert e.value.problems == [
+        "KFP_PYTORCH_FAIRNESS: must be one of 1/true/yes/on or 0/false/no/off, got 'enabled'",
+        "KFP_PYTORCH_TRAIN_KIND: must be one of PyTorchJob, TrainJob, got 'pytorchjob'",
+        "KFP_PYTORCH_DELETE_POLICY: must be one of on-success, always, never, got 'onsuccess'",
+        "KFP_PYTORCH_CPU_PER_NODE: 'four' is not a Kubernetes quantity (examples: cpu '500m' or 4, memory '16Gi', gpu 1)",
+        "KFP_PYTORCH_MEMORY_PER_NODE: '16GB' is not a Kubernetes quantity (examples: cpu '500m' or 4, memory '16Gi', gpu 1)",
+        "AWS_ENDPOINT_URL: S3 endpoint 'minio:9000/bucket' has a path; the endpoint is the server only"]
+    assert "PodDefault" in e.value.hint

@@ -70,6 +70,23 @@ def test_config_from_env_and_file(tmp_path):
     assert "filesecret" not in repr(cfg) and "envkey" not in repr(cfg)
 
 
+def test_yes_no_settings_have_one_reading_and_a_typo_is_refused(tmp_path):
+    none = {"KFP_PYTORCH_STORAGE_CONFIG": "/nope"}
+    for value, want in (("1", True), ("Yes", True), ("on", True), ("FALSE", False), ("no", False), ("off", False),
+                        ("", True)):
+        assert StorageConfig.from_env({**none, "S3_VERIFY_SSL": value}).verify_ssl is want
+    with pytest.raises(StorageError) as e:  # read as 'no', it turned certificate checks off without a word
+        StorageConfig.from_env({**none, "S3_VERIFY_SSL": "ture", "S3_USE_HTTPS": "si"})
+    assert "S3_USE_HTTPS: must be one of 1/true/yes/on or 0/false/no/off, got 'si'" in str(e.value)
+    assert "S3_VERIFY_SSL: must be one of" in str(e.value) and "got 'ture'" in str(e.value)
+    f = tmp_path / "s.yaml"
+    f.write_text("endpoint: minio:9000\nsecure: 'false'\n")  # a quoted 'false' was true
+    assert StorageConfig.from_env({"KFP_PYTORCH_STORAGE_CONFIG": str(f)}).secure is False
+    f.write_text("endpoint: minio:9000\nverify_ssl: maybe\n")
+    with pytest.raises(StorageError, match=r"s\.yaml: verify_ssl: must be one of .*got 'maybe'"):
+        StorageConfig.from_env({"KFP_PYTORCH_STORAGE_CONFIG": str(f)})
+
+
 @pytest.mark.parametrize("body,needle", [("- a\n", "must be a mapping, got list"), ("endpoint: [\n", "cannot parse")])
 def test_malformed_storage_config_file_is_reported(tmp_path, body, needle):
     f = tmp_path / "s.yaml"
