@@ -6,7 +6,8 @@ SQLAlchemy URL, e.g. ``postgresql+psycopg://...`` for an HA controller pair.
 Tables:
 
 - ``usage_intervals``: one row per finished (or checkpointed) interval of a workload holding
-  resources: user, workload, GPUs/CPUs/GB, start, end. Append-only.
+  resources: user, workload, GPUs/CPUs/GB, start, end. Append-only, one row per workload and
+  start, so a retried ``record`` is a no-op (until compaction folds the first copy away).
 - ``usage_aggregates``: per user, decayed GPU-s/CPU-s/GB-s *as of* a time: the intervals that
   compaction folded in.
 - ``ledger_meta``: the half-life the ledger was written with and the compaction watermark.
@@ -93,7 +94,7 @@ class UsageLedger:
 
     def __init__(self, url: str | Path = "sqlite:///fairshare-ledger.db", half_life: float | None = None,
                  must_exist: bool = False):
-        from sqlalchemy import (Column, Float, Integer, MetaData, String, Table, create_engine, event)
+        from sqlalchemy import (Column, Float, Index, Integer, MetaData, String, Table, create_engine, event)
 
         if half_life is not None and not half_life > 0:  # NaN too; math.inf means no decay
             raise LedgerError(f"half_life: must be > 0 seconds, got {half_life!r}", "Slurm's default is 7 days (604800)")
@@ -128,6 +129,10 @@ class UsageLedger:
             Column("gpu", Float, nullable=False), Column("cpu", Float, nullable=False),
             Column("memory_gb", Float, nullable=False), Column("start", Float, nullable=False),
             Column("end", Float, nullable=False, index=True))
+        # one interval per workload and start: a retried record (the writer died before it learnt
+        # that its commit landed) is recognised, not counted twice
+        self._once = Index("uq_usage_intervals_workload_start", self.intervals.c.workload, self.intervals.c.start,
+                           unique=True)
         self.aggregates = Table(
             "usage_aggregates", md,
             Column("user", String(253), primary_key=True), Column("gpu_s", Float, nullable=False),
@@ -150,6 +155,11 @@ class UsageLedger:
         except Exception as e:
             raise LedgerError(f"cannot create the ledger tables at {url}: {e}",
                               "check that the database server is up and that the URL's user may create tables") from e
+        try:  # a ledger written before the index existed gets it now
+            self._once.create(self.engine, checkfirst=True)
+        except Exception as e:
+            raise LedgerError(f"cannot index the usage intervals of {url}: {e}",
+                              "a workload has two intervals with the same start: remove the duplicate row") from e
         meta = self._read_meta()
         stored = float(meta["half_life"]) if "half_life" in meta else None
         self.half_life = half_life if half_life is not None else (stored or DEFAULT_HALF_LIFE)
@@ -189,8 +199,13 @@ class UsageLedger:
         conn.execute(self.meta.insert().values(key=key, value=repr(float(value))))
 
     # -- writes --------------------------------------------------------------------------------
-    def record(self, iv: Interval) -> None:
-        """Append one interval (one transaction: committed means durable)."""
+    def record(self, iv: Interval) -> bool:
+        """Append one interval (one transaction: committed means durable). Idempotent: recording
+        the same interval again (a retry after a crash) changes nothing and returns False; another
+        interval of the same workload with the same start is refused."""
+        from sqlalchemy import select
+        from sqlalchemy.exc import IntegrityError
+
         r = iv.resources
         if not all(math.isfinite(v) for v in (iv.start, iv.end, r.gpu, r.cpu, r.memory_gb)):
             raise LedgerError(f"interval of {iv.workload}: start, end and resources must be finite numbers, got {iv}")
@@ -199,14 +214,28 @@ class UsageLedger:
                               "record what the workload held: GPUs, CPUs and GB of memory")
         if iv.end < iv.start:
             raise LedgerError(f"interval of {iv.workload} ends before it starts ({iv.start} > {iv.end})")
-        with self.engine.begin() as conn:
-            conn.execute(self.intervals.insert().values(
-                workload=iv.workload, user=iv.user, gpu=iv.resources.gpu, cpu=iv.resources.cpu,
-                memory_gb=iv.resources.memory_gb, start=iv.start, end=iv.end))
-            if self._meta_half_life != self.half_life:
-                self._set_meta(conn, "half_life", self.half_life)
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(self.intervals.insert().values(
+                    workload=iv.workload, user=iv.user, gpu=iv.resources.gpu, cpu=iv.resources.cpu,
+                    memory_gb=iv.resources.memory_gb, start=iv.start, end=iv.end))
+                if self._meta_half_life != self.half_life:
+                    self._set_meta(conn, "half_life", self.half_life)
+        except IntegrityError:
+            t = self.intervals
+            with self.engine.connect() as conn:
+                row = conn.execute(select(t).where(t.c.workload == iv.workload, t.c.start == iv.start)).first()
+            if row is None:
+                raise
+            if (row.user, row.gpu, row.cpu, row.memory_gb, row.end) == (iv.user, r.gpu, r.cpu, r.memory_gb, iv.end):
+                return False  # recorded already: the earlier commit landed
+            raise LedgerError(
+                f"interval of {iv.workload} starting at {iv.start:g} is already recorded, as user {row.user}, "
+                f"{Resources(row.gpu, row.cpu, row.memory_gb)}, ending at {row.end:g}; got {iv}",
+                "an interval is recorded once: record what followed as a new interval starting where it ended") from None
         self._meta_half_life = self.half_life
         self._add(iv.user, iv.resources, iv.start, iv.end)
+        return True
 
     def compact(self, before: float) -> int:
         """Fold intervals that ended at or before ``before`` into the aggregates; returns how many.

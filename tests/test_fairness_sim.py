@@ -367,6 +367,46 @@ def test_ledger_refuses_intervals_that_would_corrupt_usage(tmp_path):
     assert led.usage(100)["a"].gpu == pytest.approx(2 * 3600 / math.log(2) * (1 - 2 ** (-100 / 3600)))
 
 
+def test_a_retried_record_counts_once(ledger_url):
+    from kfp_pytorch.fairness_scheduler.errors import LedgerError
+
+    led = UsageLedger(ledger_url, half_life=3600)
+    iv = Interval("w1", "a", Resources(2, 8, 32), 0, 1800)
+    assert led.record(iv) is True
+    usage = led.usage(3600)
+    # the writer died before it learnt its commit landed, and records again on restart
+    again = UsageLedger(ledger_url)
+    assert again.record(iv) is False and led.record(iv) is False
+    assert again.intervals_count() == 1 and again.usage(3600) == usage == led.usage(3600)
+    with pytest.raises(LedgerError, match=r"interval of w1 starting at 0 is already recorded, as user a.*ending at "
+                                          r"1800[\s\S]*hint: an interval is recorded once"):
+        led.record(Interval("w1", "a", Resources(2, 8, 32), 0, 3600))
+    assert led.record(Interval("w1", "a", Resources(2, 8, 32), 1800, 3600)) is True  # what followed: a new interval
+    assert UsageLedger(ledger_url).usage(3600) == led.usage(3600)
+    led.close()
+    again.close()
+
+
+def test_a_ledger_from_before_the_index_gets_it(tmp_path):
+    import sqlite3
+
+    from kfp_pytorch.fairness_scheduler.errors import LedgerError
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    UsageLedger(url, half_life=3600).record(Interval("w1", "a", Resources(1), 0, 10))
+    db = sqlite3.connect(tmp_path / "old.db")
+    db.execute("DROP INDEX uq_usage_intervals_workload_start")  # as an older ledger was written
+    db.execute("INSERT INTO usage_intervals (workload, user, gpu, cpu, memory_gb, start, \"end\") "
+               "VALUES ('w1', 'a', 1, 0, 0, 0, 10)")
+    db.commit()
+    with pytest.raises(LedgerError, match="two intervals with the same start: remove the duplicate row"):
+        UsageLedger(url)
+    db.execute("DELETE FROM usage_intervals WHERE id = 2")
+    db.commit()
+    led = UsageLedger(url)
+    assert led.record(Interval("w1", "a", Resources(1), 0, 10)) is False and led.intervals_count() == 1
+
+
 WRITER = r"""
 import sys
 from kfp_pytorch.fairness_scheduler.ledger import Interval, UsageLedger
