@@ -14,6 +14,7 @@ front, then hands the job to a backend through one seam (:data:`BACKENDS`):
 
 import collections
 import json
+import math
 import os
 import re
 import signal
@@ -74,8 +75,8 @@ class TrainSpec:
             v = getattr(self, name)
             if not isinstance(v, int) or v < lo:
                 problems.append(f"{name}: must be an integer >= {lo}, got {v!r}")
-        if not self.lr > 0:
-            problems.append(f"lr: must be > 0, got {self.lr}")
+        if not 0 < self.lr < math.inf:  # NaN too
+            problems.append(f"lr: must be a finite number > 0, got {self.lr}")
         if self.max_restarts < 0:
             problems.append(f"max_restarts: must be >= 0, got {self.max_restarts}")
         if self.backend not in BACKENDS:

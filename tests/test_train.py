@@ -1,5 +1,6 @@
 """Distributed training through the local backend: real torchrun, real gloo, real processes."""
 import json
+import math
 import os
 import signal
 import threading
@@ -147,3 +148,6 @@ def test_invalid_settings_listed_together(tmp_path):
     text = str(e.value)
     for field in ("epochs", "workers", "lr", "backend"):
         assert f"{field}:" in text
+    for lr in (math.inf, math.nan):  # trained to NaN weights without a word
+        with pytest.raises(ConfigError, match="lr: must be a finite number > 0"):
+            train(TrainSpec("d", "o", lr=lr))
