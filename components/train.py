@@ -32,6 +32,9 @@ from .models import ZOO, resolve_factory
 from .storage import Storage, join
 
 WORKER_MODULE = "kfp_pytorch.components.train_worker"
+DIVERGED = "diverged.json"
+"""Written under the output URI by the workers when the loss stops being finite: they stop at
+once (a restart from the last checkpoint would only diverge again) and no model is exported."""
 
 
 @dataclass(frozen=True)
@@ -246,6 +249,12 @@ def train(spec: TrainSpec, storage: Storage | None = None) -> TrainResult:
     storage = storage or Storage()
     t0 = time.perf_counter()
     BACKENDS[spec.backend]().run(spec)
+    diverged = join(spec.output_uri, DIVERGED)
+    if storage.exists(diverged):
+        d = json.loads(storage.read_bytes(diverged))
+        raise TrainingError(f"training diverged: the loss became {d['loss']} in epoch {d['epoch']} "
+                            f"(lr {d['lr']:g}, batch size {spec.batch_size} x {spec.workers} workers); no model was exported",
+                            f"lower lr (e.g. lr={d['lr'] / 10:g}) or check the features for extreme values")
     history = json.loads(storage.read_bytes(join(spec.output_uri, "history.json")))
     restarts = max((h.get("attempt", 0) for h in history), default=0)
     return TrainResult(model_uri=join(spec.output_uri, "model"), history=history, restarts=restarts,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import os
 import sys
 import time
@@ -35,6 +36,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from .models import build_model
 from .prepare_data import load_split, read_metadata
 from .storage import Storage, join
+from .train import DIVERGED
 
 CHECKPOINT = "checkpoints/last.pt"
 HISTORY = "history.json"
@@ -125,6 +127,9 @@ def run(args: argparse.Namespace) -> dict:
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
     start_epoch, history = 0, []
+    diverged_uri = join(args.output_uri, DIVERGED)
+    if rank == 0:
+        storage.delete(diverged_uri)  # a mark from an earlier run into this output
     ckpt_uri = join(args.output_uri, CHECKPOINT)
     if storage.exists(ckpt_uri):
         state = torch.load(io.BytesIO(storage.read_bytes(ckpt_uri)), map_location=device, weights_only=False)
@@ -171,6 +176,16 @@ def run(args: argparse.Namespace) -> dict:
         elapsed = time.perf_counter() - t0
         g_loss, g_acc, g_rate = _all_mean([loss_total / max(1, seen), n_correct / max(1, seen), seen / elapsed], device)
         val_loss, val_acc = _evaluate(model, xv, yv)
+        if not (math.isfinite(g_loss) and math.isfinite(val_loss)):  # all ranks read the same reduced loss
+            if bar is not None:
+                bar.close()
+            if rank == 0:
+                storage.write_bytes(diverged_uri, json.dumps({"epoch": epoch + 1, "loss": str(g_loss if not
+                                    math.isfinite(g_loss) else val_loss), "lr": args.lr}).encode())
+                print(f"[kfp-pytorch] diverged in epoch {epoch + 1}: loss {g_loss}, val_loss {val_loss}", flush=True)
+            dist.barrier()
+            dist.destroy_process_group()
+            return {"epochs": epoch + 1, "world_size": world, "backend": backend, "final": None, "diverged": True}
         entry = {"epoch": epoch + 1, "loss": g_loss, "accuracy": g_acc, "val_loss": val_loss,
                  "val_accuracy": val_acc, "samples_per_second": g_rate * world, "seconds": elapsed,
                  "attempt": attempt}

@@ -116,6 +116,20 @@ def test_failing_factory_in_workers_gives_the_worker_error(digits_data, tmp_path
     assert not _worker_pids()
 
 
+def test_a_diverged_run_stops_at_once_and_says_to_lower_lr(digits_data, tmp_path, capfd):
+    out = tmp_path / "o"
+    with pytest.raises(TrainingError) as e:
+        train(TrainSpec(digits_data, str(out), epochs=4, lr=1e30, max_restarts=2, progress="off"))
+    assert "training diverged: the loss became nan in epoch 1 (lr 1e+30, batch size 64 x 2 workers)" in str(e.value)
+    assert e.value.hint.startswith("lower lr (e.g. lr=1e+29)")
+    logs = capfd.readouterr().out
+    assert logs.count("diverged in epoch 1") == 1 and "resuming from checkpoint" not in logs  # no restart spent on it
+    assert not (out / "model").exists() and not (out / "history.json").exists()  # nothing to evaluate or serve
+    # the same output trained again, sanely: the mark of the diverged run does not outlive it
+    result = train(TrainSpec(digits_data, str(out), epochs=1, progress="off"))
+    assert len(result.history) == 1 and not (out / "diverged.json").exists()
+
+
 def test_timeout_kills_the_workers(digits_data, tmp_path):
     with pytest.raises(TrainingError, match="timeout"):
         train(TrainSpec(digits_data, str(tmp_path / "o"), model="factories:slow", epochs=50, timeout_s=3,
