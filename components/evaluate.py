@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import ConfigError, DatasetError
 from .prepare_data import load_split, read_metadata
 from .storage import Storage, join
 
@@ -45,6 +45,26 @@ def load_program(model_uri: str, storage: Storage | None = None):
     meta = json.loads(storage.read_bytes(join(model_uri, "metadata.json")))
     program = torch.export.load(io.BytesIO(storage.read_bytes(join(model_uri, meta.get("program", "model.pt2")))))
     return program.module(), meta
+
+
+def to_model_scale(x: np.ndarray, data_meta: dict, model_meta: dict, spec: EvaluateSpec) -> np.ndarray:
+    """The test rows as the model reads them. Shards hold features normalised with *their* dataset's
+    statistics; a model trained on another preparation (a champion judged on fresh data) expects
+    its own, so the rows are brought back to raw values and normalised as the model was."""
+    features, expected = data_meta.get("features"), model_meta.get("features")
+    if expected is not None and features != expected:
+        missing = [f for f in expected if f not in features]
+        extra = [f for f in features if f not in expected]
+        detail = (f"missing {missing[:8]}" if missing else "") + ("; " if missing and extra else "") + \
+                 (f"not in the model {extra[:8]}" if extra else "") or "the same columns in another order"
+        raise DatasetError(f"the dataset at {spec.dataset_uri} does not have the features the model at "
+                           f"{spec.model_uri} was trained on ({detail})",
+                           "evaluate on data with the training table's feature columns, in the same order")
+    d, m = data_meta["normalization"], model_meta.get("normalization")
+    if m is None or (d["mean"] == m["mean"] and d["std"] == m["std"]):
+        return x
+    raw = x * np.asarray(d["std"], np.float32) + np.asarray(d["mean"], np.float32)
+    return ((raw - np.asarray(m["mean"], np.float32)) / np.asarray(m["std"], np.float32)).astype(np.float32)
 
 
 def compute_metrics(y_true: np.ndarray, y_pred: np.ndarray, classes: list[int]) -> dict:
@@ -121,9 +141,11 @@ def evaluate(spec: EvaluateSpec, storage: Storage | None = None) -> dict:
     module, model_meta = load_program(spec.model_uri, storage)
     data_meta = read_metadata(spec.dataset_uri, storage)
     x, y = load_split(spec.dataset_uri, "test", storage, data_meta)
+    x = to_model_scale(x, data_meta, model_meta, spec)
     with torch.no_grad():
         pred = module(torch.from_numpy(x)).argmax(1).numpy()
-    classes = data_meta["classes"]
+    # a class the model knows but the test split lacks still counts when the model predicts it
+    classes = sorted(set(data_meta["classes"]) | set(model_meta.get("classes", [])))
     metrics = compute_metrics(y, pred, classes)
     value = metrics[spec.metric]
     gate = {"metric": spec.metric, "value": value, "threshold": spec.threshold, "passed": bool(value >= spec.threshold)}

@@ -22,6 +22,37 @@ def test_evaluate_metrics_gate_and_report(digits_data, trained_model):
     assert strict["gate"]["passed"] is False and "Gate FAILED" in strict["report_html"]
 
 
+def test_evaluate_on_another_preparation_judges_what_the_server_would_answer(trained_model, tmp_path):
+    import numpy as np
+
+    from kfp_pytorch.components.errors import DatasetError
+    from kfp_pytorch.components.predictor import ModelRunner
+    from kfp_pytorch.components.prepare_data import PrepareSpec, _split, load_table, prepare_data
+
+    # fresh data, prepared on its own: digits 0-4 only, so its normalisation is not the model's
+    table = load_table("sample://digits")
+    table = table[table["label"] < 5].reset_index(drop=True)
+    table.to_csv(tmp_path / "fresh.csv", index=False)
+    spec = PrepareSpec(str(tmp_path / "fresh.csv"), str(tmp_path / "fresh"))
+    prepare_data(spec)
+    res = evaluate(EvaluateSpec(spec.output_uri, trained_model.model_uri, threshold=0.5))
+    # the served model reads raw rows and normalises them as it was trained: the same test rows, raw
+    y = table["label"].to_numpy()
+    test = _split(y, spec)["test"]
+    raw = table.drop(columns=["label"]).to_numpy(dtype=np.float32)[test]
+    _, served = ModelRunner(trained_model.model_uri).predict(raw)
+    assert res["metrics"]["accuracy"] == pytest.approx(float((served == y[test]).mean()), abs=1e-12)
+    # the model's ten classes stay in the confusion matrix: a prediction of 7 is counted as wrong, not dropped
+    cm = np.array(res["metrics"]["confusion_matrix"])
+    assert cm.shape == (10, 10) and cm.sum() == len(test) and cm[5:].sum() == 0
+    # other feature columns: refused, not evaluated on shifted inputs
+    table.rename(columns={"pixel_0_0": "x"}).to_csv(tmp_path / "other.csv", index=False)
+    prepare_data(PrepareSpec(str(tmp_path / "other.csv"), str(tmp_path / "other")))
+    with pytest.raises(DatasetError, match=r"does not have the features the model .* was trained on \(missing "
+                                           r"\['pixel_0_0'\]; not in the model \['x'\]\)"):
+        evaluate(EvaluateSpec(str(tmp_path / "other"), trained_model.model_uri))
+
+
 def test_evaluate_rejects_bad_settings(digits_data, trained_model):
     with pytest.raises(ConfigError):
         evaluate(EvaluateSpec(digits_data, trained_model.model_uri, threshold=2, metric="auc"))
