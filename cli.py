@@ -324,6 +324,9 @@ def submit_cmd(pipeline, host, namespace, experiment, token, params, run_name, w
         state = api.follow(run_id)
         click.echo(f"run {run_id}: {state}")
         if state != "SUCCEEDED":
+            for line in api.failure_lines(api.last_run):
+                click.echo(line, err=True)
+            click.echo(f"the step logs: {host.rstrip('/')}/#/runs/details/{run_id}", err=True)
             sys.exit(1)
 
 

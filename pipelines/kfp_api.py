@@ -97,11 +97,12 @@ class KfpApi:
         return run.run_id
 
     def follow(self, run_id: str, timeout_s: float = 24 * 3600, interval: float = 2.0, out=None) -> str:
-        """Show the run's state as it changes, until it ends; returns the final state."""
+        """Show the run's state as it changes, until it ends; returns the final state (the last
+        run read is kept in :attr:`last_run`)."""
         out = out or sys.stderr
         t0, last = time.monotonic(), None
         while True:
-            run = self._call("get run", self.client.get_run, run_id)
+            run = self.last_run = self._call("get run", self.client.get_run, run_id)
             state = str(run.state)
             if state != last:
                 out.write(f"[{time.monotonic() - t0:7.1f}s] run {run_id}: {state}\n")
@@ -110,6 +111,21 @@ class KfpApi:
             if state in TERMINAL or time.monotonic() - t0 > timeout_s:
                 return state
             time.sleep(interval)
+
+    @staticmethod
+    def failure_lines(run) -> list[str]:
+        """What a failed run says about why: the run's error and each failed task's, by name."""
+        lines = []
+        if run is None:
+            return lines
+        if getattr(run, "error", None) is not None and run.error.message:
+            lines.append(f"error: {run.error.message}")
+        details = getattr(run, "run_details", None)
+        for task in (details.task_details if details is not None else None) or []:
+            if str(task.state) == "FAILED":
+                why = task.error.message if task.error is not None and task.error.message else ""
+                lines.append(f"failed task: {task.display_name}" + (f": {why}" if why else ""))
+        return lines
 
     def schedule(self, entry: PipelineEntry, params: dict, cron: str, experiment: str, name: str | None = None,
                  max_concurrency: int = 1) -> str:

@@ -42,6 +42,8 @@ class FakeKfp:
         self.require_token: str | None = None
         self.run_states = ["PENDING", "RUNNING", "SUCCEEDED"]
         """States a run walks through, one per GET."""
+        self.failure: tuple[str, str] | None = None
+        """(task, message) a FAILED run reports."""
         self.server = None
         self.requests: list[tuple[str, str]] = []
 
@@ -64,6 +66,7 @@ class FakeKfp:
             self.require_token = None
             self.requests.clear()
             self.run_states = ["PENDING", "RUNNING", "SUCCEEDED"]
+            self.failure = None
 
     # -- behaviour -----------------------------------------------------------------------------------
     def _spec_inputs(self, spec: dict) -> dict:
@@ -151,6 +154,13 @@ class FakeKfp:
             run["state"] = self.run_states[run["_step"]]
             if run["state"] in ("SUCCEEDED", "FAILED"):
                 run["finished_at"] = _now()
+            if run["state"] == "FAILED" and self.failure:  # as the API reports a failed run: its error, its tasks
+                task, message = self.failure
+                run["error"] = {"code": 2, "message": f"task {task} failed"}
+                run["run_details"] = {"task_details": [
+                    {"run_id": rid, "task_id": "t1", "display_name": "prepare-data-op", "state": "SUCCEEDED"},
+                    {"run_id": rid, "task_id": "t2", "display_name": task, "state": "FAILED",
+                     "error": {"code": 2, "message": message}}]}
             return self._public(run)
 
     @staticmethod

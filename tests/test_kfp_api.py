@@ -36,6 +36,18 @@ def test_submit_uploads_runs_and_follows(kfp_server):
     assert len(fake.pipelines) == 1 and len(fake.versions) == 2 and len(fake.experiments) == 1
 
 
+def test_a_failed_run_says_which_task_failed_and_why(kfp_server):
+    fake, url = kfp_server
+    fake.run_states = ["PENDING", "RUNNING", "FAILED"]
+    fake.failure = ("train-op", "training diverged: the loss became nan in epoch 1")
+    r = cli("submit", "train_and_serve", "--host", url)
+    assert r.returncode == 1 and "FAILED" in r.stdout
+    [run_id] = fake.runs
+    assert "error: task train-op failed" in r.stderr
+    assert "failed task: train-op: training diverged: the loss became nan in epoch 1" in r.stderr
+    assert "prepare-data-op" not in r.stderr and f"the step logs: {url}/#/runs/details/{run_id}" in r.stderr
+
+
 def test_submit_and_schedule_take_the_platform_file_that_compile_takes(kfp_server, tmp_path):
     fake, url = kfp_server
     plat = tmp_path / "platform.yaml"
