@@ -202,7 +202,9 @@ def _print_summary(s: dict) -> None:
     click.echo("")
     click.secho(f"== {s['pipeline']}: {s['status']} ==", bold=True, fg="green" if ok else "red")
     if s.get("failed_task"):
-        click.echo(f"failed task: {s['failed_task']} (its error is printed above; partial outputs removed)")
+        click.echo(f"failed task: {s['failed_task']} (its log is above; partial outputs removed)")
+        if s.get("error"):
+            click.secho("\n".join(f"  {line}" for line in s["error"].splitlines()), fg="red")
     if "metrics" in s:
         m = s["metrics"]
         click.echo("metrics:   " + ", ".join(f"{k}={v:.4f}" for k, v in m.items() if k not in ("test_rows", "gate_passed")))

@@ -5,9 +5,11 @@ that the dataset exists and validates, that the S3 endpoint answers and accepts 
 that the model factory imports, and that a fixed serving port is free. A run that fails anyway
 has its failed task's partial outputs removed, so nothing half-written is left behind.
 """
+import collections
 import json
 import re
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +55,48 @@ class LocalRun:
     """task name -> executor output (parameterValues and artifacts)."""
     failed_task: str | None = None
     elapsed_s: float = 0.0
+    error: str | None = None
+    """The failed task's own error (its last exception line, list items and hint), from its log."""
+
+
+class _Tee:
+    """sys.stdout that also keeps its last lines: kfp.local prints each step's log with print()."""
+
+    def __init__(self, inner, keep: int = 600):
+        self.inner, self.lines, self._part = inner, collections.deque(maxlen=keep), ""
+
+    def write(self, text: str) -> int:
+        self.inner.write(text)
+        *done, self._part = (self._part + text).split("\n")
+        self.lines.extend(done)
+        return len(text)
+
+    def __getattr__(self, name):  # flush, isatty, encoding, fileno ... as the real stream
+        return getattr(self.inner, name)
+
+
+_EXC_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception)): (.*)$")
+
+
+def error_of(lines) -> str | None:
+    """The last exception a step's log shows, without module paths, with the list items and the
+    hint our errors print under it; None when the log shows none."""
+    lines = [_ANSI.sub("", line) for line in lines]
+    for i in range(len(lines) - 1, -1, -1):
+        m = _EXC_LINE.match(lines[i].strip())
+        if m is None or lines[i].lstrip().startswith("[rank"):
+            continue
+        message = f"{m.group(1)}: {m.group(2)}".split("; last lines:")[0]
+        out = [re.sub(r"\b(?:[a-z_]\w*\.)+(?=[A-Z]\w*Error\b)", "", message)]
+        for line in lines[i + 1:]:
+            text = line.strip()
+            if text.startswith("- ") and len(out) < 12:
+                out.append(f"  {text}")
+            elif text.startswith("hint: "):
+                out.append(f"  {text}")
+                break
+        return "\n".join(out)
+    return None
 
 
 def _read_outputs(run_dir: Path) -> dict:
@@ -75,10 +119,13 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
     import time
 
     t0 = time.perf_counter()
+    tee = sys.stdout = _Tee(sys.stdout)
     try:
         entry.func(**params)
     except RuntimeError as e:  # kfp.local: "Pipeline ... FAILURE. Inner task failed: 'x'"
         error = e
+    finally:
+        sys.stdout = tee.inner
     new = sorted(set(root.iterdir()) - before, key=lambda p: p.stat().st_mtime)
     run_dir = new[-1] if new else root
     outputs = _read_outputs(run_dir)
@@ -88,7 +135,7 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
     failed = failed_task_of(str(error))
     if failed and (run_dir / failed).exists():
         shutil.rmtree(run_dir / failed, ignore_errors=True)  # partial outputs of the failed step
-    return LocalRun(entry.name, run_dir, False, outputs, failed, elapsed)
+    return LocalRun(entry.name, run_dir, False, outputs, failed, elapsed, error_of(tee.lines))
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -108,6 +155,8 @@ def summarize(run: LocalRun) -> dict:
                 "elapsed_s": round(run.elapsed_s, 2)}
     if run.failed_task:
         s["failed_task"] = run.failed_task
+    if run.error:
+        s["error"] = run.error
     arts = {}
     for task, ex in o.items():
         for name, a in ex.get("artifacts", {}).items():
@@ -131,4 +180,4 @@ def summarize(run: LocalRun) -> dict:
     return s
 
 
-__all__ = ["preflight", "run_local", "summarize", "LocalRun", "KfpPytorchError"]
+__all__ = ["preflight", "run_local", "summarize", "error_of", "LocalRun", "KfpPytorchError"]

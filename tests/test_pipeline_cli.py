@@ -133,11 +133,28 @@ def test_a_step_that_fails_is_named_and_its_partial_outputs_removed(tmp_path):
     r = run_cli("run", "train_and_serve", "--local", "--param", "model_arch=badfactory:net", "--param", "epochs=1",
                 env={"PYTHONPATH": str(tmp_path)})
     assert r.returncode == 1
-    assert "failed task: train-op (its error is printed above; partial outputs removed)" in r.stdout
-    assert "returned int, not a torch.nn.Module" in r.stdout + r.stderr
+    # the summary at the end says why, in the words of the step's own error: no scrolling up the log
+    summary = r.stdout[r.stdout.index("== train_and_serve: FAILED =="):]
+    assert ("failed task: train-op (its log is above; partial outputs removed)\n"
+            "  TrainingError: training workers failed (torchrun exit code 1): ModelFactoryError: model factory "
+            "'badfactory:net' returned int, not a torch.nn.Module\n    hint: read the worker error above") in summary
     run_dir = max((Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").iterdir(), key=lambda d: d.stat().st_mtime)
     assert (run_dir / "prepare-data-op").is_dir() and not (run_dir / "train-op").exists()
     assert not _project_processes()
+
+
+def test_a_steps_error_is_read_from_its_log_with_its_problems_and_hint():
+    from kfp_pytorch.pipelines.local import error_of
+
+    log = ["    Traceback (most recent call last):", '      File "x.py", line 3, in <module>',
+           "    kfp_pytorch.components.errors.DatasetError: dataset /d.csv failed validation:",
+           "      - column 'a': 3 NaN value(s)", "      - column 'b': must be numeric, got dtype object",
+           "      hint: fix the problems above", "", "\x1b[91m07:28:37.053 - ERROR - Task 'prepare-data-op' failed\x1b[0m"]
+    assert error_of(log) == ("DatasetError: dataset /d.csv failed validation:\n  - column 'a': 3 NaN value(s)\n"
+                             "  - column 'b': must be numeric, got dtype object\n  hint: fix the problems above")
+    ranks = ["    [rank0]: ValueError: in a worker", "    RuntimeError: the launcher's own", "    [rank1]: KeyError: x"]
+    assert error_of(ranks) == "RuntimeError: the launcher's own"  # a worker's copy is not the step's error
+    assert error_of(["all fine", "   "]) is None
 
 
 def test_failed_task_is_read_from_kfp_locals_coloured_message():
