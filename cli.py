@@ -365,14 +365,23 @@ def runs_cmd(host, namespace, experiment, token, as_json):
     """List runs and their status."""
     from kfp_pytorch.pipelines.kfp_api import KfpApi
 
-    runs = KfpApi(host, namespace, token).runs(experiment)
+    api = KfpApi(host, namespace, token)
+    runs = api.runs(experiment)
+    why_none = "no runs"
+    if runs is None:  # as `kubectl get` in an empty namespace: an answer, not a failure, and nothing created
+        known = api.experiment_names()
+        why_none = (f"no runs: there is no experiment {experiment!r} here"
+                    + (f" (experiments: {', '.join(known)})" if known else " (submit creates it)"))
+        runs = []
     rows = [{"run_id": r.run_id, "name": r.display_name, "state": str(r.state), "created_at": str(r.created_at)}
             for r in runs]
     if as_json:
         click.echo(json.dumps(rows, indent=1))
+        if why_none != "no runs":
+            click.echo(why_none, err=True)
         return
     if not rows:
-        click.echo("no runs")
+        click.echo(why_none)
     for r in rows:
         click.echo(f"{r['run_id']}  {r['state']:<10} {r['created_at']:<26} {r['name']}")
 

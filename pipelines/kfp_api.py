@@ -79,14 +79,26 @@ class KfpApi:
                 vid = v.pipeline_version_id
         return pid, vid
 
-    def experiment_id(self, name: str) -> str:
+    def find_experiment(self, name: str) -> str | None:
+        """The experiment's id, or None when there is none of that name (nothing is created)."""
         import kfp_server_api
 
         try:
-            exp = self.client.get_experiment(experiment_name=name, namespace=self.namespace)
+            return self.client.get_experiment(experiment_name=name, namespace=self.namespace).experiment_id
         except (ValueError, kfp_server_api.ApiException):
-            exp = self._call("create experiment", self.client.create_experiment, name, namespace=self.namespace)
-        return exp.experiment_id
+            return None
+
+    def experiment_names(self) -> list[str]:
+        resp = self._call("list experiments", self.client.list_experiments, namespace=self.namespace, page_size=100)
+        return sorted(e.display_name for e in resp.experiments or [])
+
+    def experiment_id(self, name: str) -> str:
+        """The experiment's id, created when missing (what submit and schedule need)."""
+        eid = self.find_experiment(name)
+        if eid is None:
+            eid = self._call("create experiment", self.client.create_experiment, name,
+                             namespace=self.namespace).experiment_id
+        return eid
 
     def submit(self, entry: PipelineEntry, params: dict, experiment: str, run_name: str | None = None) -> str:
         pid, vid = self.upload(entry)
@@ -136,8 +148,13 @@ class KfpApi:
                         version_id=vid, params=params, max_concurrency=max_concurrency, no_catchup=True)
         return rr.recurring_run_id
 
-    def runs(self, experiment: str | None = None, page_size: int = 50) -> list:
-        eid = self.experiment_id(experiment) if experiment else None
+    def runs(self, experiment: str | None = None, page_size: int = 50) -> list | None:
+        """Runs, newest first; None when ``experiment`` does not exist (listing creates nothing)."""
+        eid = None
+        if experiment:
+            eid = self.find_experiment(experiment)
+            if eid is None:
+                return None
         resp = self._call("list runs", self.client.list_runs, experiment_id=eid, namespace=self.namespace,
                           page_size=page_size, sort_by="created_at desc")
         return resp.runs or []

@@ -131,6 +131,10 @@ def test_runs_lists_status(kfp_server):
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
     assert len(rows) == 1 and rows[0]["state"] in ("PENDING", "RUNNING", "SUCCEEDED")
+    # a mistyped experiment is answered, and not created by the listing
+    r = cli("runs", "--host", url, "--experiment", "kfp-pytorh")
+    assert r.returncode == 0 and r.stdout == "no runs: there is no experiment 'kfp-pytorh' here (experiments: kfp-pytorch)\n"
+    assert sorted(e["display_name"] for e in fake.experiments.values()) == ["kfp-pytorch"]
 
 
 def test_unreachable_host_and_auth(kfp_server):
