@@ -202,7 +202,7 @@ class LocalServeBackend:
         except BaseException:
             _terminate(proc.pid)
             raise
-        _pidfile(spec.model_name).write_text(json.dumps(asdict(ep)))
+        _pidfile(spec.model_name).write_text(json.dumps({**asdict(ep), "create_time": _create_time(proc.pid)}))
         return ep
 
     @staticmethod
@@ -258,6 +258,25 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _create_time(pid: int) -> float | None:
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time()
+    except Exception:
+        return None
+
+
+def _ours(info: dict) -> bool:
+    """The server a pidfile names is still that process: alive, and not another process that
+    was given the same pid after ours ended (it would be signalled, with its whole group)."""
+    pid = info.get("pid")
+    if pid is None or not _alive(pid):
+        return False
+    started, now = info.get("create_time"), _create_time(pid)
+    return started is None or now is None or abs(now - started) < 0.01
+
+
 def _terminate(pid: int, grace: float = 10.0) -> None:
     try:
         os.killpg(pid, signal.SIGTERM)
@@ -282,7 +301,7 @@ def list_servers() -> list[dict]:
     out = []
     for p in sorted(_servers_dir().glob("*.json")):
         info = json.loads(p.read_text())
-        info["alive"] = _alive(info["pid"])
+        info["alive"] = _ours(info)
         out.append(info)
     return out
 
@@ -293,8 +312,9 @@ def stop_server(name: str) -> bool:
         return False
     if info is None:
         return False
-    _terminate(info["pid"])
-    _pidfile(name).unlink(missing_ok=True)
+    if _ours(info):
+        _terminate(info["pid"])
+    _pidfile(name).unlink(missing_ok=True)  # a server that died: only its record is left to remove
     return True
 
 

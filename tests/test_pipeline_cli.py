@@ -220,6 +220,26 @@ def test_port_in_use_is_rejected_before_any_step():
     assert r.returncode == 2 and f"serve_port {port}" in r.stderr and "already in use" in r.stderr
 
 
+def test_a_stale_server_record_never_signals_the_process_that_now_has_its_pid():
+    import re
+
+    from kfp_pytorch.components.serve import _pidfile
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:  # a server that died long ago; the kernel has since given its pid to another process
+        record = {"name": "ghost", "url": "http://127.0.0.1:9", "infer_url": "http://127.0.0.1:9/v2/models/ghost/infer",
+                  "pid": other.pid, "model_uri": "/m", "create_time": 1.0}
+        _pidfile("ghost").write_text(json.dumps(record))
+        r = run_cli("serve", "list")
+        assert r.returncode == 0 and re.search(r"ghost\s+pid=\d+\s+down", r.stdout), r.stdout
+        r = run_cli("serve", "stop", "ghost")
+        assert r.returncode == 0 and other.poll() is None  # alive: the signal went to nobody
+        assert not _pidfile("ghost").exists()
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_serve_stop_unknown_name():
     r = run_cli("serve", "stop", "nobody")
     assert r.returncode == 1 and "no local model server named 'nobody'" in r.stderr
