@@ -261,9 +261,13 @@ def storage_grp():
 @click.argument("uri")
 def storage_ls(uri):
     """Every object under URI (s3://BUCKET/PREFIX, minio:// or a local path), one per line."""
-    from kfp_pytorch.components.storage import Storage
+    from kfp_pytorch.components.storage import Storage, parse_uri
 
-    found = Storage().list(uri)
+    storage = Storage()
+    found = storage.list(uri)
+    loc = parse_uri(uri)
+    if not found and (loc.key if loc.is_s3 else loc.path.is_file()) and storage.exists(uri):
+        found = [uri]  # an object itself, as `aws s3 ls s3://b/file` shows it
     for u in found:
         click.echo(u)
     if not found:  # as `aws s3 ls`: an empty answer is not a success a script should read on

@@ -175,6 +175,12 @@ def test_storage_check(s3_server, bucket):
     assert r.returncode == 1 and r.stdout == "" and f"nothing under s3://{bucket}/no-such-prefix" in r.stderr
     r = cli("storage", "ls", f"s3://{bucket}/runs", env=s3_server.env)
     assert r.returncode == 1 and r.stdout == "", r.stdout  # the check's probe object is gone: nothing left behind
+    from kfp_pytorch.components.storage import Storage, StorageConfig
+
+    Storage(StorageConfig.from_env(s3_server.env)).write_bytes(f"s3://{bucket}/runs/a/model.pt2", b"x")
+    for uri in (f"s3://{bucket}/runs", f"s3://{bucket}/runs/a/model.pt2"):  # a prefix, and an object itself
+        r = cli("storage", "ls", uri, env=s3_server.env)
+        assert r.returncode == 0 and r.stdout == f"s3://{bucket}/runs/a/model.pt2\n", r.stdout + r.stderr
 
 
 def test_manifest_dry_runs_are_valid():
