@@ -140,6 +140,19 @@ def replica_env(nnodes: int, nproc: int, node_rank: int, master_addr: str, maste
     }
 
 
+def cuda_problem(device: str, procs_per_node: int, available: bool, count: int) -> tuple[str, str] | None:
+    """(error, hint) when ``procs_per_node`` workers cannot each have a GPU of their own: NCCL
+    gives every rank one device, and a missing one fails deep in its first call."""
+    if device == "cuda" and not available:
+        return ("device=cuda, but no CUDA device is visible here",
+                "use device=auto (GPUs when there are, else CPU), or request GPUs: gpus_per_node on the cluster backend")
+    if (device == "cuda" or (device == "auto" and available)) and procs_per_node > count:
+        return (f"{procs_per_node} worker processes per node, but {count} GPU{'' if count == 1 else 's'} visible: "
+                "each process needs a GPU of its own",
+                f"run at most {count} per node (workers = nodes x GPUs per node), or device=cpu")
+    return None
+
+
 class Backend(Protocol):
     def run(self, spec: TrainSpec) -> None:
         """Run the job to completion, or raise TrainingError."""
@@ -155,6 +168,12 @@ class LocalBackend:
             self._run(spec, scratch)
 
     def _run(self, spec: TrainSpec, scratch: str) -> None:
+        if spec.device != "cpu":  # found here, before torchrun starts processes that would all fail alike
+            import torch
+
+            problem = cuda_problem(spec.device, spec.workers, torch.cuda.is_available(), torch.cuda.device_count())
+            if problem:
+                raise TrainingError(*problem)
         env = dict(os.environ)
         env["TMPDIR"] = scratch
         env.update(replica_env(1, spec.workers, 0, "127.0.0.1", free_port(), spec.max_restarts))

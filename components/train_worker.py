@@ -33,10 +33,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from .errors import TrainingError
 from .models import build_model
 from .prepare_data import load_split, read_metadata
 from .storage import Storage, join
-from .train import DIVERGED
+from .train import DIVERGED, cuda_problem
 
 CHECKPOINT = "checkpoints/last.pt"
 HISTORY = "history.json"
@@ -109,6 +110,11 @@ def _init_process_group(backend: str, attempt: int) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:  # a pod given fewer GPUs than processes (or none) fails here, not inside NCCL
+        problem = cuda_problem(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.is_available(),
+                               torch.cuda.device_count())
+        if problem:
+            raise TrainingError(*problem)
     backend = "nccl" if use_cuda else "gloo"
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     _init_process_group(backend, attempt)

@@ -130,6 +130,20 @@ def test_a_diverged_run_stops_at_once_and_says_to_lower_lr(digits_data, tmp_path
     assert len(result.history) == 1 and not (out / "diverged.json").exists()
 
 
+def test_each_worker_process_needs_a_gpu_of_its_own(digits_data, tmp_path):
+    from kfp_pytorch.components.train import cuda_problem
+
+    assert cuda_problem("cuda", 2, True, 2) is None and cuda_problem("auto", 4, False, 0) is None
+    assert cuda_problem("cpu", 8, True, 1) is None
+    assert cuda_problem("auto", 4, True, 1)[0] == ("4 worker processes per node, but 1 GPU visible: each process "
+                                                   "needs a GPU of its own")
+    assert cuda_problem("cuda", 1, False, 0)[0] == "device=cuda, but no CUDA device is visible here"
+    if not torch.cuda.is_available():  # here: refused before torchrun starts a process
+        with pytest.raises(TrainingError, match="device=cuda, but no CUDA device is visible here") as e:
+            train(TrainSpec(digits_data, str(tmp_path / "o"), device="cuda", epochs=1, progress="off"))
+        assert "torchrun" not in str(e.value) and not (tmp_path / "o").exists()  # no worker ran
+
+
 def test_timeout_kills_the_workers(digits_data, tmp_path):
     with pytest.raises(TrainingError, match="timeout"):
         train(TrainSpec(digits_data, str(tmp_path / "o"), model="factories:slow", epochs=50, timeout_s=3,
