@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 
 from .errors import ConfigError
-from .train import WORKER_MODULE, TrainSpec, worker_args
+from .train import WORKER_MODULE, TrainSpec, gpu_share_problem, worker_args
 
 FAIRNESS_GATE = "fairness.kfp-pytorch.io/admission"
 """Scheduling gate the fairness scheduler removes when it admits a gang."""
@@ -180,6 +180,9 @@ class ClusterTrainSpec:
             problems.append(f"backoff_limit: must be >= 0, got {self.backoff_limit}")
         if self.elastic_min_nodes is not None and not 1 <= self.elastic_min_nodes <= self.nodes:
             problems.append(f"elastic_min_nodes: must be in [1, nodes], got {self.elastic_min_nodes}")
+        gpus = self.resources.get("gpu", self.resources.get("nvidia.com/gpu"))
+        if self.train.device != "cpu" and (problem := gpu_share_problem(self.train.workers, self.nodes, gpus)):
+            problems.append(problem)
         return _finish_validation(problems, self.resources, "invalid cluster training settings")
 
     def labels(self) -> dict:

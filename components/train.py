@@ -92,6 +92,9 @@ class TrainSpec:
             problems.append(f"nodes: must be >= 1 and divide workers ({self.workers}), got {self.nodes}")
         if self.gpus_per_node < 0:
             problems.append(f"gpus_per_node: must be >= 0, got {self.gpus_per_node}")
+        elif self.backend == "cluster" and self.device != "cpu" and (
+                problem := gpu_share_problem(self.workers, self.nodes, self.gpus_per_node)):
+            problems.append(problem)
         if self.backend == "cluster" and not self.output_uri.startswith(("s3://", "minio://")):
             problems.append("output_uri: the cluster backend needs s3:// or minio:// (pods cannot see this "
                             f"machine's disk), got {self.output_uri!r}; set storage_root")
@@ -138,6 +141,19 @@ def replica_env(nnodes: int, nproc: int, node_rank: int, master_addr: str, maste
         "PET_NNODES": str(nnodes), "PET_NPROC_PER_NODE": str(nproc), "PET_NODE_RANK": str(node_rank),
         "PET_MAX_RESTARTS": str(max_restarts),
     }
+
+
+def gpu_share_problem(workers: int, nodes: int, gpus_per_node) -> str | None:
+    """Why a pod's ``workers / nodes`` processes cannot each have one of its GPUs (None: they can,
+    or the pods have no GPUs). NCCL refuses two ranks on one GPU."""
+    try:
+        gpus = int(gpus_per_node or 0)
+    except (TypeError, ValueError):  # not a count: the resource checks say so
+        return None
+    if gpus <= 0 or nodes < 1 or workers // nodes <= gpus:
+        return None
+    return (f"gpus_per_node: each of a pod's {workers // nodes} worker processes needs a GPU of its own, got {gpus} "
+            "(workers = nodes x gpus_per_node)")
 
 
 def cuda_problem(device: str, procs_per_node: int, available: bool, count: int) -> tuple[str, str] | None:

@@ -11,6 +11,7 @@ from kfp import dsl
 from kfp_pytorch.components.ops.evaluate import evaluate_op
 from kfp_pytorch.components.models import ZOO
 from kfp_pytorch.components.storage import StorageError, parse_uri
+from kfp_pytorch.components.train import gpu_share_problem
 from kfp_pytorch.components.ops.prepare_data import prepare_data_op
 from kfp_pytorch.components.ops.register import register_op
 from kfp_pytorch.components.ops.serve import serve_op
@@ -101,6 +102,8 @@ def validate_params(p: dict) -> list[str]:
         problems.append(f"nodes: must be >= 1 and divide workers ({p['workers']}), got {p['nodes']}")
     if p["gpus_per_node"] < 0:
         problems.append(f"gpus_per_node: must be >= 0, got {p['gpus_per_node']}")
+    elif p["train_backend"] == "cluster" and (problem := gpu_share_problem(p["workers"], p["nodes"], p["gpus_per_node"])):
+        problems.append(problem)
     if not (p["canary_traffic_percent"] == -1 or 0 <= p["canary_traffic_percent"] <= 100):
         problems.append(f"canary_traffic_percent: -1 (all traffic) or 0..100, got {p['canary_traffic_percent']}")
     return problems

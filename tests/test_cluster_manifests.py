@@ -17,7 +17,7 @@ IMAGE = "registry.example.com/kfp-pytorch:0.1.0"
 def spec(**kw):
     base = dict(train=TrainSpec("s3://data/run1/dataset", "s3://models/run1", workers=4, epochs=3), image=IMAGE,
                 namespace="team-a", run_id="8f14e45f-ceea-467f-a0e6-1a2b3c4d5e6f", task="train-op", user="alice",
-                nodes=2, resources={"cpu": 4, "memory": "16Gi", "gpu": 1})
+                nodes=2, resources={"cpu": 4, "memory": "16Gi", "gpu": 2})
     base.update(kw)
     return ClusterTrainSpec(**base)
 
@@ -38,7 +38,7 @@ def test_pytorchjob_is_valid_and_complete():
     assert c["name"] == "pytorch" and c["image"] == IMAGE
     assert c["command"] == ["python", "-m", "torch.distributed.run", "-m", "kfp_pytorch.components.train_worker"]
     assert "s3://data/run1/dataset" in c["args"] and "s3://models/run1" in c["args"]
-    assert c["resources"]["limits"] == {"cpu": 4, "memory": "16Gi", "nvidia.com/gpu": 1}
+    assert c["resources"]["limits"] == {"cpu": 4, "memory": "16Gi", "nvidia.com/gpu": 2}
     env = {e["name"]: e for e in c["env"]}
     assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "kfp-pytorch-s3",
                                                                         "key": "AWS_SECRET_ACCESS_KEY"}
@@ -49,7 +49,7 @@ def test_pytorchjob_is_valid_and_complete():
 
 
 def test_single_node_job_has_no_worker_replicas_and_no_gate_by_default():
-    job = to_pytorchjob(spec(nodes=1))
+    job = to_pytorchjob(spec(nodes=1, resources={"cpu": 4, "gpu": 4}))
     validate_manifest(job)
     assert set(job["spec"]["pytorchReplicaSpecs"]) == {"Master"}
     assert "schedulingGates" not in job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
@@ -74,7 +74,7 @@ def test_trainjob_is_valid():
     tj = to_trainjob(spec())
     validate_manifest(tj)
     t = tj["spec"]["trainer"]
-    assert t["numNodes"] == 2 and t["numProcPerNode"] == 2 and t["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == 1
+    assert t["numNodes"] == 2 and t["numProcPerNode"] == 2 and t["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == 2
     assert tj["spec"]["runtimeRef"]["name"] == "torch-distributed"
 
 
@@ -186,3 +186,12 @@ def test_the_steps_environment_is_checked_once_with_every_problem_named():
         "KFP_PYTORCH_MEMORY_PER_NODE: '16GB' is not a Kubernetes quantity (examples: cpu '500m' or 4, memory '16Gi', gpu 1)",
         "AWS_ENDPOINT_URL: S3 endpoint 'minio:9000/bucket' has a path; the endpoint is the server only"]
     assert "PodDefault" in e.value.hint
+
+
+def test_each_worker_process_of_a_pod_gets_its_own_gpu():
+    with pytest.raises(ConfigError, match="each of a pod's 2 worker processes needs a GPU of its own, got 1"):
+        to_pytorchjob(spec(resources={"gpu": 1}))  # 4 workers on 2 nodes
+    to_pytorchjob(spec(resources={"gpu": 1}, nodes=4))  # one process per pod
+    to_pytorchjob(spec(resources={"cpu": 4}))  # CPU pods: gloo, any number of processes
+    cpu = TrainSpec("s3://data/d", "s3://models/m", workers=4, device="cpu")
+    to_pytorchjob(spec(train=cpu, resources={"gpu": 1}))  # asked to train on CPU: the GPU is not shared out

@@ -183,12 +183,21 @@ def test_storage_check(s3_server, bucket):
         assert r.returncode == 0 and r.stdout == f"s3://{bucket}/runs/a/model.pt2\n", r.stdout + r.stderr
 
 
+def test_a_pod_with_fewer_gpus_than_worker_processes_is_refused():
+    # two ranks on one GPU: NCCL refuses it once the pods are up; found here, before anything is created
+    r = cli("manifest", "pytorchjob", "--image", "reg/kfp-pytorch:0.1.0", "--param", "nodes=2", "--param", "workers=4",
+            "--param", "gpus_per_node=1")
+    assert r.returncode == 2 and r.stdout == ""
+    assert ("gpus_per_node: each of a pod's 2 worker processes needs a GPU of its own, got 1 "
+            "(workers = nodes x gpus_per_node)") in r.stderr
+
+
 def test_manifest_dry_runs_are_valid():
     from k8s_schemas import validate_manifest
 
     for kind in ("pytorchjob", "trainjob", "inferenceservice"):
         r = cli("manifest", kind, "--image", "reg/kfp-pytorch:0.1.0", "--param", "nodes=2", "--param", "workers=4",
-                "--param", "gpus_per_node=1", "--fairness")
+                "--param", "gpus_per_node=2", "--fairness")
         assert r.returncode == 0, r.stderr
         for doc in yaml.safe_load_all(r.stdout):
             validate_manifest(doc)
