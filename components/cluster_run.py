@@ -224,5 +224,10 @@ class ClusterServer:
 
 
 def _isvc_ready(obj: dict) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in (obj.get("status") or {}).get("conditions") or [])
+    """Ready *for the spec we wrote*: after an update the status still says Ready for the previous
+    generation until KServe has rolled the new one out (status.observedGeneration catches up)."""
+    status = obj.get("status") or {}
+    observed, generation = status.get("observedGeneration"), obj["metadata"].get("generation")
+    if observed is not None and generation is not None and observed < generation:
+        return False
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])

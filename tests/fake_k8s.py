@@ -244,7 +244,7 @@ class FakeCluster:
                 raise ApiError(409, "AlreadyExists", f'{plural} "{name}" already exists')
             if ns and plural != "namespaces":
                 meta["namespace"] = ns
-            meta.update(uid=str(uuid.uuid4()), resourceVersion=self._next_rv(), creationTimestamp=now_iso())
+            meta.update(uid=str(uuid.uuid4()), resourceVersion=self._next_rv(), creationTimestamp=now_iso(), generation=1)
             meta.setdefault("labels", {})
             obj.setdefault("apiVersion", api_version)
             obj.setdefault("kind", KINDS[plural])
@@ -316,6 +316,9 @@ class FakeCluster:
                 self._check_update(plural, old, new)
             if new == old:
                 return copy.deepcopy(old)
+            spec_of = lambda o: {k: v for k, v in o.items() if k not in ("metadata", "status")}  # noqa: E731
+            if spec_of(new) != spec_of(old):  # as the API server: generation counts changes of the desired state
+                new["metadata"]["generation"] = old["metadata"].get("generation", 1) + 1
             new["metadata"]["resourceVersion"] = self._next_rv()
             store[(ns, name)] = new
             self._emit(plural, "MODIFIED", new)
@@ -415,16 +418,18 @@ class Operator:
         elif plural == "pytorchjobs" and kind == "DELETED":
             for pod in f.list("pods", ns, f"training.kubeflow.org/job-name={name}"):
                 f.delete("pods", ns, pod["metadata"]["name"])
-        elif plural == "inferenceservices" and kind == "ADDED" and self.isvc_ready:
-            threading.Timer(0.05, self._isvc_ready, args=(ns, name)).start()
+        elif (plural == "inferenceservices" and kind in ("ADDED", "MODIFIED") and self.isvc_ready
+              and (obj.get("status") or {}).get("observedGeneration") != obj["metadata"]["generation"]):
+            # KServe rolls the new generation out, then reports it: until then the status is the last one's
+            threading.Timer(0.05, self._isvc_ready, args=(ns, name, obj["metadata"]["generation"])).start()
 
-    def _isvc_ready(self, ns, name) -> None:
+    def _isvc_ready(self, ns, name, generation) -> None:
         f = self.fake
         try:
             isvc = f.get("inferenceservices", ns, name)
         except ApiError:
             return
-        isvc["status"] = {"url": f"http://{name}.{ns}.svc.cluster.local",
+        isvc["status"] = {"url": f"http://{name}.{ns}.svc.cluster.local", "observedGeneration": generation,
                           "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now_iso()},
                                          {"type": "PredictorReady", "status": "True", "lastTransitionTime": now_iso()}]}
         f.replace("inferenceservices", ns, name, isvc, status_only=True, check_rv=False)

@@ -132,6 +132,8 @@ def test_inference_service_ready_and_canary_update(k8s):
     second = server.run(ClusterServeSpec("s3://models/run2/model", "digits", "reg/kfp-pytorch:0.1.0", namespace=NS,
                                          canary_traffic_percent=20), 10)
     isvc = fake.get("inferenceservices", NS, "digits")
+    # ready means the new version is rolled out, not the old one's Ready still standing in the status
+    assert isvc["metadata"]["generation"] == isvc["status"]["observedGeneration"] == 2
     assert second["updated"] and isvc["spec"]["predictor"]["canaryTrafficPercent"] == 20
     assert isvc["spec"]["predictor"]["storageUris"][0]["uri"] == "s3://models/run2/model"
 
