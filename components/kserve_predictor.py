@@ -82,7 +82,10 @@ def main() -> None:
     args, _ = parser.parse_known_args()
     import torch
 
-    torch.set_num_threads(int(os.environ.get("KFP_PYTORCH_SERVE_THREADS", "1")))
+    threads = os.environ.get("KFP_PYTORCH_SERVE_THREADS", "1")
+    if not threads.isdigit() or int(threads) < 1:
+        parser.error(f"KFP_PYTORCH_SERVE_THREADS: must be an integer >= 1, got {threads!r}")
+    torch.set_num_threads(int(threads))
     model = TorchPredictor(args.model_name, args.model_uri)
     model.load()
     kserve.ModelServer(http_port=args.http_port, grpc_port=args.grpc_port, enable_grpc=args.enable_grpc,

@@ -146,3 +146,15 @@ def test_serve_validates_settings(trained_model):
     with pytest.raises(ConfigError) as e:
         serve(ServeSpec(trained_model.model_uri, "Bad_Name", port=70000))
     assert "model_name" in str(e.value) and "port" in str(e.value)
+
+
+def test_a_bad_thread_count_stops_the_predictor_with_its_name(trained_model):
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kfp_pytorch.components.kserve_predictor", "--model_name", "x",
+                        "--model_uri", trained_model.model_uri], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "KFP_PYTORCH_SERVE_THREADS": "two"})
+    assert r.returncode == 2 and "KFP_PYTORCH_SERVE_THREADS: must be an integer >= 1, got 'two'" in r.stderr
+    assert "Traceback" not in r.stderr
