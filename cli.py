@@ -192,9 +192,10 @@ def _predict_sample(summary: dict, values: dict) -> dict:
 
     raw = x[:1] * np.asarray(meta["normalization"]["std"]) + np.asarray(meta["normalization"]["mean"])
     resp = infer(summary["server_url"], values["model_name"], raw.tolist())
-    label = [o for o in resp["outputs"] if o["name"] == "label"][0]["data"][0]
-    probs = [o for o in resp["outputs"] if o["name"] == "probabilities"][0]["data"]
-    return {"label": int(label), "true_label": int(y[0]), "confidence": round(max(probs), 4)}
+    out = {o["name"]: o["data"] for o in resp["outputs"]}
+    names = meta.get("class_names")
+    return {"label": out["class"][0] if "class" in out else int(out["label"][0]),
+            "true_label": names[int(y[0])] if names else int(y[0]), "confidence": round(max(out["probabilities"]), 4)}
 
 
 def _print_summary(s: dict) -> None:

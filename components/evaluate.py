@@ -67,6 +67,24 @@ def to_model_scale(x: np.ndarray, data_meta: dict, model_meta: dict, spec: Evalu
     return ((raw - np.asarray(m["mean"], np.float32)) / np.asarray(m["std"], np.float32)).astype(np.float32)
 
 
+def to_model_labels(y: np.ndarray, data_meta: dict, model_meta: dict,
+                    spec: EvaluateSpec) -> tuple[np.ndarray, list[str] | None]:
+    """The test labels as the model's class ids, and the class names by id (None: ids only).
+    Names are numbered per preparation, so another preparation's ids are matched by name; a
+    name the model never saw gets an id of its own, which no prediction can equal."""
+    d, m = data_meta.get("class_names"), model_meta.get("class_names")
+    if d is None and m is None:
+        return y, None
+    if d is None or m is None:
+        raise DatasetError(f"the dataset at {spec.dataset_uri} labels classes by "
+                           f"{'id' if d is None else 'name'} and the model at {spec.model_uri} by "
+                           f"{'name' if d is None else 'id'}",
+                           "evaluate on data whose label column holds what the training table's did")
+    names = list(m) + sorted(set(d) - set(m))
+    index = {n: i for i, n in enumerate(names)}
+    return np.asarray([index[d[int(i)]] for i in y], dtype=np.int64), names
+
+
 def compute_metrics(y_true: np.ndarray, y_pred: np.ndarray, classes: list[int]) -> dict:
     from sklearn.metrics import accuracy_score, confusion_matrix, f1_score, precision_score, recall_score
 
@@ -142,14 +160,16 @@ def evaluate(spec: EvaluateSpec, storage: Storage | None = None) -> dict:
     data_meta = read_metadata(spec.dataset_uri, storage)
     x, y = load_split(spec.dataset_uri, "test", storage, data_meta)
     x = to_model_scale(x, data_meta, model_meta, spec)
+    y, names = to_model_labels(y, data_meta, model_meta, spec)
     with torch.no_grad():
         pred = module(torch.from_numpy(x)).argmax(1).numpy()
     # a class the model knows but the test split lacks still counts when the model predicts it
-    classes = sorted(set(data_meta["classes"]) | set(model_meta.get("classes", [])))
+    classes = sorted(set(np.unique(y).tolist()) | set(model_meta.get("classes", [])))
     metrics = compute_metrics(y, pred, classes)
     value = metrics[spec.metric]
     gate = {"metric": spec.metric, "value": value, "threshold": spec.threshold, "passed": bool(value >= spec.threshold)}
     history_uri = join(spec.model_uri.rstrip("/").rsplit("/", 1)[0], "history.json")
     history = json.loads(storage.read_bytes(history_uri)) if storage.exists(history_uri) else []
-    return {"metrics": metrics, "gate": gate, "classes": classes,
-            "report_html": render_report(metrics, history, classes, gate)}
+    ticks = classes if names is None else [names[c] for c in classes]
+    return {"metrics": metrics, "gate": gate, "classes": classes, "class_names": names,
+            "report_html": render_report(metrics, history, ticks, gate)}

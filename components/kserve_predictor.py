@@ -7,7 +7,8 @@ Run as the container's entrypoint (a KServe custom predictor), with KServe's own
 It speaks the Open Inference Protocol v2 through KServe's ``ModelServer``:
 ``/v2/health/ready``, ``/v2/models/{name}/ready`` and ``POST /v2/models/{name}/infer``.
 Request: one FP32 input ``[n, features]`` of raw features. Response: ``probabilities`` FP32
-``[n, classes]`` and ``label`` INT64 ``[n]``.
+``[n, classes]``, ``label`` INT64 ``[n]`` and, for a model trained on a text label column, ``class``
+BYTES ``[n]`` (the class names; the v1 protocol's ``predictions`` are then names too).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import numpy as np
 from kserve import InferOutput, InferRequest, InferResponse
 from kserve.errors import InvalidInput
 
-from .predictor import ModelRunner
+from .predictor import ModelRunner, names_of
 
 
 class TorchPredictor(kserve.Model):
@@ -42,13 +43,19 @@ class TorchPredictor(kserve.Model):
             probs, labels = self.runner.predict(rows)
         except ValueError as e:
             raise InvalidInput(str(e))
+        names = names_of(labels, self.runner.class_names)
         if not isinstance(payload, InferRequest):
-            return {"predictions": labels.tolist()}
+            return {"predictions": names if names is not None else labels.tolist()}
         out_p = InferOutput(name="probabilities", shape=list(probs.shape), datatype="FP32")
         out_p.set_data_from_numpy(probs.astype(np.float32), binary_data=False)
         out_l = InferOutput(name="label", shape=list(labels.shape), datatype="INT64")
         out_l.set_data_from_numpy(labels, binary_data=False)
-        return InferResponse(model_name=self.name, infer_outputs=[out_p, out_l], response_id=request_id or str(uuid.uuid4()))
+        outputs = [out_p, out_l]
+        if names is not None:  # a model of named classes also answers with the names
+            out_c = InferOutput(name="class", shape=[len(names)], datatype="BYTES")
+            out_c.set_data_from_numpy(np.asarray(names, dtype=np.object_), binary_data=False)
+            outputs.append(out_c)
+        return InferResponse(model_name=self.name, infer_outputs=outputs, response_id=request_id or str(uuid.uuid4()))
 
 
 _NUMERIC = {"FP16", "FP32", "FP64", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"}

@@ -44,6 +44,8 @@ class ModelRunner:
         self.mean = np.asarray(norm["mean"], dtype=np.float32)
         self.std = np.asarray(norm["std"], dtype=np.float32)
         self.classes = list(self.meta["classes"])
+        self.class_names: list[str] | None = self.meta.get("class_names")
+        """Names by class id when the model was trained on a text label column."""
         self._torch = torch
 
     def predict(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -62,6 +64,11 @@ class ModelRunner:
             logits = self.module(self._torch.from_numpy(x))
             probs = self._torch.softmax(logits, dim=1).numpy()
         return probs, probs.argmax(1).astype(np.int64)
+
+
+def names_of(labels: np.ndarray, class_names: list[str] | None) -> list[str] | None:
+    """The class names of predicted ids (None when the model has ids only)."""
+    return None if class_names is None else [class_names[int(i)] for i in labels]
 
 
 def model_dir_uri(uri: str) -> str:

@@ -1,12 +1,13 @@
 """``prepare_data``: dataset URI -> validated, stratified, normalised shards in the store.
 
-Input: a table (CSV or Parquet) with numeric feature columns and one integer label column, read
-from a local path, ``s3://`` / ``minio://`` (through :mod:`.storage`), or ``sample://digits``,
+Input: a table (CSV or Parquet) with numeric feature columns and one label column, of integer
+class ids or of class names (text: numbered in sorted order, the names kept in the metadata and
+answered by the served model), read from a local path, ``s3://`` / ``minio://`` (through :mod:`.storage`), or ``sample://digits``,
 scikit-learn's 8x8 digits, which ships inside scikit-learn so nothing is downloaded.
 
 Output, below ``output_uri``::
 
-    metadata.json                 rows, classes, features, normalisation, shard checksums, seed
+    metadata.json                 rows, classes (and class names), features, normalisation, shard checksums, seed
     train/shard-00000.npz ...     x: float32 [n, features] (normalised), y: int64 [n]
     val/...  test/...
 
@@ -42,7 +43,7 @@ class PrepareSpec:
     output_uri: str
     """Directory URI (local or s3://) that receives metadata.json and the shards."""
     label_column: str = "label"
-    """Integer class label column; every other column is a numeric feature."""
+    """Label column, class ids (integers >= 0) or class names (text); every other column is a numeric feature."""
     val_fraction: float = 0.15
     test_fraction: float = 0.15
     seed: int = 42
@@ -137,8 +138,11 @@ def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fract
         problems.append(f"column {c!r}: {int(df[c].isna().sum())} NaN value(s)")
     labels = df[label_column]
     if label_column not in nan_cols:
-        if not pd.api.types.is_numeric_dtype(labels) or not np.all(np.mod(labels.to_numpy(dtype=float), 1) == 0):
-            problems.append(f"label column {label_column!r}: must hold integer class ids, got dtype {labels.dtype}")
+        if _names_classes(labels):
+            labels = labels.astype(str)  # class names: any text, counted as such
+        if pd.api.types.is_numeric_dtype(labels) and not np.all(np.mod(labels.to_numpy(dtype=float), 1) == 0):
+            problems.append(f"label column {label_column!r}: must hold integer class ids or class names, "
+                            f"got fractional numbers (dtype {labels.dtype})")
         else:
             counts = labels.value_counts()
             if len(counts) < 2:
@@ -149,9 +153,27 @@ def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fract
                                 "than 3 rows; a stratified train/val/test split needs at least 3 per class")
             elif len(counts) >= 2 and (why := _too_few_rows(len(df), len(counts), val_fraction, test_fraction)):
                 problems.append(why)
-            if labels.min() < 0:
+            if pd.api.types.is_numeric_dtype(labels) and labels.min() < 0:
                 problems.append(f"label column {label_column!r}: class ids must be >= 0, got {labels.min()}")
     return problems
+
+
+def _names_classes(labels) -> bool:
+    """Whether a label column holds class *names* (text, booleans, categories) rather than ids."""
+    import pandas as pd
+
+    return not pd.api.types.is_numeric_dtype(labels) or pd.api.types.is_bool_dtype(labels)
+
+
+def encode_labels(labels) -> tuple[np.ndarray, list[str] | None]:
+    """(class ids, class names): names are sorted and numbered from 0; integer ids stay as they are
+    (names None)."""
+    if not _names_classes(labels):
+        return labels.to_numpy().astype(np.int64), None
+    text = labels.astype(str).to_numpy()
+    names = sorted(set(text))
+    index = {n: i for i, n in enumerate(names)}
+    return np.fromiter((index[t] for t in text), dtype=np.int64, count=len(text)), names
 
 
 def check_table(uri: str, df, label_column: str, val_fraction: float = 0.15, test_fraction: float = 0.15) -> None:
@@ -159,7 +181,7 @@ def check_table(uri: str, df, label_column: str, val_fraction: float = 0.15, tes
     problems = validate_table(df, label_column, val_fraction, test_fraction)
     if problems:
         raise DatasetError(f"dataset {uri} failed validation:\n" + "\n".join(f"  - {p}" for p in problems),
-                           "fix the problems above (numeric features, integer labels, no NaNs, enough rows) and run again")
+                           "fix the problems above (numeric features, class ids or names as labels, no NaNs, enough rows) and run again")
 
 
 def _split(y: np.ndarray, spec: PrepareSpec) -> dict[str, np.ndarray]:
@@ -189,7 +211,7 @@ def prepare_data(spec: PrepareSpec, storage: Storage | None = None) -> dict:
     check_table(spec.dataset_uri, df, spec.label_column, spec.val_fraction, spec.test_fraction)
     features = [str(c) for c in df.columns if c != spec.label_column]
     x = df[features].to_numpy(dtype=np.float32)
-    y = df[spec.label_column].to_numpy().astype(np.int64)
+    y, class_names = encode_labels(df[spec.label_column])
     parts = _split(y, spec)
     mean = x[parts["train"]].mean(axis=0)
     std = x[parts["train"]].std(axis=0)
@@ -202,6 +224,7 @@ def prepare_data(spec: PrepareSpec, storage: Storage | None = None) -> dict:
         "num_features": len(features),
         "classes": classes,
         "num_classes": max(classes) + 1,
+        "class_names": class_names,  # of a text label column, by class id (None: the labels were ids)
         "label_column": spec.label_column,
         "image_shape": df.attrs.get("image_shape"),
         "normalization": {"mean": mean.tolist(), "std": std.tolist()},

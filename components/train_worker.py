@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> dict:
         model_meta = {
             "format": "kfp-pytorch-model/v1", "model": args.model, "input_shape": [meta["num_features"]],
             "image_shape": meta.get("image_shape"), "classes": meta["classes"],
-            "num_classes": meta["num_classes"], "features": meta["features"],
+            "num_classes": meta["num_classes"], "class_names": meta.get("class_names"), "features": meta["features"],
             "normalization": meta["normalization"], "dataset_uri": args.dataset_uri,
             "program": "model.pt2", "weights": "weights.pt", "training": summary,
         }

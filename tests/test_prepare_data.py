@@ -104,3 +104,21 @@ def test_a_table_too_small_to_split_says_how_many_rows_it_needs(tmp_path):
     assert all(set(y[v]) == {0, 1} for v in parts.values())
     pd.DataFrame({"a": np.arange(8.0), "label": [0, 1] * 4}).to_csv(path, index=False)
     assert prepare_data(PrepareSpec(str(path), str(tmp_path / "o")))["rows"] == {"train": 4, "val": 2, "test": 2}
+
+
+def test_class_names_are_numbered_in_sorted_order_and_checked_like_ids(tmp_path):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "t.csv"
+    pd.DataFrame({"a": rng.normal(size=40), "label": [True, False] * 20}).to_csv(path, index=False)
+    meta = prepare_data(PrepareSpec(str(path), str(tmp_path / "b")))
+    assert meta["class_names"] == ["False", "True"] and meta["num_classes"] == 2
+    _, y = load_split(str(tmp_path / "b"), "train")
+    assert set(y.tolist()) == {0, 1}
+    pd.DataFrame({"a": rng.normal(size=32), "label": ["cat", "dog"] * 15 + ["rare", "rare"]}).to_csv(path, index=False)
+    with pytest.raises(DatasetError, match=r"classes \['rare'\] have fewer than 3 rows"):
+        prepare_data(PrepareSpec(str(path), str(tmp_path / "c")))
+    pd.DataFrame({"a": rng.normal(size=30), "label": [0.5, 1.0, 2.0] * 10}).to_csv(path, index=False)
+    with pytest.raises(DatasetError, match="must hold integer class ids or class names, got fractional numbers"):
+        prepare_data(PrepareSpec(str(path), str(tmp_path / "d")))
+    assert read_metadata(str(tmp_path / "b"))["class_names"] == ["False", "True"]
+    assert prepare_data(PrepareSpec("sample://digits", str(tmp_path / "e")))["class_names"] is None  # ids stay ids

@@ -158,3 +158,44 @@ def test_a_bad_thread_count_stops_the_predictor_with_its_name(trained_model):
                        env={**os.environ, "KFP_PYTORCH_SERVE_THREADS": "two"})
     assert r.returncode == 2 and "KFP_PYTORCH_SERVE_THREADS: must be an integer >= 1, got 'two'" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_text_label_column_is_trained_evaluated_and_served_by_name(tmp_path):
+    from kfp_pytorch.components.evaluate import EvaluateSpec, evaluate
+    from kfp_pytorch.components.prepare_data import PrepareSpec, load_table, prepare_data
+    from kfp_pytorch.components.train import TrainSpec, train
+
+    table = load_table("sample://digits")
+    table = table[table["label"] < 3].reset_index(drop=True)
+    table["label"] = table["label"].map({0: "zero", 1: "one", 2: "two"})  # as iris' species, say
+    table.to_csv(tmp_path / "named.csv", index=False)
+    meta = prepare_data(PrepareSpec(str(tmp_path / "named.csv"), str(tmp_path / "data")))
+    assert meta["class_names"] == ["one", "two", "zero"] and meta["classes"] == [0, 1, 2]
+    model = train(TrainSpec(str(tmp_path / "data"), str(tmp_path / "run"), epochs=4, progress="off")).model_uri
+    res = evaluate(EvaluateSpec(str(tmp_path / "data"), model, threshold=0.5))
+    assert res["class_names"] == ["one", "two", "zero"] and res["metrics"]["accuracy"] > 0.8
+    ep = serve(ServeSpec(model, "named"))
+    try:
+        rows = table.drop(columns=["label"]).to_numpy(dtype=np.float32)[:20]
+        out = {o["name"]: o for o in infer(ep.url, "named", rows.tolist())["outputs"]}
+        assert out["class"]["datatype"] == "BYTES" and len(out["class"]["data"]) == 20
+        assert out["class"]["data"] == [meta["class_names"][i] for i in out["label"]["data"]]
+        assert np.mean(np.asarray(out["class"]["data"]) == table["label"].to_numpy()[:20]) > 0.8
+        v1 = requests.post(f"{ep.url}/v1/models/named:predict", json={"instances": rows[:2].tolist()}).json()
+        assert v1["predictions"] == out["class"]["data"][:2]
+    finally:
+        stop_server("named")
+
+
+def test_labels_of_another_preparation_are_matched_by_name():
+    from kfp_pytorch.components.errors import DatasetError
+    from kfp_pytorch.components.evaluate import EvaluateSpec, to_model_labels
+
+    spec = EvaluateSpec("s3://data/fresh", "s3://models/m/model")
+    # the model numbered [cat, dog]; fresh data, with a bird, numbers [bird, cat, dog]
+    y, names = to_model_labels(np.array([0, 1, 2, 2]), {"class_names": ["bird", "cat", "dog"]},
+                               {"class_names": ["cat", "dog"]}, spec)
+    assert names == ["cat", "dog", "bird"] and y.tolist() == [2, 0, 1, 1]
+    assert to_model_labels(np.array([1, 0]), {}, {}, spec)[0].tolist() == [1, 0]
+    with pytest.raises(DatasetError, match="labels classes by name and the model at s3://models/m/model by id"):
+        to_model_labels(np.array([0]), {"class_names": ["cat"]}, {"class_names": None}, spec)
