@@ -32,6 +32,10 @@ from .models import ZOO, resolve_factory
 from .storage import Storage, join
 
 WORKER_MODULE = "kfp_pytorch.components.train_worker"
+RESUME_STATE = "checkpoints/last.json"
+"""Beside each checkpoint: its epoch and the settings it was trained with (read without torch)."""
+RESUME_KEYS = ("dataset_uri", "model", "batch_size", "lr", "seed")
+"""Settings a checkpoint is only resumed with when they are unchanged (``epochs`` may grow)."""
 DIVERGED = "diverged.json"
 """Written under the output URI by the workers when the loss stops being finite: they stop at
 once (a restart from the last checkpoint would only diverge again) and no model is exported."""
@@ -277,11 +281,29 @@ class ClusterBackend:
 BACKENDS: dict[str, type] = {"local": LocalBackend, "cluster": ClusterBackend}
 
 
+def _check_resumable(spec: TrainSpec, storage: Storage) -> None:
+    """A checkpoint under ``output_uri`` is resumed (a retried task, a restart, more epochs); one
+    written with other settings would be resumed silently, old optimizer state and all."""
+    uri = join(spec.output_uri, RESUME_STATE)
+    if not storage.exists(uri):
+        return
+    state = json.loads(storage.read_bytes(uri))
+    saved = state.get("args", {})
+    changed = [f"{k} {saved[k]!r} there, {getattr(spec, k)!r} here" for k in RESUME_KEYS
+               if k in saved and saved[k] != getattr(spec, k)]
+    if changed:
+        raise TrainingError(f"{spec.output_uri} holds the checkpoint of another training run (epoch "
+                            f"{state.get('epoch')}: {'; '.join(changed)}), which this run would resume from",
+                            f"give a new output_uri, or delete {join(spec.output_uri, 'checkpoints')} to start over; "
+                            "to train on for more epochs, keep the other settings")
+
+
 def train(spec: TrainSpec, storage: Storage | None = None) -> TrainResult:
     """Validate, resolve the model factory here (fail fast), run the backend, read the history."""
     spec.validate()
     resolve_factory(spec.model)
     storage = storage or Storage()
+    _check_resumable(spec, storage)
     t0 = time.perf_counter()
     BACKENDS[spec.backend]().run(spec)
     diverged = join(spec.output_uri, DIVERGED)

@@ -37,7 +37,7 @@ from .errors import TrainingError
 from .models import build_model
 from .prepare_data import load_split, read_metadata
 from .storage import Storage, join
-from .train import DIVERGED, cuda_problem
+from .train import DIVERGED, RESUME_KEYS, RESUME_STATE, cuda_problem
 
 CHECKPOINT = "checkpoints/last.pt"
 HISTORY = "history.json"
@@ -204,6 +204,8 @@ def run(args: argparse.Namespace) -> dict:
             state = {"epoch": epoch, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                      "history": history, "args": vars(args)}
             storage.write_bytes(ckpt_uri, _save_torch(state))
+            storage.write_bytes(join(args.output_uri, RESUME_STATE), json.dumps(
+                {"epoch": epoch + 1, "args": {k: getattr(args, k) for k in RESUME_KEYS}}).encode())
         dist.barrier()
 
     summary = {"epochs": args.epochs, "world_size": world, "backend": backend,

@@ -108,6 +108,20 @@ def test_killed_worker_resumes_from_checkpoint(digits_data, tmp_path):
     assert first_after["epoch"] > 1
 
 
+def test_a_checkpoint_is_resumed_only_by_the_run_that_wrote_it(digits_data, tmp_path):
+    out = str(tmp_path / "out")
+    first = train(TrainSpec(digits_data, out, epochs=1, lr=0.005, progress="off"))
+    # more epochs, same settings: trains on from the checkpoint
+    more = train(TrainSpec(digits_data, out, epochs=2, lr=0.005, progress="off"))
+    assert [h["epoch"] for h in more.history] == [1, 2] and more.history[0] == first.history[0]
+    # another learning rate and batch size: would have resumed with the old optimizer state, silently
+    with pytest.raises(TrainingError) as e:
+        train(TrainSpec(digits_data, out, epochs=3, lr=0.001, batch_size=32, progress="off"))
+    assert (f"{out} holds the checkpoint of another training run (epoch 2: batch_size 64 there, 32 here; "
+            "lr 0.005 there, 0.001 here)") in str(e.value)
+    assert "give a new output_uri, or delete" in e.value.hint
+
+
 def test_failing_factory_in_workers_gives_the_worker_error(digits_data, tmp_path):
     with pytest.raises(TrainingError) as e:
         train(TrainSpec(digits_data, str(tmp_path / "o"), model="factories:broken", epochs=1, max_restarts=0,
