@@ -155,6 +155,11 @@ def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fract
                 problems.append(why)
             if pd.api.types.is_numeric_dtype(labels) and labels.min() < 0:
                 problems.append(f"label column {label_column!r}: class ids must be >= 0, got {labels.min()}")
+            elif pd.api.types.is_numeric_dtype(labels) and labels.max() >= 1000 and labels.max() + 1 > 10 * len(counts):
+                # the model has one output per id up to the largest: ids as codes would make it huge
+                problems.append(f"label column {label_column!r}: class ids run up to {int(labels.max())} for "
+                                f"{len(counts)} classes, so the model would have {int(labels.max()) + 1} outputs; "
+                                f"number the classes 0..{len(counts) - 1}, or write them as text to be named")
     return problems
 
 

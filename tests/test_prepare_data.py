@@ -120,5 +120,9 @@ def test_class_names_are_numbered_in_sorted_order_and_checked_like_ids(tmp_path)
     pd.DataFrame({"a": rng.normal(size=30), "label": [0.5, 1.0, 2.0] * 10}).to_csv(path, index=False)
     with pytest.raises(DatasetError, match="must hold integer class ids or class names, got fractional numbers"):
         prepare_data(PrepareSpec(str(path), str(tmp_path / "d")))
+    pd.DataFrame({"a": rng.normal(size=30), "label": [7, 40000, 123456] * 10}).to_csv(path, index=False)
+    with pytest.raises(DatasetError, match=r"class ids run up to 123456 for 3 classes, so the model would have "
+                                           r"123457 outputs; number the classes 0..2, or write them as text"):
+        prepare_data(PrepareSpec(str(path), str(tmp_path / "f")))
     assert read_metadata(str(tmp_path / "b"))["class_names"] == ["False", "True"]
     assert prepare_data(PrepareSpec("sample://digits", str(tmp_path / "e")))["class_names"] is None  # ids stay ids
