@@ -116,4 +116,29 @@ def build_model(name: str, input_dim: int, num_classes: int, image_shape=None) -
     if not isinstance(model, nn.Module):
         raise ModelFactoryError(f"model factory {name!r} returned {type(model).__name__}, not a torch.nn.Module",
                                 "return an nn.Module from the factory")
+    _probe(model, name, input_dim, num_classes)
     return model
+
+
+def _probe(model: nn.Module, name: str, input_dim: int, num_classes: int) -> None:
+    """One forward pass on a batch shaped as training feeds it ([n, input_dim] raw rows): a model
+    that cannot take it, or answers other than [n, num_classes] logits, is named here, not by
+    cross_entropy's 'Target 9 is out of bounds' in every worker."""
+    import torch
+
+    was_training = model.training
+    model.eval()  # no BatchNorm statistics from a probe
+    try:
+        with torch.no_grad():
+            out = model(torch.zeros(2, input_dim))
+    except Exception as e:
+        raise ModelFactoryError(f"the model of factory {name!r} fails on a batch of shape [2, {input_dim}] "
+                                f"(rows of {input_dim} features): {type(e).__name__}: {e}",
+                                "the model's forward takes a float tensor [batch, input_dim]") from e
+    finally:
+        model.train(was_training)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, num_classes):
+        got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ModelFactoryError(f"the model of factory {name!r} answers {got} for a batch of 2, not logits "
+                                f"[2, {num_classes}] (one per class)",
+                                "end the model with a layer of num_classes outputs (no softmax: the loss applies it)")

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kfp_pytorch.components.errors import DatasetError, KfpPytorchError, PortInUseError
-from kfp_pytorch.components.models import resolve_factory
+from kfp_pytorch.components.models import build_model, resolve_factory
 from kfp_pytorch.components.paths import home
-from kfp_pytorch.components.prepare_data import SAMPLE_SCHEME, check_table, load_table
+from kfp_pytorch.components.prepare_data import SAMPLE_SCHEME, check_table, encode_labels, load_table
 from kfp_pytorch.components.serve import port_is_free, read_server
 from kfp_pytorch.components.storage import Storage
 
@@ -30,12 +30,22 @@ def preflight(params: dict, storage: Storage | None = None) -> None:
     uri = params.get("dataset_uri", "")
     needs_s3 = uri.startswith(("s3://", "minio://")) or params.get("storage_root")
     storage = storage or (Storage() if needs_s3 or not uri.startswith(SAMPLE_SCHEME) else None)
+    label = params.get("label_column", "label")
+    table = None
     if uri and not uri.startswith(SAMPLE_SCHEME):
         if not storage.exists(uri):
             raise DatasetError(f"dataset not found: {uri}",
                                "check dataset_uri (a CSV/Parquet path, s3://bucket/key or sample://digits)")
-        label = params.get("label_column", "label")
-        check_table(uri, load_table(uri, storage, label), label)
+        table = load_table(uri, storage, label)
+        check_table(uri, table, label)
+    custom = ":" in params.get("model_arch", "")
+    if uri and table is None and custom:  # a bundled sample: its shape, for the check below
+        table = load_table(uri, storage, label)
+    if table is not None and custom:
+        # a model of the user's own, built once for this table's shape: the workers would build it the same
+        _, names = encode_labels(table[label])
+        classes = len(names) if names is not None else int(table[label].max()) + 1
+        build_model(params["model_arch"], table.shape[1] - 1, classes, table.attrs.get("image_shape"))
     if params.get("storage_root"):
         storage.ensure_bucket(params["storage_root"])
     port = params.get("serve_port", 0)

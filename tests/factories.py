@@ -39,3 +39,15 @@ def slow(input_dim, num_classes):
 
 def broken(input_dim, num_classes):
     raise RuntimeError("this factory always fails")
+
+
+def three_outputs(input_dim, num_classes):
+    return nn.Linear(input_dim, 3)
+
+
+def wrong_width(input_dim, num_classes):
+    return nn.Linear(input_dim + 1, num_classes)
+
+
+def with_batchnorm(input_dim, num_classes):
+    return nn.Sequential(nn.Linear(input_dim, 8), nn.BatchNorm1d(8), nn.Linear(8, num_classes))

@@ -182,6 +182,15 @@ def test_factory_results_are_checked():
         build_model("factories:broken", 4, 2)
     with pytest.raises(ModelFactoryError, match="not a square image"):
         build_model("cnn", 10, 2)
+    # what training feeds it, tried once: wrong output width, or a forward that cannot take the rows
+    with pytest.raises(ModelFactoryError, match=r"answers \[2, 3\] for a batch of 2, not logits \[2, 10\]"):
+        build_model("factories:three_outputs", 64, 10)
+    with pytest.raises(ModelFactoryError, match=r"fails on a batch of shape \[2, 64\] \(rows of 64 features\): "
+                                                r"RuntimeError: mat1 and mat2 shapes cannot be multiplied"):
+        build_model("factories:wrong_width", 64, 10)
+    bn = build_model("factories:with_batchnorm", 64, 10)
+    assert bn.training and int(bn[1].num_batches_tracked) == 0  # the probe left no trace
+    assert build_model("mlp", 64, 10).training and build_model("cnn", 64, 10).training
 
 
 def test_invalid_settings_listed_together(tmp_path):
