@@ -127,9 +127,12 @@ def test_only_parameters_the_backends_do_not_read_get_a_note():
 
 
 def test_a_step_that_fails_is_named_and_its_partial_outputs_removed(tmp_path):
-    # The factory passes the checks made before any step (it imports, its signature binds) and
-    # fails in the training workers: the summary names the step (kfp.local colours its name).
-    (tmp_path / "badfactory.py").write_text("def net(input_dim, num_classes, image_shape=None):\n    return 42\n")
+    # The factory passes the checks made before any step (it imports, its signature binds, its
+    # model takes a batch) and fails in the training workers only: the summary names the step
+    # (kfp.local colours its name) and quotes the workers' error.
+    (tmp_path / "badfactory.py").write_text(
+        "import os\nfrom torch import nn\n\n\ndef net(input_dim, num_classes, image_shape=None):\n"
+        "    return 42 if 'RANK' in os.environ else nn.Linear(input_dim, num_classes)\n")
     r = run_cli("run", "train_and_serve", "--local", "--param", "model_arch=badfactory:net", "--param", "epochs=1",
                 env={"PYTHONPATH": str(tmp_path)})
     assert r.returncode == 1
