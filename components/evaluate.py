@@ -55,8 +55,8 @@ def to_model_scale(x: np.ndarray, data_meta: dict, model_meta: dict, spec: Evalu
     if expected is not None and features != expected:
         missing = [f for f in expected if f not in features]
         extra = [f for f in features if f not in expected]
-        detail = (f"missing {missing[:8]}" if missing else "") + ("; " if missing and extra else "") + \
-                 (f"not in the model {extra[:8]}" if extra else "") or "the same columns in another order"
+        parts = ([f"missing {missing[:8]}"] if missing else []) + ([f"not in the model {extra[:8]}"] if extra else [])
+        detail = "; ".join(parts) or "the same columns in another order"
         raise DatasetError(f"the dataset at {spec.dataset_uri} does not have the features the model at "
                            f"{spec.model_uri} was trained on ({detail})",
                            "evaluate on data with the training table's feature columns, in the same order")

@@ -14,9 +14,9 @@ class MlflowPredictor(mlflow.pyfunc.PythonModel):
         self.runner = ModelRunner(context.artifacts["model_dir"])
 
     def predict(self, context, model_input, params=None):
-        rows = model_input.to_numpy() if hasattr(model_input, "to_numpy") else np.asarray(model_input)
         from kfp_pytorch.components.predictor import names_of
 
+        rows = model_input.to_numpy() if hasattr(model_input, "to_numpy") else np.asarray(model_input)
         _, labels = self.runner.predict(rows)
         names = names_of(labels, self.runner.class_names)
         return labels if names is None else np.asarray(names, dtype=object)

@@ -2,8 +2,9 @@
 
 Input: a table (CSV or Parquet) with numeric feature columns and one label column, of integer
 class ids or of class names (text: numbered in sorted order, the names kept in the metadata and
-answered by the served model), read from a local path, ``s3://`` / ``minio://`` (through :mod:`.storage`), or ``sample://digits``,
-scikit-learn's 8x8 digits, which ships inside scikit-learn so nothing is downloaded.
+answered by the served model), read from a local path, ``s3://`` / ``minio://`` (through
+:mod:`.storage`), or ``sample://digits``, scikit-learn's 8x8 digits, which ships inside
+scikit-learn so nothing is downloaded.
 
 Output, below ``output_uri``::
 
@@ -18,6 +19,7 @@ metadata so the predictor normalises raw requests the same way.
 
 import hashlib
 import io
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -111,8 +113,8 @@ def _too_few_rows(n: int, k: int, val_fraction: float, test_fraction: float) -> 
     short = [f"{name} {rows}" for name, rows in sizes.items() if rows < k]
     if not short:
         return None
-    need = next(m for m in range(n + 1, 100 * k + 1000)
-                if min(_split_sizes(m, val_fraction, test_fraction).values()) >= k)
+    # every split's share is > 0 (fractions in (0, 0.5)), so some row count always suffices
+    need = next(m for m in itertools.count(n + 1) if min(_split_sizes(m, val_fraction, test_fraction).values()) >= k)
     return (f"the table has {n} rows for {k} classes: the split would give {', '.join(short)} row(s), and a "
             f"stratified split needs every class in every split; give at least {need} rows")
 

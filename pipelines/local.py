@@ -43,9 +43,8 @@ def preflight(params: dict, storage: Storage | None = None) -> None:
         table = load_table(uri, storage, label)
     if table is not None and custom:
         # a model of the user's own, built once for this table's shape: the workers would build it the same
-        _, names = encode_labels(table[label])
-        classes = len(names) if names is not None else int(table[label].max()) + 1
-        build_model(params["model_arch"], table.shape[1] - 1, classes, table.attrs.get("image_shape"))
+        ids, _ = encode_labels(table[label])  # as prepare_data numbers the classes
+        build_model(params["model_arch"], table.shape[1] - 1, int(ids.max()) + 1, table.attrs.get("image_shape"))
     if params.get("storage_root"):
         storage.ensure_bucket(params["storage_root"])
     port = params.get("serve_port", 0)
