@@ -337,6 +337,7 @@ def test_every_parameter_problem_is_listed_at_once_and_numbers_must_be_finite():
     # an unsupported scheme failed in MLflow after training; the ones MLflow opens pass, drivers included
     for uri in ("http://mlflow.kubeflow:5000", "postgresql+psycopg2://u@db/mlflow", "sqlite:////tmp/m.db", ""):
         assert entry.resolve({"tracking_uri": uri})["tracking_uri"] == uri
-    assert "tracking_uri" in entry.resolve({"lr": 1})  # a whole number is a number
+    lr = entry.resolve({"lr": 1})["lr"]  # a whole number is a number, read as one
+    assert lr == 1.0 and isinstance(lr, float)
     with pytest.raises(ConfigError, match="expected finite number, got True"):
         entry.resolve({"lr": True})
