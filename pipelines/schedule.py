@@ -5,9 +5,11 @@ import re
 from kfp_pytorch.components.errors import ConfigError
 
 _FIELDS = ("second", "minute", "hour", "day of month", "month", "day of week")
-_RANGES = ((0, 59), (0, 59), (0, 23), (1, 31), (1, 12), (0, 7))
-_MONTHS = {"JAN", "FEB", "MAR", "APR", "MAY", "JUN", "JUL", "AUG", "SEP", "OCT", "NOV", "DEC"}
-_DAYS = {"SUN", "MON", "TUE", "WED", "THU", "FRI", "SAT"}
+# robfig/cron's bounds: the day of week is 0-6 (Sunday is 0; a 7 is refused, unlike Vixie cron's)
+_RANGES = ((0, 59), (0, 59), (0, 23), (1, 31), (1, 12), (0, 6))
+_MONTHS = {m: i + 1 for i, m in enumerate(("JAN", "FEB", "MAR", "APR", "MAY", "JUN", "JUL", "AUG", "SEP", "OCT",
+                                            "NOV", "DEC"))}
+_DAYS = {d: i for i, d in enumerate(("SUN", "MON", "TUE", "WED", "THU", "FRI", "SAT"))}
 
 
 _DESCRIPTORS = {"@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly"}
@@ -37,6 +39,44 @@ def _validate_descriptor(expr: str) -> str:
                       'example: --cron "@daily", or 6 fields: --cron "0 0 3 * * *"', title="invalid schedule")
 
 
+def _number(text: str, name: str) -> int | None:
+    """A value as robfig/cron's parseIntOrName reads it: a name (months, days) or a whole number."""
+    names = _MONTHS if name == "month" else _DAYS if name == "day of week" else {}
+    if text.upper() in names:
+        return names[text.upper()]
+    return int(text) if re.fullmatch(r"\+?\d+", text) else None
+
+
+def _field_problem(text: str, name: str, lo: int, hi: int) -> str | None:
+    """What robfig/cron's getRange would refuse in one field (each of its comma-separated parts is
+    ``*`` or ``?`` or a-b or a, with an optional /step; ``a/step`` means a to the field's end)."""
+    expected = f"expected {lo}-{hi}, '*', ranges a-b, lists a,b or steps */n"
+    for part in filter(None, text.split(",")):
+        range_step = part.split("/")
+        low_high = range_step[0].split("-")
+        if len(range_step) > 2 or len(low_high) > 2:
+            return f"{name} field {text!r}: {part!r} has more than one {'/' if len(range_step) > 2 else '-'}; {expected}"
+        if low_high[0] in ("*", "?"):
+            start, end = lo, hi
+        else:
+            start = _number(low_high[0], name)
+            end = _number(low_high[1], name) if len(low_high) == 2 else start
+            if start is None or end is None:
+                return f"{name} field {text!r}: {part!r} is not a number; {expected}"
+        if len(range_step) == 2:
+            step = _number(range_step[1], "step")
+            if not step:
+                return f"{name} field {text!r}: the step in {part!r} must be a whole number above 0"
+            if len(low_high) == 1:
+                end = hi
+        if not lo <= start <= hi or not lo <= end <= hi:
+            sunday = " (Sunday is 0 or SUN)" if name == "day of week" else ""
+            return f"{name} field {text!r}: {part!r} is outside {lo}-{hi}{sunday}; {expected}"
+        if start > end:
+            return f"{name} field {text!r}: the range {part!r} starts after it ends"
+    return None
+
+
 def validate_cron(expr: str) -> str:
     """Return the normalised expression (6 fields, or a descriptor), or raise with what to write:
     the 6-field form of a 5-field one (KFP would read it with seconds first, a different schedule)."""
@@ -50,18 +90,8 @@ def validate_cron(expr: str) -> str:
     if len(fields) != 6:
         raise ConfigError([f"cron {expr!r} has {len(fields)} fields; KFP's cron has 6: {' '.join(_FIELDS)}"],
                           'example: --cron "0 0 3 * * *" (every day at 03:00:00)', title="invalid schedule")
-    problems = []
-    for text, name, (lo, hi) in zip(fields, _FIELDS, _RANGES):
-        for part in text.split(","):
-            base = part.split("/")[0]
-            if base in ("*", "?"):
-                continue
-            for num in base.split("-"):
-                if name in ("month", "day of week") and num.upper() in (_MONTHS if name == "month" else _DAYS):
-                    continue
-                if not num.isdigit() or not lo <= int(num) <= hi:
-                    problems.append(f"{name} field {text!r}: expected {lo}-{hi}, '*', ranges a-b, lists a,b or steps */n")
-                    break
+    problems = [p for text, name, bounds in zip(fields, _FIELDS, _RANGES)
+                if (p := _field_problem(text, name, *bounds))]
     if problems:
         raise ConfigError(problems, 'example: --cron "0 0 3 * * *"', title="invalid schedule")
     return " ".join(fields)

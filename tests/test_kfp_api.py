@@ -114,7 +114,11 @@ def test_options_kfp_would_refuse_are_refused_before_any_call(kfp_server):
 @pytest.mark.parametrize("expr,ok", [("0 0 3 * * *", True), ("*/30 * * * * ?", True), ("0 0 3 * * MON-FRI", True),
                                      ("@daily", True), ("@hourly", True), ("@every 1h30m", True), ("@every 90s", True),
                                      ("0 61 * * * *", False), ("0 0 3 * *", False), ("daily", False), ("@fortnightly", False),
-                                     ("@every 500ms", False), ("@every 1 hour", False), ("@every", False)])
+                                     ("@every 500ms", False), ("@every 1 hour", False), ("@every", False),
+                                     # robfig/cron's getRange: day of week 0-6, steps > 0, a-b with a <= b
+                                     ("0 0 3 * * SUN", True), ("0 0 3/2 * * *", True), ("0 0 3 * JAN-MAR 1-5", True),
+                                     ("0 0 3 * * 7", False), ("*/0 * * * * *", False), ("0 */x * * * *", False),
+                                     ("0 0 5-3 * * *", False), ("0 0 1-2-3 * * *", False), ("0 0 3 0 * *", False)])
 def test_validate_cron(expr, ok):
     # KFP reads a recurring run's cron with robfig/cron's Parse: 6 fields or a descriptor
     if ok:
@@ -122,6 +126,14 @@ def test_validate_cron(expr, ok):
     else:
         with pytest.raises(ConfigError):
             validate_cron(expr)
+
+
+def test_cron_day_7_is_refused_with_sundays_number():
+    # Vixie cron takes 7 for Sunday; robfig/cron (KFP) refuses it after the pipeline was uploaded
+    with pytest.raises(ConfigError) as e:
+        validate_cron("0 0 3 * * 5-7")
+    assert e.value.problems == ["day of week field '5-7': '5-7' is outside 0-6 (Sunday is 0 or SUN); "
+                                "expected 0-6, '*', ranges a-b, lists a,b or steps */n"]
 
 
 def test_runs_lists_status(kfp_server):
