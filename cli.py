@@ -342,11 +342,14 @@ def submit_cmd(pipeline, host, namespace, experiment, token, params, run_name, w
 @_kfp_options
 @click.option("--cron", required=True, help='6 fields, seconds first: "0 0 3 * * *" is 03:00 daily; or a descriptor: "@daily", "@every 6h".')
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE")
-@click.option("--name", default=None, help="Recurring run name.")
+@click.option("--name", default=None, help="Recurring run name (default: PIPELINE-schedule).")
 @click.option("--max-concurrency", default=1, show_default=True, type=click.IntRange(1, 10),
               help="Runs of this schedule at once (KFP allows 1-10).")
 @_platform_option
-def schedule_cmd(pipeline, host, namespace, experiment, token, cron, params, name, max_concurrency, platform_file):
+@click.option("--replace", is_flag=True,
+              help="Replace the experiment's recurring run of the same name (created first, the old one deleted after).")
+def schedule_cmd(pipeline, host, namespace, experiment, token, cron, params, name, max_concurrency, platform_file,
+                 replace):
     """Create a recurring run of PIPELINE (e.g. nightly retraining)."""
     from kfp_pytorch.components._kfp import check_component_image
     from kfp_pytorch.pipelines import get_pipeline
@@ -359,8 +362,10 @@ def schedule_cmd(pipeline, host, namespace, experiment, token, cron, params, nam
     entry, platform = _with_platform(entry, platform_file)
     check_component_image()
     _cluster_notes(values, platform)
-    rr = KfpApi(host, namespace, token).schedule(entry, values, cron, experiment, name, max_concurrency)
-    click.echo(f"recurring run {rr} created: {pipeline} at '{cron}'")
+    rr, replaced = KfpApi(host, namespace, token).schedule(entry, values, cron, experiment, name, max_concurrency,
+                                                           replace)
+    click.echo(f"recurring run {rr} created: {pipeline} at '{cron}'"
+               + (f" (replaced {', '.join(replaced)})" if replaced else ""))
 
 
 @cli.command("runs")

@@ -139,14 +139,40 @@ class KfpApi:
                 lines.append(f"failed task: {task.display_name}" + (f": {why}" if why else ""))
         return lines
 
+    def recurring_runs_named(self, name: str, experiment: str) -> list:
+        """The experiment's recurring runs called ``name`` (none when the experiment does not exist)."""
+        import json
+
+        eid = self.find_experiment(experiment)
+        if eid is None:
+            return []
+        flt = json.dumps({"predicates": [{"operation": "EQUALS", "key": "display_name", "string_value": name}]})
+        resp = self._call("list recurring runs", self.client.list_recurring_runs, experiment_id=eid, page_size=100,
+                          filter=flt)
+        return [rr for rr in resp.recurring_runs or [] if rr.display_name == name]
+
     def schedule(self, entry: PipelineEntry, params: dict, cron: str, experiment: str, name: str | None = None,
-                 max_concurrency: int = 1) -> str:
+                 max_concurrency: int = 1, replace: bool = False) -> tuple[str, list[str]]:
+        """Create the recurring run; returns its id and the ids of those it replaced. A recurring run
+        of the same name in the experiment is refused (re-running ``schedule`` after a change would
+        otherwise start the pipeline twice per slot, kubeflow/pipelines#7435) unless ``replace``: then
+        the new one is created first and the old ones deleted after, so a failure leaves a schedule."""
+        name = name or f"{entry.name}-schedule"
+        existing = self.recurring_runs_named(name, experiment)
+        if existing and not replace:
+            old = ", ".join(f"{rr.recurring_run_id} ({rr.status}, '{rr.trigger.cron_schedule.cron}')"
+                            if rr.trigger and rr.trigger.cron_schedule else rr.recurring_run_id for rr in existing)
+            raise KfpApiError(f"experiment {experiment!r} already has a recurring run named {name!r}: {old}",
+                              "pass --replace to replace it with this one, or --name to add another beside it")
         pid, vid = self.upload(entry)
         eid = self.experiment_id(experiment)
         rr = self._call("create recurring run", self.client.create_recurring_run, experiment_id=eid,
-                        job_name=name or f"{entry.name}-schedule", cron_expression=cron, pipeline_id=pid,
+                        job_name=name, cron_expression=cron, pipeline_id=pid,
                         version_id=vid, params=params, max_concurrency=max_concurrency, no_catchup=True)
-        return rr.recurring_run_id
+        for old in existing:
+            self._call(f"delete the replaced recurring run {old.recurring_run_id}", self.client.delete_recurring_run,
+                       old.recurring_run_id)
+        return rr.recurring_run_id, [old.recurring_run_id for old in existing]
 
     def runs(self, experiment: str | None = None, page_size: int = 50) -> list | None:
         """Runs, newest first; None when ``experiment`` does not exist (listing creates nothing)."""

@@ -1,7 +1,7 @@
 """A fake of the KFP v2beta1 REST API that ``kfp.Client`` uses, on loopback. It validates bodies.
 
 Endpoints: healthz; pipelines upload / upload_version / list / versions; experiments create / list;
-runs create / get / list; recurringruns create / list. Validation mirrors the server: a run needs
+runs create / get / list; recurringruns create / list / get / delete. Validation mirrors the server: a run needs
 a display name and an existing pipeline version (or an inline spec), parameters must be declared
 inputs of the pipeline, a cron must parse as robfig/cron's ``Parse`` would take it (5 or 6 fields,
 seconds first, or a descriptor such as ``@daily``), an upload must be a parsable PipelineSpec.
@@ -258,7 +258,20 @@ class _Handler(BaseHTTPRequestHandler):
             if path == "/apis/v2beta1/recurringruns":
                 if verb == "POST":
                     return self._send(200, k.create_recurring(json.loads(raw or b"{}")))
-                return self._send(200, {"recurringRuns": list(k.recurring.values()), "total_size": len(k.recurring)})
+                items = _by_name([r for r in k.recurring.values()
+                                  if not q.get("experiment_id") or r.get("experiment_id") == q["experiment_id"]],
+                                 q.get("filter"))
+                return self._send(200, {"recurringRuns": items, "total_size": len(items)})
+            m = re.fullmatch(r"/apis/v2beta1/recurringruns/([^/:]+)", path)
+            if m and verb in ("GET", "DELETE"):
+                with k.lock:
+                    rr = k.recurring.get(m.group(1))
+                    if rr is None:
+                        return self._error(404, f"Job {m.group(1)} not found")
+                    if verb == "DELETE":
+                        del k.recurring[m.group(1)]
+                        return self._send(200, {})
+                return self._send(200, rr)
             return self._error(404, f"no route {verb} {path}")
         except KfpError as e:
             return self._error(e.code, e.message)

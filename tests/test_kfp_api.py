@@ -91,6 +91,27 @@ def test_schedule_with_a_descriptor(kfp_server):
             if rr["display_name"] == "every-6h"] == ["@every 6h"]
 
 
+def test_scheduling_again_under_the_same_name_is_refused_unless_replace(kfp_server):
+    fake, url = kfp_server
+    assert cli("schedule", "train_and_serve", "--host", url, "--cron", "@daily").returncode == 0
+    [first] = fake.recurring
+    versions = len(fake.versions)
+    # re-running schedule after a change would start the pipeline twice a day (kubeflow/pipelines#7435)
+    r = cli("schedule", "train_and_serve", "--host", url, "--cron", "0 0 4 * * *")
+    assert r.returncode == 3 and "Traceback" not in r.stderr
+    assert (f"experiment 'kfp-pytorch' already has a recurring run named 'train_and_serve-schedule': {first} "
+            f"(ENABLED, '@daily')") in r.stderr and "pass --replace" in r.stderr
+    assert list(fake.recurring) == [first] and len(fake.versions) == versions  # nothing uploaded
+    r = cli("schedule", "train_and_serve", "--host", url, "--cron", "0 0 4 * * *", "--replace")
+    assert r.returncode == 0, r.stderr
+    [(new, rr)] = fake.recurring.items()
+    assert new != first and f"(replaced {first})" in r.stdout and rr["trigger"]["cron_schedule"]["cron"] == "0 0 4 * * *"
+    # another name, or the same name in another experiment, is another schedule
+    assert cli("schedule", "train_and_serve", "--host", url, "--cron", "@hourly", "--name", "hourly").returncode == 0
+    assert cli("schedule", "train_and_serve", "--host", url, "--cron", "@daily", "--experiment", "other").returncode == 0
+    assert len(fake.recurring) == 3
+
+
 def test_five_field_cron_shows_the_six_field_form(kfp_server):
     _, url = kfp_server
     r = cli("schedule", "train_and_serve", "--host", url, "--cron", "0 3 * * *")
