@@ -8,7 +8,8 @@ It speaks the Open Inference Protocol v2 through KServe's ``ModelServer``:
 ``/v2/health/ready``, ``/v2/models/{name}/ready`` and ``POST /v2/models/{name}/infer``.
 Request: one FP32 input ``[n, features]`` of raw features. Response: ``probabilities`` FP32
 ``[n, classes]``, ``label`` INT64 ``[n]`` and, for a model trained on a text label column, ``class``
-BYTES ``[n]`` (the class names; the v1 protocol's ``predictions`` are then names too).
+BYTES ``[n]`` (the class names; the v1 protocol's ``predictions`` are then names too). A request
+that names ``outputs`` gets those only.
 """
 from __future__ import annotations
 
@@ -55,7 +56,20 @@ class TorchPredictor(kserve.Model):
             out_c = InferOutput(name="class", shape=[len(names)], datatype="BYTES")
             out_c.set_data_from_numpy(np.asarray(names, dtype=np.object_), binary_data=False)
             outputs.append(out_c)
-        return InferResponse(model_name=self.name, infer_outputs=outputs, response_id=request_id or str(uuid.uuid4()))
+        return InferResponse(model_name=self.name, infer_outputs=_requested(payload, outputs),
+                             response_id=request_id or str(uuid.uuid4()))
+
+
+def _requested(payload: InferRequest, outputs: list[InferOutput]) -> list[InferOutput]:
+    """The outputs the request names (OIP v2: all of them when it names none), in its order."""
+    wanted = [o.name for o in payload.request_outputs or []]
+    if not wanted:
+        return outputs
+    by_name = {o.name: o for o in outputs}
+    unknown = [w for w in wanted if w not in by_name]
+    if unknown:
+        raise InvalidInput(f"outputs {unknown} are not outputs of this model (it has {list(by_name)})")
+    return [by_name[w] for w in wanted]
 
 
 _NUMERIC = {"FP16", "FP32", "FP64", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"}
@@ -64,21 +78,25 @@ _NUMERIC = {"FP16", "FP32", "FP64", "INT8", "INT16", "INT32", "INT64", "UINT8", 
 def _rows(payload) -> np.ndarray:
     """The request's feature rows; a malformed request is InvalidInput (HTTP 400), never a 500."""
     if isinstance(payload, InferRequest):
-        if not payload.inputs:
-            raise InvalidInput("the request has no inputs")
+        if len(payload.inputs or []) != 1:
+            raise InvalidInput(f"the model takes one input, FP32 raw features of shape [n, features]; the request "
+                               f"has {len(payload.inputs or [])}{': ' if payload.inputs else ''}"
+                               f"{', '.join(repr(i.name) for i in payload.inputs or [])}")
         inp = payload.inputs[0]
         if inp.datatype not in _NUMERIC:
             raise InvalidInput(f"input {inp.name!r}: datatype {inp.datatype} is not supported; "
                                "send FP32 raw features of shape [n, features]")
         try:
             return inp.as_numpy()
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, OverflowError) as e:
             raise InvalidInput(f"input {inp.name!r}: its data do not fill shape {list(inp.shape)} ({e})")
     if not isinstance(payload, dict):
         raise InvalidInput("expected an Open Inference Protocol v2 request or a v1 {\"instances\": [...]} body")
+    if not isinstance(payload.get("instances"), list):
+        raise InvalidInput("a v1 request is {\"instances\": [[features...], ...]}: rows of raw features")
     try:  # v1 protocol: {"instances": [[...], ...]}
-        return np.asarray(payload.get("instances", []), dtype=np.float32)
-    except (ValueError, TypeError) as e:
+        return np.asarray(payload["instances"], dtype=np.float32)
+    except (ValueError, TypeError, OverflowError) as e:
         raise InvalidInput(f"instances: must be rows of numbers of equal length ({e})")
 
 

@@ -51,8 +51,8 @@ class ModelRunner:
     def predict(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``rows``: raw features ``[n, num_features]`` -> (probabilities ``[n, C]``, labels ``[n]``)."""
         x = np.asarray(rows, dtype=np.float32)
-        if x.ndim == 1:
-            x = x[None, :]
+        if x.ndim == 1:  # one row; or none (an empty batch, answered with no predictions)
+            x = x.reshape(0, self.num_features) if x.size == 0 else x[None, :]
         if x.ndim != 2 or x.shape[1] != self.num_features:
             raise ValueError(f"expected input of shape [n, {self.num_features}], got {list(x.shape)}")
         if not np.isfinite(x).all():  # a NaN row would come back as class 0 with NaN probabilities

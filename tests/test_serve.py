@@ -57,6 +57,31 @@ def test_bad_request_gets_a_400_not_a_crash(endpoint):
     assert r.status_code == 400 and "instances: must be rows of numbers" in r.text, r.text
     ok = requests.post(endpoint.url + "/v1/models/digits:predict", json={"instances": [[0.0] * 64] * 2})
     assert ok.status_code == 200 and len(ok.json()["predictions"]) == 2
+    r = requests.post(endpoint.url + "/v1/models/digits:predict", json={"instances": []})
+    assert r.status_code == 200 and r.json() == {"predictions": []}, r.text
+    r = requests.post(endpoint.url + "/v1/models/digits:predict", json={"inputs": [[0.0] * 64]})
+    assert r.status_code == 400 and 'a v1 request is {"instances": [[features...], ...]}' in r.json()["error"], r.text
+    # a second input was ignored (features split across inputs were answered from the first alone)
+    two = {"inputs": [{"name": "x", "shape": [1, 64], "datatype": "FP32", "data": [0.0] * 64},
+                      {"name": "y", "shape": [1, 64], "datatype": "FP32", "data": [0.0] * 64}]}
+    r = requests.post(endpoint.infer_url, json=two)
+    assert r.status_code == 400 and "the model takes one input" in r.text and "the request has 2: 'x', 'y'" in r.text
+    r = requests.post(endpoint.infer_url, json={"inputs": [{"name": "x", "shape": [1, 64], "datatype": "INT64",
+                                                            "data": [2 ** 70] * 64}]})
+    assert r.status_code == 400 and "do not fill shape [1, 64]" in r.text, r.text  # was a 500 (OverflowError)
+    assert requests.get(f"{endpoint.url}/v2/health/ready").status_code == 200
+
+
+def test_only_the_requested_outputs_are_returned(endpoint):
+    x = {"name": "x", "shape": [2, 64], "datatype": "FP32", "data": [0.0] * 128}
+    r = requests.post(endpoint.infer_url, json={"inputs": [x], "outputs": [{"name": "label"}]})
+    assert r.status_code == 200 and [o["name"] for o in r.json()["outputs"]] == ["label"], r.text
+    r = requests.post(endpoint.infer_url, json={"inputs": [x]})
+    assert [o["name"] for o in r.json()["outputs"]] == ["probabilities", "label"]
+    r = requests.post(endpoint.infer_url, json={"inputs": [x], "outputs": [{"name": "score"}]})
+    assert r.status_code == 400 and "outputs ['score'] are not outputs of this model" in r.text, r.text
+    r = requests.post(endpoint.infer_url, json={"inputs": [{**x, "shape": [0, 64], "data": []}]})
+    assert r.status_code == 200 and r.json()["outputs"][1]["shape"] == [0], r.text
     assert requests.get(f"{endpoint.url}/v2/health/ready").status_code == 200
 
 
