@@ -1,22 +1,30 @@
-"""The MLflow pyfunc flavour of a kfp-pytorch model, so ``mlflow models serve`` works too."""
-from __future__ import annotations
+"""The MLflow pyfunc flavour of a kfp-pytorch model, logged as *models from code*.
 
+:meth:`~.tracking.Tracker.register` logs this file as the ``python_model`` and
+``exported_model.py`` in ``code_paths``; MLflow keeps both beside the model directory and runs this
+file when the model is loaded. Nothing is pickled and nothing here imports kfp-pytorch, so
+``mlflow.pyfunc.load_model`` and ``mlflow models serve`` work where only MLflow, torch and numpy
+are installed (the pip requirements the model declares). Input: rows of raw features.
+"""
+import mlflow.models
 import mlflow.pyfunc
 import numpy as np
 
+try:  # as MLflow loads it: exported_model.py is on sys.path from the model's code/ directory
+    from exported_model import ExportedModel, names_of
+except ImportError:  # imported from an installed kfp-pytorch (when the model is logged)
+    from kfp_pytorch.components.exported_model import ExportedModel, names_of
+
 
 class MlflowPredictor(mlflow.pyfunc.PythonModel):
-    """Wraps :class:`~kfp_pytorch.components.predictor.ModelRunner`; input: rows of raw features."""
-
     def load_context(self, context):
-        from kfp_pytorch.components.predictor import ModelRunner
-
-        self.runner = ModelRunner(context.artifacts["model_dir"])
+        self.model = ExportedModel(context.artifacts["model_dir"])
 
     def predict(self, context, model_input, params=None):
-        from kfp_pytorch.components.predictor import names_of
-
         rows = model_input.to_numpy() if hasattr(model_input, "to_numpy") else np.asarray(model_input)
-        _, labels = self.runner.predict(rows)
-        names = names_of(labels, self.runner.class_names)
+        _, labels = self.model.predict(rows)
+        names = names_of(labels, self.model.class_names)
         return labels if names is None else np.asarray(names, dtype=object)
+
+
+mlflow.models.set_model(MlflowPredictor())

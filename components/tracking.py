@@ -101,15 +101,16 @@ class Tracker:
         """
         import torch
 
-        from .mlflow_model import MlflowPredictor
-
         mlflow = self.mlflow
+        here = Path(__file__).parent
         reqs = pip_requirements or [f"torch=={torch.__version__.split('+')[0]}", "numpy"]
         with _mapped("register model", self.uri):
             previous = self.champion(name)
             with mlflow.start_run(run_id=run_id, experiment_id=None if run_id else self.experiment_id):
                 mlflow.log_metrics({f"test_{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
-                info = mlflow.pyfunc.log_model(name="model", python_model=MlflowPredictor(),
+                # models from code: the model loads with MLflow, torch and numpy alone (mlflow_model.py)
+                info = mlflow.pyfunc.log_model(name="model", python_model=str(here / "mlflow_model.py"),
+                                               code_paths=[str(here / "exported_model.py")],
                                                artifacts={"model_dir": str(model_dir)}, pip_requirements=reqs,
                                                registered_model_name=name)
                 rid = mlflow.active_run().info.run_id

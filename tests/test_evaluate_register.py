@@ -1,4 +1,7 @@
 """evaluate (gate, report) and register (MLflow registry) against a real `mlflow server`."""
+import subprocess
+import sys
+
 import mlflow
 import pytest
 
@@ -82,6 +85,15 @@ def test_champion_moves_only_when_earned(mlflow_server, trained_model, s3):
     import numpy as np
 
     assert model.predict(np.zeros((3, 64), dtype=np.float32)).shape == (3,)
+    # ... and where kfp-pytorch is not installed: MLflow, torch and numpy are all it declares and needs
+    code = ("import sys; sys.modules['kfp_pytorch'] = sys.modules['minio'] = None\n"
+            "import mlflow, numpy as np\n"
+            f"mlflow.set_tracking_uri({uri!r})\n"
+            f"print(mlflow.pyfunc.load_model('models:/{name}@champion').predict(np.zeros((2, 64), 'float32')).tolist())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert r.returncode == 0 and r.stdout.strip().startswith("["), r.stderr[-2000:]
+    reqs = mlflow.pyfunc.get_model_dependencies(f"models:/{name}@champion")
+    assert {line.split("==")[0] for line in open(reqs).read().split()} == {"mlflow", "torch", "numpy"}
 
 
 def test_embedded_sqlite_store_is_the_default(trained_model, tmp_path):

@@ -1,0 +1,59 @@
+"""A trained model directory (``model.pt2`` + ``metadata.json``) loaded for inference.
+
+This module needs numpy and torch only, never the rest of kfp-pytorch: the MLflow pyfunc ships it
+as code (``code_paths``), so a registered model loads and predicts where kfp-pytorch is not
+installed (``mlflow models serve``, a notebook with only MLflow). Raw feature rows go in; the
+normalisation recorded by prepare_data is applied here, so clients send raw features.
+"""
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+class ExportedModel:
+    """The exported program of ``root`` and its metadata; ``predict`` is thread-safe.
+
+    A missing ``metadata.json`` or program raises FileNotFoundError; bad rows raise ValueError.
+    """
+
+    def __init__(self, root: str | Path):
+        import torch
+
+        root = Path(root)
+        self.meta = json.loads((root / "metadata.json").read_text())
+        program = torch.export.load(io.BytesIO((root / self.meta.get("program", "model.pt2")).read_bytes()))
+        self.module = program.module()
+        self.num_features = int(self.meta["input_shape"][0])
+        norm = self.meta["normalization"]
+        self.mean = np.asarray(norm["mean"], dtype=np.float32)
+        self.std = np.asarray(norm["std"], dtype=np.float32)
+        self.classes = list(self.meta["classes"])
+        self.class_names: list[str] | None = self.meta.get("class_names")
+        """Names by class id when the model was trained on a text label column."""
+        self._torch = torch
+
+    def predict(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``rows``: raw features ``[n, num_features]`` -> (probabilities ``[n, C]``, labels ``[n]``)."""
+        x = np.asarray(rows, dtype=np.float32)
+        if x.ndim == 1:  # one row; or none (an empty batch, answered with no predictions)
+            x = x.reshape(0, self.num_features) if x.size == 0 else x[None, :]
+        if x.ndim != 2 or x.shape[1] != self.num_features:
+            raise ValueError(f"expected input of shape [n, {self.num_features}], got {list(x.shape)}")
+        if not np.isfinite(x).all():  # a NaN row would come back as class 0 with NaN probabilities
+            bad = sorted({int(i) for i in np.nonzero(~np.isfinite(x).all(axis=1))[0]})
+            raise ValueError(f"rows {bad[:10]}{' ...' if len(bad) > 10 else ''} hold NaN or infinite features "
+                             "(or values beyond FP32's range); send finite raw features")
+        x = (x - self.mean) / self.std
+        with self._torch.inference_mode():
+            logits = self.module(self._torch.from_numpy(x))
+            probs = self._torch.softmax(logits, dim=1).numpy()
+        return probs, probs.argmax(1).astype(np.int64)
+
+
+def names_of(labels: np.ndarray, class_names: list[str] | None) -> list[str] | None:
+    """The class names of predicted ids (None when the model has ids only)."""
+    return None if class_names is None else [class_names[int(i)] for i in labels]
