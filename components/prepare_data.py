@@ -138,6 +138,13 @@ def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fract
     nan_cols = [c for c in df.columns if df[c].isna().any()]
     for c in nan_cols:
         problems.append(f"column {c!r}: {int(df[c].isna().sum())} NaN value(s)")
+    fp32_max = float(np.finfo(np.float32).max)
+    for c in features:  # features become float32: an inf (or a value past its range) poisons the normalisation
+        if pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c]):
+            v = df[c].to_numpy(dtype=np.float64, na_value=0.0)
+            if (inf := int(np.isinf(v).sum())) or (big := int((np.abs(v[np.isfinite(v)]) > fp32_max).sum())):
+                problems.append(f"column {c!r}: {inf} infinite value(s)" if inf else
+                                f"column {c!r}: {big} value(s) beyond float32's range (±{fp32_max:.3g})")
     labels = df[label_column]
     if label_column not in nan_cols:
         if _names_classes(labels):
@@ -188,7 +195,7 @@ def check_table(uri: str, df, label_column: str, val_fraction: float = 0.15, tes
     problems = validate_table(df, label_column, val_fraction, test_fraction)
     if problems:
         raise DatasetError(f"dataset {uri} failed validation:\n" + "\n".join(f"  - {p}" for p in problems),
-                           "fix the problems above (numeric features, class ids or names as labels, no NaNs, enough rows) and run again")
+                           "fix the problems above (finite numeric features, class ids or names as labels, no NaNs, enough rows) and run again")
 
 
 def _split(y: np.ndarray, spec: PrepareSpec) -> dict[str, np.ndarray]:
