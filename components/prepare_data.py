@@ -227,8 +227,10 @@ def prepare_data(spec: PrepareSpec, storage: Storage | None = None) -> dict:
     x = df[features].to_numpy(dtype=np.float32)
     y, class_names = encode_labels(df[spec.label_column])
     parts = _split(y, spec)
-    mean = x[parts["train"]].mean(axis=0)
-    std = x[parts["train"]].std(axis=0)
+    # statistics in float64: float32 squares overflow past ~1e19, which made a column's std inf (zeroed)
+    train64 = x[parts["train"]].astype(np.float64)
+    mean = train64.mean(axis=0).astype(np.float32)
+    std = train64.std(axis=0)
     std = np.where(std < 1e-6, 1.0, std).astype(np.float32)  # constant columns: leave centred, not inf
     classes = sorted(int(c) for c in np.unique(y))
     meta: dict = {

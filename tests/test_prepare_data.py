@@ -25,6 +25,16 @@ def test_digits_split_is_deterministic_stratified_and_normalised(tmp_path):
     assert read_metadata(str(tmp_path / "a"))["split"]["seed"] == 7
 
 
+def test_a_feature_of_huge_magnitude_is_normalised_not_zeroed(tmp_path):
+    d = _table()
+    d["a"] = d["a"] * 1e20  # finite in float32, but its squares are not: the std came out inf, the column 0
+    d.to_csv(tmp_path / "t.csv", index=False)
+    meta = prepare_data(PrepareSpec(str(tmp_path / "t.csv"), str(tmp_path / "o")))
+    assert np.isfinite(meta["normalization"]["std"]).all()
+    x, _ = load_split(str(tmp_path / "o"), "train")
+    assert abs(float(x[:, 0].std()) - 1) < 1e-3
+
+
 def test_corrupt_shard_is_detected(tmp_path):
     meta = prepare_data(PrepareSpec("sample://digits", str(tmp_path / "d")))
     shard = tmp_path / "d" / meta["shards"]["test"][0]["path"]
