@@ -219,6 +219,8 @@ def prepare_data(spec: PrepareSpec, storage: Storage | None = None) -> dict:
 
     ``metadata.json`` is written last, so a reader that finds it finds every shard it lists.
     """
+    from sklearn.preprocessing import StandardScaler
+
     spec.validate()
     storage = storage or Storage()
     df = load_table(spec.dataset_uri, storage, spec.label_column)
@@ -227,11 +229,11 @@ def prepare_data(spec: PrepareSpec, storage: Storage | None = None) -> dict:
     x = df[features].to_numpy(dtype=np.float32)
     y, class_names = encode_labels(df[spec.label_column])
     parts = _split(y, spec)
-    # statistics in float64: float32 squares overflow past ~1e19, which made a column's std inf (zeroed)
-    train64 = x[parts["train"]].astype(np.float64)
-    mean = train64.mean(axis=0).astype(np.float32)
-    std = train64.std(axis=0)
-    std = np.where(std < 1e-6, 1.0, std).astype(np.float32)  # constant columns: leave centred, not inf
+    # scikit-learn's scaler, in float64: float32 squares overflow past ~1e19 (an inf std zeroed the
+    # column), and a constant column is told from a small-scale one relative to its mean, not by a
+    # fixed 1e-6 (which left features in small units unscaled); constant columns get scale 1
+    scaler = StandardScaler().fit(x[parts["train"]].astype(np.float64))
+    mean, std = scaler.mean_.astype(np.float32), scaler.scale_.astype(np.float32)
     classes = sorted(int(c) for c in np.unique(y))
     meta: dict = {
         "format": "kfp-pytorch-shards/v1",

@@ -25,14 +25,16 @@ def test_digits_split_is_deterministic_stratified_and_normalised(tmp_path):
     assert read_metadata(str(tmp_path / "a"))["split"]["seed"] == 7
 
 
-def test_a_feature_of_huge_magnitude_is_normalised_not_zeroed(tmp_path):
+def test_features_of_any_magnitude_are_normalised_and_constant_ones_centred(tmp_path):
     d = _table()
     d["a"] = d["a"] * 1e20  # finite in float32, but its squares are not: the std came out inf, the column 0
+    d["b"] = d["b"] * 1e-8  # small units: under the old fixed 1e-6 cut-off it was taken for constant
+    d["c"] = 3.25
     d.to_csv(tmp_path / "t.csv", index=False)
     meta = prepare_data(PrepareSpec(str(tmp_path / "t.csv"), str(tmp_path / "o")))
-    assert np.isfinite(meta["normalization"]["std"]).all()
+    assert np.isfinite(meta["normalization"]["std"]).all() and meta["normalization"]["std"][2] == 1.0
     x, _ = load_split(str(tmp_path / "o"), "train")
-    assert abs(float(x[:, 0].std()) - 1) < 1e-3
+    assert np.allclose(x[:, [0, 1, 3]].std(axis=0), 1, atol=1e-3) and (x[:, 2] == 0).all()
 
 
 def test_corrupt_shard_is_detected(tmp_path):
