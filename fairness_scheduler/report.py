@@ -41,8 +41,8 @@ def option_problems(users: int, zipf: float, load: float, half_life: float, plac
         problems.append(problem)
     if users < 1:
         problems.append(f"--users: must be >= 1, got {users}")
-    if not load > 0:
-        problems.append(f"--load: must be > 0, got {load}")
+    if not 0 < load < math.inf:  # inf sized the cluster by its largest job alone
+        problems.append(f"--load: must be a finite number > 0, got {load}")
     if not zipf >= 0:
         problems.append(f"--zipf: must be >= 0, got {zipf}")
     if not half_life > 0:

@@ -593,11 +593,11 @@ def test_simulate_cli_bad_input(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("fairshare:\n  weight_age: -1\nusers: [{name: a, shares: 0}]\n")
     out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(bad), "--policies",
-                          "fifo,x", "--users", "0", "--half-life", "soon", "--load", "0", "--config", str(cfg),
+                          "fifo,x", "--users", "0", "--half-life", "soon", "--load", "inf", "--config", str(cfg),
                           "--workers", "0", "--seed", "-1"], capture_output=True, text=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     for needle in ("--policies: unknown policy 'x'", "--half-life: must be a duration", "--users: must be >= 1",
-                   "--load: must be > 0", "fairshare.weight_age: must be >= 0", "users[0].shares: must be > 0",
+                   "--load: must be a finite number > 0", "fairshare.weight_age: must be >= 0", "users[0].shares: must be > 0",
                    "--workers: must be an integer >= 1, got 0", "--seed: must be >= 0, got -1"):
         assert needle in out.stderr, needle
     out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(TRACES / "cluster10.csv"),
