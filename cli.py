@@ -233,24 +233,40 @@ def serve_grp():
 
 @serve_grp.command("list")
 def serve_list():
+    """Each local model server: name, pid, up or down, and its inference URL."""
     from kfp_pytorch.components.serve import list_servers
 
     servers = list_servers()
     if not servers:
         click.echo("no local model servers")
     for s in servers:
-        click.echo(f"{s['name']:<16} pid={s['pid']:<8} {'up' if s['alive'] else 'down':<5} {s['infer_url']}")
+        state = "?" if s.get("unreadable") else "up" if s["alive"] else "down"
+        click.echo(f"{s['name']:<16} pid={str(s['pid'] or '-'):<8} {state:<5} {s['infer_url']}")
 
 
 @serve_grp.command("stop")
-@click.argument("name")
-def serve_stop(name):
+@click.argument("names", nargs=-1)
+@click.option("--all", "stop_all", is_flag=True, help="Stop every local model server.")
+def serve_stop(names, stop_all):
+    """Stop the local model servers NAMES (see serve list), or --all; a server that is down has its
+    record removed."""
     from kfp_pytorch.components.errors import ServingError
-    from kfp_pytorch.components.serve import stop_server
+    from kfp_pytorch.components.serve import list_servers, stop_server
 
-    if not stop_server(name):
-        raise ServingError(f"no local model server named {name!r}", "kfp-pytorch serve list shows the running ones")
-    click.echo(f"stopped {name}")
+    if stop_all == bool(names):
+        raise click.UsageError("give the names of the servers to stop, or --all")
+    names = names or [s["name"] for s in list_servers()]
+    if not names:
+        click.echo("no local model servers")
+    missing = []
+    for name in names:
+        if stop_server(name):
+            click.echo(f"stopped {name}")
+        else:
+            missing.append(name)
+    if missing:
+        raise ServingError(f"no local model server named {', '.join(map(repr, missing))}",
+                           "kfp-pytorch serve list shows the running ones")
 
 
 @cli.group("storage")

@@ -202,7 +202,7 @@ class LocalServeBackend:
         except BaseException:
             _terminate(proc.pid)
             raise
-        _pidfile(spec.model_name).write_text(json.dumps({**asdict(ep), "create_time": _create_time(proc.pid)}))
+        _write_record(spec.model_name, {**asdict(ep), "create_time": _create_time(proc.pid)})
         return ep
 
     @staticmethod
@@ -292,25 +292,44 @@ def _terminate(pid: int, grace: float = 10.0) -> None:
             pass
 
 
-def read_server(name: str) -> dict | None:
+def _write_record(name: str, info: dict) -> None:
+    """Write a server's record whole or not at all (a half-written one would be unreadable)."""
     p = _pidfile(name)
-    return json.loads(p.read_text()) if p.exists() else None
+    tmp = p.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, p)
+
+
+def read_server(name: str) -> dict | None:
+    """The record of server ``name``; None when there is none. An unreadable record (written by
+    hand, or by a version of this tool before records were written atomically) reads as a server
+    with no pid: listed as ``unreadable``, and removed by :func:`stop_server`."""
+    p = _pidfile(name)
+    try:
+        info = json.loads(p.read_text())
+    except FileNotFoundError:
+        return None
+    except (ValueError, OSError):
+        return {"name": name, "pid": None, "infer_url": f"(unreadable record {p})", "unreadable": True}
+    return info if isinstance(info, dict) else {"name": name, "pid": None, "infer_url": f"(unreadable record {p})",
+                                                "unreadable": True}
 
 
 def list_servers() -> list[dict]:
     out = []
     for p in sorted(_servers_dir().glob("*.json")):
-        info = json.loads(p.read_text())
+        info = read_server(p.stem)
+        if info is None:  # removed since the listing
+            continue
         info["alive"] = _ours(info)
         out.append(info)
     return out
 
 
 def stop_server(name: str) -> bool:
+    """Stop server ``name`` and remove its record; False when there is no such server."""
     info = read_server(name)
-    if info is not None and info.get("pid") is None:
-        return False
-    if info is None:
+    if info is None or (info.get("pid") is None and not info.get("unreadable")):
         return False
     if _ours(info):
         _terminate(info["pid"])

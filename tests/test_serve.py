@@ -138,6 +138,28 @@ def test_server_is_listed_and_stopped(endpoint):
         requests.get(f"{endpoint.url}/v2/health/ready", timeout=2)
 
 
+def test_an_unreadable_record_is_listed_and_removed_and_stop_all_stops_every_server(endpoint):
+    import subprocess
+    import sys
+
+    from kfp_pytorch.components.serve import _pidfile
+
+    _pidfile("broken").write_text('{"name": "broken", "pi')  # half-written: `serve list` was a traceback
+    cli = lambda *a: subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "serve", *a],  # noqa: E731
+                                    capture_output=True, text=True)
+    r = cli("list")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    lines = dict(line.split(None, 1) for line in r.stdout.splitlines())
+    assert lines["broken"].startswith("pid=-") and "? " in lines["broken"] and "unreadable record" in lines["broken"]
+    assert lines["digits"].startswith(f"pid={endpoint.pid}") and " up " in lines["digits"]
+    r = cli("stop", "broken", "nothere")
+    assert r.returncode == 1 and "stopped broken" in r.stdout and "no local model server named 'nothere'" in r.stderr
+    assert cli("stop").returncode == 2 and cli("stop", "digits", "--all").returncode == 2
+    r = cli("stop", "--all")
+    assert r.returncode == 0 and r.stdout == "stopped digits\n", r.stdout + r.stderr
+    assert not list_servers() and cli("stop", "--all").stdout == "no local model servers\n"
+
+
 def test_port_in_use_is_a_clear_error(trained_model):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
