@@ -15,10 +15,12 @@ Contract:
 
 Environment (the same names the AWS CLI, MLflow and KServe use, so one Secret serves all):
 ``AWS_ENDPOINT_URL`` (or ``S3_ENDPOINT`` / ``MLFLOW_S3_ENDPOINT_URL``), ``AWS_ACCESS_KEY_ID``,
-``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``S3_USE_HTTPS`` and ``S3_VERIFY_SSL`` (``0``/``1``).
-A YAML file named by ``KFP_PYTORCH_STORAGE_CONFIG`` (default ``~/.config/kfp-pytorch/storage.yaml``)
-with keys ``endpoint, access_key, secret_key, region, secure, verify_ssl`` fills what the
-environment leaves unset.
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN`` (temporary credentials, e.g. from MinIO's STS),
+``AWS_REGION``, ``S3_USE_HTTPS`` and ``S3_VERIFY_SSL`` (``0``/``1``). A YAML file named by
+``KFP_PYTORCH_STORAGE_CONFIG`` (default ``~/.config/kfp-pytorch/storage.yaml``) with keys
+``endpoint, access_key, secret_key, session_token, region, secure, verify_ssl`` fills what the
+environment leaves unset; another key is refused (a misspelt ``access_key`` would otherwise leave
+the credentials unset without a word).
 """
 from __future__ import annotations
 
@@ -34,9 +36,10 @@ from urllib.parse import urlparse
 from .errors import StorageAuthError, StorageError, StorageNotFound, StorageUnreachable
 
 S3_SCHEMES = ("s3", "minio")
-_AUTH_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken"}
+_AUTH_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken", "ExpiredToken"}
 _NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "NoSuchObject"}
 _CHUNK = 8 * 1024 * 1024
+_FILE_KEYS = ("endpoint", "access_key", "secret_key", "session_token", "region", "secure", "verify_ssl")
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -67,6 +70,8 @@ class StorageConfig:
     """``host:port`` of the S3 API (scheme stripped; ``secure`` says http or https)."""
     access_key: str | None = None
     secret_key: str | None = None
+    session_token: str | None = None
+    """With temporary credentials (STS) only."""
     region: str | None = None
     secure: bool = False
     """Use HTTPS. Default off: in-cluster MinIO is usually plain HTTP behind a Service."""
@@ -85,10 +90,14 @@ class StorageConfig:
                 file_cfg = yaml.safe_load(cfg_path.read_text()) or {}
             except yaml.YAMLError as e:
                 raise StorageError(f"cannot parse storage config {cfg_path}: {e}",
-                                   "fix the YAML; keys: endpoint, access_key, secret_key, region, secure, verify_ssl") from e
+                                   f"fix the YAML; keys: {', '.join(_FILE_KEYS)}") from e
             if not isinstance(file_cfg, dict):
                 raise StorageError(f"storage config {cfg_path}: must be a mapping, got {type(file_cfg).__name__}",
-                                   "keys: endpoint, access_key, secret_key, region, secure, verify_ssl")
+                                   f"keys: {', '.join(_FILE_KEYS)}")
+            unknown = sorted(str(k) for k in file_cfg if k not in _FILE_KEYS)
+            if unknown:
+                raise StorageError(f"storage config {cfg_path}: unknown key(s) {', '.join(map(repr, unknown))}",
+                                   f"keys: {', '.join(_FILE_KEYS)}")
         bad = [p for p in (flag_problem("S3_USE_HTTPS", env.get("S3_USE_HTTPS")),
                            flag_problem("S3_VERIFY_SSL", env.get("S3_VERIFY_SSL")),
                            flag_problem(f"{cfg_path}: secure", file_cfg.get("secure")),
@@ -107,6 +116,7 @@ class StorageConfig:
             endpoint=endpoint,
             access_key=env.get("AWS_ACCESS_KEY_ID") or file_cfg.get("access_key"),
             secret_key=env.get("AWS_SECRET_ACCESS_KEY") or file_cfg.get("secret_key"),
+            session_token=env.get("AWS_SESSION_TOKEN") or file_cfg.get("session_token"),
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or file_cfg.get("region"),
             secure=flag(env.get("S3_USE_HTTPS"), secure_default),
             verify_ssl=flag(env.get("S3_VERIFY_SSL"), flag(file_cfg.get("verify_ssl"), True)),
@@ -114,7 +124,8 @@ class StorageConfig:
 
     def __repr__(self) -> str:  # never print the secret
         return (f"StorageConfig(endpoint={self.endpoint!r}, access_key={'***' if self.access_key else None}, "
-                f"secure={self.secure}, verify_ssl={self.verify_ssl})")
+                f"session_token={'***' if self.session_token else None}, secure={self.secure}, "
+                f"verify_ssl={self.verify_ssl})")
 
 
 @dataclass(frozen=True)
@@ -211,7 +222,8 @@ class Storage:
                 retries=urllib3.Retry(total=2, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]),
             )
             self._client = Minio(cfg.endpoint, access_key=cfg.access_key, secret_key=cfg.secret_key,
-                                 region=cfg.region, secure=cfg.secure, http_client=http)
+                                 session_token=cfg.session_token, region=cfg.region, secure=cfg.secure,
+                                 http_client=http)
         return self._client
 
     def _map_error(self, e: Exception, loc: Location, action: str) -> StorageError:
@@ -225,9 +237,12 @@ class Storage:
                 return StorageNotFound(f"{where}: {e.code} (no such {'bucket' if e.code == 'NoSuchBucket' else 'object'})",
                                        "check the URI; `kfp-pytorch storage ls s3://BUCKET/` lists what is there")
             if e.code in _AUTH_CODES:
+                token = (" and AWS_SESSION_TOKEN (temporary credentials expire: get new ones)"
+                         if self.config.session_token else "")
                 return StorageAuthError(
                     f"{where}: the S3 server at {endpoint} refused the credentials ({e.code})",
-                    "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (in-cluster: the Secret mounted into the pod)")
+                    f"check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY{token} (in-cluster: the Secret mounted "
+                    "into the pod)")
             return StorageError(f"{where}: {e.code}: {e.message}")
         if isinstance(e, (urllib3.exceptions.HTTPError, OSError)):
             return StorageUnreachable(

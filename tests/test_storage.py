@@ -68,6 +68,18 @@ def test_config_from_env_and_file(tmp_path):
     https = StorageConfig.from_env({"AWS_ENDPOINT_URL": "https://s3.lab:443", "KFP_PYTORCH_STORAGE_CONFIG": "/nope"})
     assert https.endpoint == "s3.lab:443" and https.secure is True
     assert "filesecret" not in repr(cfg) and "envkey" not in repr(cfg)
+    f.write_text("endpoint: minio:9000\nsession_token: filetoken\n")  # temporary (STS) credentials
+    assert StorageConfig.from_env({"KFP_PYTORCH_STORAGE_CONFIG": str(f)}).session_token == "filetoken"
+    cfg = StorageConfig.from_env({"KFP_PYTORCH_STORAGE_CONFIG": str(f), "AWS_SESSION_TOKEN": "envtoken"})
+    assert cfg.session_token == "envtoken" and "envtoken" not in repr(cfg)
+
+
+def test_a_misspelt_storage_config_key_is_refused(tmp_path):
+    f = tmp_path / "s.yaml"
+    f.write_text("endpoint: minio:9000\nacess_key: k\nsecret_key: s\n")  # the key was ignored: no credentials
+    with pytest.raises(StorageError) as e:
+        StorageConfig.from_env({"KFP_PYTORCH_STORAGE_CONFIG": str(f)})
+    assert f"storage config {f}: unknown key(s) 'acess_key'" in str(e.value) and "access_key" in e.value.hint
 
 
 def test_yes_no_settings_have_one_reading_and_a_typo_is_refused(tmp_path):
@@ -146,6 +158,17 @@ def test_s3_wrong_credentials(s3_server, bucket):
     with pytest.raises(StorageAuthError) as e:
         bad.read_bytes(f"s3://{bucket}/x")
     assert "AWS_ACCESS_KEY_ID" in e.value.hint and "wrong-secret" not in str(e.value)
+
+
+def test_a_session_token_is_sent_with_the_keys(s3_server, s3, bucket):
+    s3.write_bytes(f"s3://{bucket}/token/x", b"1")
+    host = s3_server.url.split("//")[1]
+    keys = {"access_key": s3.config.access_key, "secret_key": s3.config.secret_key}
+    assert Storage(StorageConfig(endpoint=host, **keys)).read_bytes(f"s3://{bucket}/token/x") == b"1"
+    # the server checks the token it is sent: a stale one is refused, and the hint names it
+    with pytest.raises(StorageAuthError) as e:
+        Storage(StorageConfig(endpoint=host, session_token="expired-token", **keys)).read_bytes(f"s3://{bucket}/token/x")
+    assert "AWS_SESSION_TOKEN" in e.value.hint and "expired-token" not in str(e.value)
 
 
 def test_s3_unreachable_endpoint():
