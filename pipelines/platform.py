@@ -99,13 +99,40 @@ def load_platform(data: dict | None) -> Platform:
     for i, t in enumerate(tolerations):
         if not isinstance(t, dict):
             problems.append(f"gpu_tolerations[{i}]: must be a mapping (key, operator, value, effect), got {t!r}")
-        elif t.get("operator", "Equal") not in ("Equal", "Exists"):
-            problems.append(f"gpu_tolerations[{i}].operator: must be Equal or Exists")
-        elif t.get("effect") not in (None, "NoSchedule", "PreferNoSchedule", "NoExecute"):
-            problems.append(f"gpu_tolerations[{i}].effect: must be NoSchedule, PreferNoSchedule or NoExecute")
+        else:
+            problems += [f"gpu_tolerations[{i}]{p}" for p in _toleration_problems(t)]
     if problems:
         raise ConfigError(problems, "fix the platform file", title="invalid platform settings")
     return Platform(**{k: v for k, v in data.items() if v is not None})
+
+
+_TOLERATION_FIELDS = ("key", "operator", "value", "effect", "tolerationSeconds")
+
+
+def _toleration_problems(t: dict) -> list[str]:
+    """The API server's rules for a pod toleration (ValidateTolerations), as ``.field: why``."""
+    problems = [f".{k}: unknown field (known: {', '.join(_TOLERATION_FIELDS)})" for k in t if k not in _TOLERATION_FIELDS]
+    key, op, value = t.get("key") or "", t.get("operator") or "Equal", t.get("value")
+    if key and not _LABEL_KEY.match(str(key)):
+        problems.append(f".key: {key!r} is not a valid label key")
+    if op not in ("Equal", "Exists"):
+        problems.append(f".operator: must be Equal or Exists, got {op!r}")
+    elif op == "Exists" and value not in (None, ""):
+        problems.append(f".value: must be empty when operator is Exists, got {value!r}")
+    elif op == "Equal" and not key:
+        problems.append(".operator: must be Exists when key is empty (which tolerates every taint)")
+    elif op == "Equal" and value is not None and (not isinstance(value, str) or not _LABEL_VALUE.match(value)
+                                                  or len(value) > 63):
+        problems.append(f".value: {value!r} is not a valid label value (quote \"true\")")
+    if t.get("effect") not in (None, "", "NoSchedule", "PreferNoSchedule", "NoExecute"):
+        problems.append(".effect: must be NoSchedule, PreferNoSchedule or NoExecute")
+    seconds = t.get("tolerationSeconds")
+    if seconds is not None:
+        if not isinstance(seconds, int) or isinstance(seconds, bool):
+            problems.append(f".tolerationSeconds: must be a whole number of seconds, got {seconds!r}")
+        if t.get("effect") != "NoExecute":
+            problems.append(".effect: must be NoExecute when tolerationSeconds is set")
+    return problems
 
 
 def apply_platform(task, platform: Platform | None, gpu: bool = False):

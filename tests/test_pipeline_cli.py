@@ -299,6 +299,29 @@ def test_malformed_platform_file_gets_an_error_not_a_traceback(tmp_path, body, n
     assert not (tmp_path / "p.yaml").exists()
 
 
+@pytest.mark.parametrize("toleration,needle", [
+    # the API server's ValidateTolerations: each was a pod the cluster refused when the step started
+    ({"key": "nvidia.com/gpu", "operator": "Exists", "value": "true"}, "[0].value: must be empty when operator is Exists"),
+    ({"operator": "Equal", "value": "x"}, "[0].operator: must be Exists when key is empty"),
+    ({"key": "gpu", "effect": "NoSchedule", "tolerationSeconds": 30},
+     "[0].effect: must be NoExecute when tolerationSeconds is set"),
+    ({"key": "gpu", "effect": "NoExecute", "tolerationSeconds": "30s"}, "[0].tolerationSeconds: must be a whole number"),
+    ({"key": "gpu", "toleration_seconds": 30}, "[0].toleration_seconds: unknown field"),  # was dropped without a word
+    ({"key": "bad key!", "operator": "Exists"}, "[0].key: 'bad key!' is not a valid label key"),
+    ({"key": "gpu", "value": True}, "[0].value: True is not a valid label value"),
+])
+def test_tolerations_are_checked_as_the_api_server_checks_them(toleration, needle):
+    from kfp_pytorch.components.errors import ConfigError
+    from kfp_pytorch.pipelines.platform import load_platform
+
+    with pytest.raises(ConfigError) as e:
+        load_platform({"gpu_tolerations": [toleration]})
+    assert any(p.startswith("gpu_tolerations" + needle) for p in e.value.problems), e.value.problems
+    ok = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}, {"operator": "Exists"},
+          {"key": "gpu", "value": "a100", "effect": "NoExecute", "tolerationSeconds": 60}]
+    assert load_platform({"gpu_tolerations": ok}).gpu_tolerations == ok
+
+
 @pytest.mark.parametrize("out,needle", [("missing-dir/p.yaml", "does not exist (create it first)"),
                                         ("p.json", "must end in one of .yaml, .yml")])
 def test_compile_output_is_checked_before_compiling(tmp_path, out, needle):
