@@ -9,6 +9,7 @@ Credentials never appear in a manifest: pods read them from a Secret through ``s
 and KServe's storage initializer from a ServiceAccount's Secret.
 """
 import hashlib
+import json
 import re
 from dataclasses import dataclass, field
 
@@ -64,6 +65,60 @@ def dns1123_name(*parts: str, max_len: int = 63) -> str:
     if not name[0].isalnum():
         name = "x" + name[1:]
     return name
+
+
+LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                       r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_TOLERATION_FIELDS = ("key", "operator", "value", "effect", "tolerationSeconds")
+
+
+def label_problems(labels, where: str) -> list[str]:
+    """Why ``labels`` (a node selector too) is not a Kubernetes label mapping, as ``where.key: why``."""
+    if not isinstance(labels, dict):
+        return [f"{where}: must be a mapping of label key -> value, got {labels!r}"]
+    problems = []
+    for k, v in labels.items():
+        if not LABEL_KEY.match(str(k)):
+            problems.append(f"{where}.{k}: not a valid label key")
+        if not isinstance(v, str) or not LABEL_VALUE.match(v) or len(v) > 63:
+            problems.append(f"{where}.{k}: {v!r} is not a valid label value (quote \"true\")")
+    return problems
+
+
+def toleration_problems(tolerations, where: str) -> list[str]:
+    """The API server's rules for pod tolerations (ValidateTolerations), as ``where[i].field: why``."""
+    if not isinstance(tolerations, list):
+        return [f"{where}: must be a list of tolerations, got {tolerations!r}"]
+    problems = []
+    for i, t in enumerate(tolerations):
+        at = f"{where}[{i}]"
+        if not isinstance(t, dict):
+            problems.append(f"{at}: must be a mapping (key, operator, value, effect), got {t!r}")
+            continue
+        problems += [f"{at}.{k}: unknown field (known: {', '.join(_TOLERATION_FIELDS)})"
+                     for k in t if k not in _TOLERATION_FIELDS]
+        key, op, value = t.get("key") or "", t.get("operator") or "Equal", t.get("value")
+        if key and not LABEL_KEY.match(str(key)):
+            problems.append(f"{at}.key: {key!r} is not a valid label key")
+        if op not in ("Equal", "Exists"):
+            problems.append(f"{at}.operator: must be Equal or Exists, got {op!r}")
+        elif op == "Exists" and value not in (None, ""):
+            problems.append(f"{at}.value: must be empty when operator is Exists, got {value!r}")
+        elif op == "Equal" and not key:
+            problems.append(f"{at}.operator: must be Exists when key is empty (which tolerates every taint)")
+        elif op == "Equal" and value is not None and (not isinstance(value, str) or not LABEL_VALUE.match(value)
+                                                      or len(value) > 63):
+            problems.append(f"{at}.value: {value!r} is not a valid label value (quote \"true\")")
+        if t.get("effect") not in (None, "", "NoSchedule", "PreferNoSchedule", "NoExecute"):
+            problems.append(f"{at}.effect: must be NoSchedule, PreferNoSchedule or NoExecute")
+        seconds = t.get("tolerationSeconds")
+        if seconds is not None:
+            if not isinstance(seconds, int) or isinstance(seconds, bool):
+                problems.append(f"{at}.tolerationSeconds: must be a whole number of seconds, got {seconds!r}")
+            if t.get("effect") != "NoExecute":
+                problems.append(f"{at}.effect: must be NoExecute when tolerationSeconds is set")
+    return problems
 
 
 def _finish_validation(problems: list[str], resources: dict, title: str) -> dict:
@@ -157,6 +212,8 @@ class ClusterTrainSpec:
     """Set to enable elasticPolicy with min..nodes replicas (c10d rendezvous)."""
     node_selector: dict = field(default_factory=dict)
     tolerations: list = field(default_factory=list)
+    pod_labels: dict = field(default_factory=dict)
+    """The platform's labels (team, cost centre...): on the job and its pods, beside ours."""
     runtime: str = "torch-distributed"
     """ClusterTrainingRuntime of a TrainJob."""
 
@@ -186,7 +243,7 @@ class ClusterTrainSpec:
         return _finish_validation(problems, self.resources, "invalid cluster training settings")
 
     def labels(self) -> dict:
-        out = {"app.kubernetes.io/managed-by": "kfp-pytorch", f"{LABEL_PREFIX}/pipeline": dns1123_name(self.pipeline),
+        out = {**self.pod_labels, "app.kubernetes.io/managed-by": "kfp-pytorch", f"{LABEL_PREFIX}/pipeline": dns1123_name(self.pipeline),
                f"{LABEL_PREFIX}/run-id": dns1123_name(self.run_id), f"{LABEL_PREFIX}/task": dns1123_name(self.task)}
         if self.user:
             out[f"{LABEL_PREFIX}/user"] = dns1123_name(self.user)
@@ -263,6 +320,16 @@ def to_trainjob(spec: ClusterTrainSpec) -> dict:
                   "trainer": trainer}
     if spec.active_deadline_seconds:
         body["activeDeadlineSeconds"] = spec.active_deadline_seconds
+    pod: dict = {}
+    if spec.node_selector:
+        pod["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod["tolerations"] = list(spec.tolerations)
+    # the runtime's pods ("node": the torch-distributed runtime's replicated job) get our labels
+    # and placement through a patch, as Kueue patches them
+    body["runtimePatches"] = [{"manager": f"{LABEL_PREFIX}/kfp-pytorch", "trainingRuntimeSpec": {"template": {"spec": {
+        "replicatedJobs": [{"name": "node", "template": {"spec": {"template": {
+            "metadata": {"labels": spec.labels()}, **({"spec": pod} if pod else {})}}}}]}}}}]
     return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
             "metadata": {"name": spec.name, "namespace": spec.namespace, "labels": spec.labels()},
             "spec": body}
@@ -392,6 +459,9 @@ class ClusterConfig:
     train_kind: str = "PyTorchJob"
     delete_policy: str = "on-success"
     service_account: str = "kfp-pytorch-s3"
+    pod_labels: dict = field(default_factory=dict)
+    gpu_node_selector: dict = field(default_factory=dict)
+    gpu_tolerations: list = field(default_factory=list)
 
     @classmethod
     def from_env(cls, env: dict | None = None) -> "ClusterConfig":
@@ -417,6 +487,20 @@ class ClusterConfig:
                 parse_endpoint(env["AWS_ENDPOINT_URL"])
             except StorageError as e:
                 problems.append(f"AWS_ENDPOINT_URL: {e.message}")
+        # the platform file's settings, passed on by apply_platform for the pods the step creates
+        loaded = {}
+        for key, empty, check in (("KFP_PYTORCH_POD_LABELS", {}, label_problems),
+                                  ("KFP_PYTORCH_GPU_NODE_SELECTOR", {}, label_problems),
+                                  ("KFP_PYTORCH_GPU_TOLERATIONS", [], toleration_problems),
+                                  ("KFP_PYTORCH_S3_KEYS", {}, s3_keys_problems)):
+            loaded[key] = empty
+            if env.get(key):
+                try:
+                    loaded[key] = json.loads(env[key])
+                except ValueError:
+                    problems.append(f"{key}: must be JSON, got {env[key]!r}")
+                    continue
+                problems += check(loaded[key], key)
         if problems:
             raise ConfigError(problems, "fix the step's environment (a PodDefault, the platform file or the "
                                         "kfp-launcher settings)", title="invalid cluster settings")
@@ -427,9 +511,11 @@ class ClusterConfig:
         return cls(
             image=env.get("KFP_PYTORCH_IMAGE", ""),
             namespace=ns or "default",
-            user=env.get("KFP_PYTORCH_USER", "") or (ns or ""),
+            user=(env.get("KFP_PYTORCH_USER") or loaded["KFP_PYTORCH_POD_LABELS"].get(f"{LABEL_PREFIX}/user")
+                  or ns or ""),
             s3=S3Access(endpoint=env.get("AWS_ENDPOINT_URL", S3Access.endpoint),
                         secret_name=env.get("KFP_PYTORCH_S3_SECRET", S3Access.secret_name),
+                        **_secret_keys(loaded["KFP_PYTORCH_S3_KEYS"]),
                         region=env.get("AWS_REGION", S3Access.region),
                         verify_ssl=flag(env.get("S3_VERIFY_SSL"), True)),
             cpu_per_node=env.get("KFP_PYTORCH_CPU_PER_NODE", ""),
@@ -438,6 +524,9 @@ class ClusterConfig:
             train_kind=env.get("KFP_PYTORCH_TRAIN_KIND") or "PyTorchJob",
             delete_policy=env.get("KFP_PYTORCH_DELETE_POLICY") or "on-success",
             service_account=env.get("KFP_PYTORCH_SERVICE_ACCOUNT", "kfp-pytorch-s3"),
+            pod_labels=loaded["KFP_PYTORCH_POD_LABELS"],
+            gpu_node_selector=loaded["KFP_PYTORCH_GPU_NODE_SELECTOR"],
+            gpu_tolerations=loaded["KFP_PYTORCH_GPU_TOLERATIONS"],
         )
 
     def train_spec(self, train: "TrainSpec") -> ClusterTrainSpec:
@@ -448,13 +537,33 @@ class ClusterConfig:
             resources["memory"] = self.memory_per_node
         if train.gpus_per_node:
             resources["gpu"] = train.gpus_per_node
+        gpu = train.gpus_per_node > 0  # GPU placement for GPU pods only (CPU jobs stay off GPU nodes)
         return ClusterTrainSpec(train=train, image=self.image, namespace=self.namespace, run_id=train.run_id or "run",
                                 task=train.task, user=self.user, nodes=train.nodes, resources=resources, s3=self.s3,
-                                fairness=self.fairness)
+                                fairness=self.fairness, pod_labels=self.pod_labels,
+                                node_selector=self.gpu_node_selector if gpu else {},
+                                tolerations=self.gpu_tolerations if gpu else [])
 
     def serve_spec(self, model_uri: str, model_name: str, canary_traffic_percent: int | None = None) -> ClusterServeSpec:
         return ClusterServeSpec(model_uri, model_name, self.image, self.namespace, self.service_account,
                                 canary_traffic_percent=canary_traffic_percent)
+
+
+_S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+
+
+def s3_keys_problems(keys, where: str) -> list[str]:
+    """``keys`` maps the S3 Secret's keys to environment variables (the platform's ``s3_keys``)."""
+    if not isinstance(keys, dict) or not all(isinstance(v, str) for v in keys.values()):
+        return [f"{where}: must map the Secret's keys to environment variable names, got {keys!r}"]
+    return [f"{where}: no Secret key maps to {name}" for name in _S3_ENV if name not in keys.values()]
+
+
+def _secret_keys(keys: dict) -> dict:
+    """S3Access's ``access_key_key`` / ``secret_key_key`` from an ``s3_keys`` mapping (none: the defaults)."""
+    by_env = {v: k for k, v in keys.items()}
+    return ({"access_key_key": by_env["AWS_ACCESS_KEY_ID"], "secret_key_key": by_env["AWS_SECRET_ACCESS_KEY"]}
+            if keys else {})
 
 
 def dump_yaml(docs: list[dict]) -> str:

@@ -15,11 +15,10 @@ import re
 from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
+from kfp_pytorch.components.cluster import label_problems, s3_keys_problems, toleration_problems
 from kfp_pytorch.components.errors import ConfigError
 from kfp_pytorch.components.storage import StorageError, parse_endpoint
 
-_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
-_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
 @dataclass(frozen=True)
@@ -82,70 +81,46 @@ def load_platform(data: dict | None) -> Platform:
                     problems.append(f"s3_keys.{k}: not a valid Secret key")
                 if not isinstance(v, str) or not _ENV_NAME.match(v):
                     problems.append(f"s3_keys.{k}: {v!r} is not a valid environment variable name")
+            problems += s3_keys_problems(keys, "s3_keys")  # the storage client reads these two
     for where in ("labels", "gpu_node_selector"):
-        section = data.get(where) or {}
-        if not isinstance(section, dict):
-            problems.append(f"{where}: must be a mapping of label key -> value, got {section!r}")
-            continue
-        for k, v in section.items():
-            if not _LABEL_KEY.match(str(k)):
-                problems.append(f"{where}.{k}: not a valid label key")
-            if not isinstance(v, str) or not _LABEL_VALUE.match(v) or len(v) > 63:
-                problems.append(f"{where}.{k}: {v!r} is not a valid label value (quote \"true\")")
-    tolerations = data.get("gpu_tolerations") or []
-    if not isinstance(tolerations, list):
-        problems.append(f"gpu_tolerations: must be a list of tolerations, got {tolerations!r}")
-        tolerations = []
-    for i, t in enumerate(tolerations):
-        if not isinstance(t, dict):
-            problems.append(f"gpu_tolerations[{i}]: must be a mapping (key, operator, value, effect), got {t!r}")
-        else:
-            problems += [f"gpu_tolerations[{i}]{p}" for p in _toleration_problems(t)]
+        problems += label_problems(data.get(where) or {}, where)
+    problems += toleration_problems(data.get("gpu_tolerations") or [], "gpu_tolerations")
     if problems:
         raise ConfigError(problems, "fix the platform file", title="invalid platform settings")
     return Platform(**{k: v for k, v in data.items() if v is not None})
 
 
-_TOLERATION_FIELDS = ("key", "operator", "value", "effect", "tolerationSeconds")
+def platform_env(platform: Platform, gpu: bool = False) -> dict[str, str]:
+    """The environment a step gets from the platform: its own settings (endpoint, MLflow server),
+    and those of the pods it creates with the cluster backends (PyTorchJob/TrainJob pods read the
+    same Secret and keys, carry the same labels and, for GPU pods, the same placement) through
+    :meth:`~kfp_pytorch.components.cluster.ClusterConfig.from_env`."""
+    import json
 
-
-def _toleration_problems(t: dict) -> list[str]:
-    """The API server's rules for a pod toleration (ValidateTolerations), as ``.field: why``."""
-    problems = [f".{k}: unknown field (known: {', '.join(_TOLERATION_FIELDS)})" for k in t if k not in _TOLERATION_FIELDS]
-    key, op, value = t.get("key") or "", t.get("operator") or "Equal", t.get("value")
-    if key and not _LABEL_KEY.match(str(key)):
-        problems.append(f".key: {key!r} is not a valid label key")
-    if op not in ("Equal", "Exists"):
-        problems.append(f".operator: must be Equal or Exists, got {op!r}")
-    elif op == "Exists" and value not in (None, ""):
-        problems.append(f".value: must be empty when operator is Exists, got {value!r}")
-    elif op == "Equal" and not key:
-        problems.append(".operator: must be Exists when key is empty (which tolerates every taint)")
-    elif op == "Equal" and value is not None and (not isinstance(value, str) or not _LABEL_VALUE.match(value)
-                                                  or len(value) > 63):
-        problems.append(f".value: {value!r} is not a valid label value (quote \"true\")")
-    if t.get("effect") not in (None, "", "NoSchedule", "PreferNoSchedule", "NoExecute"):
-        problems.append(".effect: must be NoSchedule, PreferNoSchedule or NoExecute")
-    seconds = t.get("tolerationSeconds")
-    if seconds is not None:
-        if not isinstance(seconds, int) or isinstance(seconds, bool):
-            problems.append(f".tolerationSeconds: must be a whole number of seconds, got {seconds!r}")
-        if t.get("effect") != "NoExecute":
-            problems.append(".effect: must be NoExecute when tolerationSeconds is set")
-    return problems
+    env = {"KFP_PYTORCH_S3_SECRET": platform.s3_secret, "KFP_PYTORCH_S3_KEYS": json.dumps(platform.s3_keys)}
+    if platform.s3_endpoint:
+        env["AWS_ENDPOINT_URL"] = platform.s3_endpoint
+    if platform.mlflow_tracking_uri:
+        env["MLFLOW_TRACKING_URI"] = platform.mlflow_tracking_uri
+    if platform.labels:
+        env["KFP_PYTORCH_POD_LABELS"] = json.dumps(platform.labels)
+    if gpu and platform.gpu_node_selector:
+        env["KFP_PYTORCH_GPU_NODE_SELECTOR"] = json.dumps(platform.gpu_node_selector)
+    if gpu and platform.gpu_tolerations:
+        env["KFP_PYTORCH_GPU_TOLERATIONS"] = json.dumps(platform.gpu_tolerations)
+    return env
 
 
 def apply_platform(task, platform: Platform | None, gpu: bool = False):
-    """Attach the platform settings to one pipeline task (returns it, like kfp.kubernetes does)."""
+    """Attach the platform settings to one pipeline task (returns it, like kfp.kubernetes does).
+    ``gpu``: the task may train on GPUs itself (local backend) or start GPU pods (cluster backend)."""
     if platform is None:
         return task
     from kfp import kubernetes
 
     kubernetes.use_secret_as_env(task, platform.s3_secret, dict(platform.s3_keys))
-    if platform.s3_endpoint:
-        task.set_env_variable("AWS_ENDPOINT_URL", platform.s3_endpoint)
-    if platform.mlflow_tracking_uri:
-        task.set_env_variable("MLFLOW_TRACKING_URI", platform.mlflow_tracking_uri)
+    for k, v in platform_env(platform, gpu).items():
+        task.set_env_variable(k, v)
     for k, v in platform.labels.items():
         kubernetes.add_pod_label(task, k, v)
     if gpu:

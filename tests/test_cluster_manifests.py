@@ -188,6 +188,58 @@ def test_the_steps_environment_is_checked_once_with_every_problem_named():
     assert "PodDefault" in e.value.hint
 
 
+def test_the_platform_reaches_the_pods_a_step_creates():
+    # the platform file went to the step's pod only: a PyTorchJob's GPU pods got no toleration of
+    # the GPU nodes' taint (Pending for ever), referenced the default Secret and its default keys,
+    # and were accounted to the namespace rather than the platform's user
+    from kfp_pytorch.components.cluster import ClusterConfig
+    from kfp_pytorch.pipelines.platform import load_platform, platform_env
+
+    platform = load_platform({
+        "s3_secret": "mlpipeline-minio-artifact", "s3_keys": {"accesskey": "AWS_ACCESS_KEY_ID",
+                                                              "secretkey": "AWS_SECRET_ACCESS_KEY"},
+        "labels": {"kfp-pytorch.io/user": "alice", "team": "vision"},
+        "gpu_node_selector": {"nvidia.com/gpu.present": "true"},
+        "gpu_tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]})
+    cfg = ClusterConfig.from_env({"KFP_PYTORCH_IMAGE": IMAGE, "KFP_PYTORCH_NAMESPACE": "team-a",
+                                  **platform_env(platform, gpu=True)})
+    train = TrainSpec("s3://data/d", "s3://models/m", workers=4, nodes=2, gpus_per_node=2, backend="cluster")
+    job = to_pytorchjob(cfg.train_spec(train))
+    validate_manifest(job)
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        pod = replica["template"]
+        assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert pod["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        assert pod["metadata"]["labels"]["team"] == "vision" and pod["metadata"]["labels"]["kfp-pytorch.io/user"] == "alice"
+        refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in pod["spec"]["containers"][0]["env"] if "valueFrom" in e}
+        assert refs == {"AWS_ACCESS_KEY_ID": {"name": "mlpipeline-minio-artifact", "key": "accesskey"},
+                        "AWS_SECRET_ACCESS_KEY": {"name": "mlpipeline-minio-artifact", "key": "secretkey"}}
+    tj = to_trainjob(cfg.train_spec(train))
+    validate_manifest(tj)
+    [patch] = tj["spec"]["runtimePatches"]
+    [node] = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    pod = node["template"]["spec"]["template"]
+    assert node["name"] == "node" and pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert pod["metadata"]["labels"]["kfp-pytorch.io/user"] == "alice" and pod["spec"]["tolerations"]
+    # a CPU job is not sent to the GPU nodes
+    cpu = to_pytorchjob(cfg.train_spec(TrainSpec("s3://data/d", "s3://models/m", workers=2, backend="cluster",
+                                                 device="cpu")))
+    assert "nodeSelector" not in cpu["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+
+
+def test_the_platform_settings_in_a_steps_environment_are_checked():
+    from kfp_pytorch.components.cluster import ClusterConfig
+
+    with pytest.raises(ConfigError) as e:
+        ClusterConfig.from_env({"KFP_PYTORCH_POD_LABELS": "{team: vision}",
+                                "KFP_PYTORCH_GPU_TOLERATIONS": '[{"operator": "Exists", "value": "x"}]',
+                                "KFP_PYTORCH_S3_KEYS": '{"accesskey": "AWS_ACCESS_KEY_ID"}'})
+    assert e.value.problems == [
+        "KFP_PYTORCH_POD_LABELS: must be JSON, got '{team: vision}'",
+        "KFP_PYTORCH_GPU_TOLERATIONS[0].value: must be empty when operator is Exists, got 'x'",
+        "KFP_PYTORCH_S3_KEYS: no Secret key maps to AWS_SECRET_ACCESS_KEY"]
+
+
 def test_each_worker_process_of_a_pod_gets_its_own_gpu():
     with pytest.raises(ConfigError, match="each of a pod's 2 worker processes needs a GPU of its own, got 1"):
         to_pytorchjob(spec(resources={"gpu": 1}))  # 4 workers on 2 nodes

@@ -269,6 +269,11 @@ def test_compile_with_platform_settings(tmp_path):
     assert execs["exec-train-op"]["nodeSelector"]["labels"] == {"nvidia.com/gpu.present": "true"}
     assert execs["exec-train-op"]["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert "nodeSelector" not in execs["exec-evaluate-op"]
+    # ... and the pods the train and serve steps create get them through the step's environment
+    env = {e["name"]: e["value"] for e in pipeline["deploymentSpec"]["executors"]["exec-train-op"]["container"]["env"]}
+    assert env["KFP_PYTORCH_S3_SECRET"] == "minio-creds" and json.loads(env["KFP_PYTORCH_POD_LABELS"]) == {
+        "kfp-pytorch.io/user": "alice"}
+    assert json.loads(env["KFP_PYTORCH_GPU_TOLERATIONS"])[0]["key"] == "nvidia.com/gpu"
 
 
 def test_bad_platform_file_is_reported(tmp_path):
