@@ -4,7 +4,7 @@ Every user mistake ends in a one-paragraph error with the next step and a non-ze
 (2 for bad input), never a traceback; ``--debug`` shows the traceback for bug reports.
 """
 import json
-
+import os
 import sys
 
 import click
@@ -420,7 +420,8 @@ def runs_cmd(host, namespace, experiment, token, as_json):
 @click.option("--image", envvar="KFP_PYTORCH_IMAGE", default="", help="The kfp-pytorch image (or KFP_PYTORCH_IMAGE).")
 @click.option("--run-id", default="dry-run", show_default=True)
 @click.option("--fairness/--no-fairness", default=False, help="Add the fairness scheduler's gate.")
-def manifest_cmd(kind, params, namespace, image, run_id, fairness):
+@_platform_option
+def manifest_cmd(kind, params, namespace, image, run_id, fairness, platform_file):
     """Dry run: print the Kubernetes manifest a cluster step would create (nothing is submitted)."""
     import dataclasses
 
@@ -431,7 +432,12 @@ def manifest_cmd(kind, params, namespace, image, run_id, fairness):
     from kfp_pytorch.components.train import TrainSpec
     from kfp_pytorch.pipelines import get_pipeline
 
-    cfg = dataclasses.replace(ClusterConfig.from_env(), image=image, namespace=namespace, fairness=fairness)
+    env = dict(os.environ)
+    if platform_file:  # what the pipeline's steps would pass on to the pods they create
+        from kfp_pytorch.pipelines.platform import load_platform, platform_env
+
+        env.update(platform_env(load_platform(_read_yaml(platform_file, "--platform")), gpu=True))
+    cfg = dataclasses.replace(ClusterConfig.from_env(env), image=image, namespace=namespace, fairness=fairness)
     if kind == "launcher-config":
         docs = [kfp_launcher_configmap(namespace, s3=None)]
     elif kind == "s3-secret":

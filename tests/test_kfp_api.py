@@ -236,3 +236,17 @@ def test_manifest_dry_runs_are_valid():
             validate_manifest(doc)
     r = cli("manifest", "pytorchjob")
     assert r.returncode == 2 and "image: required" in r.stderr
+
+
+def test_a_manifest_dry_run_shows_the_platform_settings_the_pods_would_get(tmp_path):
+    plat = tmp_path / "platform.yaml"
+    plat.write_text("s3_secret: minio-creds\nlabels: {team: vision}\n"
+                    "gpu_tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]\n")
+    r = cli("manifest", "pytorchjob", "--image", "reg/kfp-pytorch:0.1.0", "--param", "gpus_per_node=2",
+            "--param", "workers=2", "--platform", str(plat))
+    assert r.returncode == 0, r.stderr
+    [job] = yaml.safe_load_all(r.stdout)
+    pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
+    assert pod["metadata"]["labels"]["team"] == "vision" and pod["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert {e["valueFrom"]["secretKeyRef"]["name"] for e in pod["spec"]["containers"][0]["env"] if "valueFrom" in e} == {
+        "minio-creds"}
