@@ -350,6 +350,8 @@ class ClusterServeSpec:
     canary_traffic_percent: int | None = None
     raw_deployment: bool = True
     """RawDeployment mode (no Knative/Istio needed), the usual on-prem choice."""
+    labels: dict = field(default_factory=dict)
+    """The platform's labels: on the InferenceService and its predictor pods."""
 
     def validate(self) -> dict:
         problems = []
@@ -391,8 +393,10 @@ def to_inference_service(spec: ClusterServeSpec) -> dict:
     }
     if spec.canary_traffic_percent is not None:
         predictor["canaryTrafficPercent"] = spec.canary_traffic_percent
+    if spec.labels:
+        predictor["labels"] = dict(spec.labels)  # KServe puts the component's labels on its pods
     meta: dict = {"name": spec.model_name, "namespace": spec.namespace,
-                  "labels": {"app.kubernetes.io/managed-by": "kfp-pytorch"}}
+                  "labels": {**spec.labels, "app.kubernetes.io/managed-by": "kfp-pytorch"}}
     if spec.raw_deployment:
         meta["annotations"] = {"serving.kserve.io/deploymentMode": "RawDeployment"}
     return {"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService", "metadata": meta,
@@ -546,7 +550,7 @@ class ClusterConfig:
 
     def serve_spec(self, model_uri: str, model_name: str, canary_traffic_percent: int | None = None) -> ClusterServeSpec:
         return ClusterServeSpec(model_uri, model_name, self.image, self.namespace, self.service_account,
-                                canary_traffic_percent=canary_traffic_percent)
+                                canary_traffic_percent=canary_traffic_percent, labels=self.pod_labels)
 
 
 _S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")

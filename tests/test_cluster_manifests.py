@@ -221,6 +221,9 @@ def test_the_platform_reaches_the_pods_a_step_creates():
     pod = node["template"]["spec"]["template"]
     assert node["name"] == "node" and pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert pod["metadata"]["labels"]["kfp-pytorch.io/user"] == "alice" and pod["spec"]["tolerations"]
+    isvc = to_inference_service(cfg.serve_spec("s3://models/m/model", "digits"))
+    validate_manifest(isvc)
+    assert isvc["spec"]["predictor"]["labels"]["team"] == "vision" and isvc["metadata"]["labels"]["team"] == "vision"
     # a CPU job is not sent to the GPU nodes
     cpu = to_pytorchjob(cfg.train_spec(TrainSpec("s3://data/d", "s3://models/m", workers=2, backend="cluster",
                                                  device="cpu")))
