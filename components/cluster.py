@@ -325,6 +325,8 @@ def to_trainjob(spec: ClusterTrainSpec) -> dict:
         pod["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
         pod["tolerations"] = list(spec.tolerations)
+    if spec.fairness:  # the gate only: a runtime patch cannot set the pods' priority class
+        pod["schedulingGates"] = [{"name": FAIRNESS_GATE}]
     # the runtime's pods ("node": the torch-distributed runtime's replicated job) get our labels
     # and placement through a patch, as Kueue patches them
     body["runtimePatches"] = [{"manager": f"{LABEL_PREFIX}/kfp-pytorch", "trainingRuntimeSpec": {"template": {"spec": {

@@ -76,6 +76,10 @@ def test_trainjob_is_valid():
     t = tj["spec"]["trainer"]
     assert t["numNodes"] == 2 and t["numProcPerNode"] == 2 and t["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == 2
     assert tj["spec"]["runtimeRef"]["name"] == "torch-distributed"
+    gated = to_trainjob(spec(fairness=True))  # the fairness gate was left off a TrainJob's pods
+    validate_manifest(gated)
+    pod = gated["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"]
+    assert pod["spec"]["template"]["spec"]["schedulingGates"] == [{"name": FAIRNESS_GATE}]
 
 
 def test_inference_service_is_valid():
