@@ -58,6 +58,8 @@ def _parse_params(pairs: tuple[str, ...]) -> dict[str, str]:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             bad.append(f"--param {pair!r}: expected key=value")
+        elif key.strip() in out and out[key.strip()] != value:  # which one was meant? not the last by luck
+            bad.append(f"--param {key.strip()}: given twice ({out[key.strip()]!r} and {value!r}); give it once")
         else:
             out[key.strip()] = value
     if bad:

@@ -179,6 +179,8 @@ def test_failed_task_is_read_from_kfp_locals_coloured_message():
     (["run", "train_and_serve", "--local", "--param", "model_arch=nosuchpkg_q.models:net"],
      "cannot import model factory module 'nosuchpkg_q.models'"),
     (["run", "train_and_serve", "--local", "--param", "batch_size"], "expected key=value"),
+    (["run", "train_and_serve", "--local", "--param", "epochs=3", "--param", "epochs=30"],
+     "--param epochs: given twice ('3' and '30'); give it once"),
     (["run", "train_and_serve", "--local", "--param", "model_arch=factories:three_outputs"],
      "the model of factory 'factories:three_outputs' answers [2, 3] for a batch of 2, not logits [2, 10]"),
     (["run", "train_and_serve", "--local", "--param", "model_arch=json:dumps"],
