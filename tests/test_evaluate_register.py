@@ -56,6 +56,21 @@ def test_evaluate_on_another_preparation_judges_what_the_server_would_answer(tra
         evaluate(EvaluateSpec(str(tmp_path / "other"), trained_model.model_uri))
 
 
+@pytest.mark.parametrize("k,texts,ticks", [(10, 100, 10), (40, 0, 40), (300, 0, 20)])
+def test_the_confusion_matrix_is_drawn_for_its_class_count(k, texts, ticks):
+    # 300 classes wrote 90,000 counts into the cells: 140 s for an unreadable report
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from kfp_pytorch.components.evaluate import confusion_figure
+
+    fig = confusion_figure(np.ones((k, k), dtype=int), [f"class-{i}" for i in range(k)])
+    ax = fig.axes[0]
+    assert len(ax.texts) == texts and len(ax.get_xticks()) == ticks == len(ax.get_yticklabels())
+    assert ax.get_xticklabels()[-1].get_text() == f"class-{k - 1}"  # the last class is always named
+    plt.close(fig)
+
+
 def test_evaluate_rejects_bad_settings(digits_data, trained_model):
     with pytest.raises(ConfigError):
         evaluate(EvaluateSpec(digits_data, trained_model.model_uri, threshold=2, metric="auc"))
