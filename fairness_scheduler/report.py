@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -312,14 +313,20 @@ def figure(results: dict[str, SimResult]):
 
     fig = Figure(figsize=(14, 5))
     a1, a2 = fig.subplots(1, 2)
-    names = sorted({u for r in results.values() for u in r.service})
+    # users in natural order (user-2 before user-10)
+    names = sorted({u for r in results.values() for u in r.service},
+                   key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n)])
     width = 0.8 / max(1, len(results))
     for k, (p, r) in enumerate(results.items()):
         a1.bar(np.arange(len(names)) + k * width, [r.service.get(u, np.nan) for u in names], width,
                label=f"{p} (Jain {r.metrics['jain_service']:.3f}, min {r.metrics['min_service']:.2f})")
     a1.axhline(1.0, color="k", lw=0.8, ls="--")
-    a1.set(title="Service ratio per user (1.0 = fair share)", xticks=np.arange(len(names)) + 0.4 - width / 2,
-           xticklabels=[n.replace("user-", "u") for n in names], ylabel="held / fair")
+    # every user named up to 30 of them; beyond, 20 spread over the axis (the labels ran together)
+    shown = range(len(names)) if len(names) <= 30 else sorted(set(np.linspace(0, len(names) - 1, 20).round().astype(int)))
+    a1.set(title="Service ratio per user (1.0 = fair share)", xticks=[i + 0.4 - width / 2 for i in shown],
+           ylabel="held / fair")
+    a1.set_xticklabels([names[i].replace("user-", "u") for i in shown], rotation=0 if len(names) <= 20 else 90,
+                       fontsize=8)
     a1.legend(fontsize=8)
     for p, r in results.items():
         w = np.sort(r.waits)

@@ -461,6 +461,18 @@ def test_simulate_cli_json_and_plot(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 10_000
 
 
+@pytest.mark.parametrize("users,ticks", [(12, 12), (300, 20)])
+def test_the_plot_names_users_in_order_and_a_crowd_by_sample(users, ticks):
+    from kfp_pytorch.fairness_scheduler.report import figure
+
+    results, _ = run_protocol(TRACES / "cluster10.csv", ["fifo"], users=users)
+    ax = figure(results).axes[0]
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert len(labels) == ticks  # 300 users' labels ran together into one black line
+    numbers = [int(t.lstrip("u")) for t in labels]
+    assert numbers == sorted(numbers)
+
+
 def test_simulate_cli_schedule_has_every_job_and_agrees_with_the_metrics(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(TRACES / "cluster10.csv"),
                           "--policies", "fifo,fairshare", "--json", "--schedule", str(tmp_path / "s.csv")],
