@@ -820,11 +820,57 @@ def ledger_compact(ledger_url, at, half_life, older_than, as_json):
                    f"{left} remain")
 
 
+class _Terminated(BaseException):
+    """SIGTERM or SIGHUP: the run is being stopped from outside (kill, timeout, a CI cancel)."""
+
+
+def _stop_descendants(signum: int, frame) -> None:
+    """Pass the signal on to every process this command started, then end it: kfp.local's task
+    processes, and through them the torchrun workers, would otherwise run on, orphaned (Ctrl-C
+    reaches the whole terminal group; a kill reaches this process only)."""
+    import signal
+
+    import psutil
+
+    signal.signal(signum, signal.SIG_IGN)  # once: a second signal does not interrupt the clean-up
+    kids = psutil.Process().children(recursive=True)
+    for kid in kids:
+        try:
+            kid.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(kids, timeout=15)  # the train step takes its workers down first
+    for kid in alive:
+        try:
+            kid.kill()
+        except psutil.Error:
+            pass
+    raise _Terminated(signum)
+
+
 def main(argv: list[str] | None = None) -> int:  # noqa: D103
+    import signal
+
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    for sig, handler in previous.items():
+        if handler is signal.SIG_DFL:
+            signal.signal(sig, _stop_descendants)
+    try:
+        return _main(argv, debug)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _main(argv: list[str] | None, debug: bool) -> int:
     try:
         cli.main(args=argv, prog_name="kfp-pytorch", standalone_mode=False)
         return 0
+    except _Terminated as e:
+        click.echo(f"kfp-pytorch: stopped by signal {e.args[0]}; the processes it started were stopped too",
+                   err=True)
+        return 128 + e.args[0]
     except KfpPytorchError as e:
         if debug:
             raise

@@ -197,6 +197,32 @@ def test_bad_input_is_a_clear_error(args, needle):
     assert not (Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").exists()  # nothing ran
 
 
+def test_a_run_stopped_by_sigterm_takes_its_workers_down(tmp_path):
+    # a kill (or timeout, or a CI cancel) reaches the CLI only: kfp.local's task process and the
+    # torchrun workers under it trained on, orphaned, to the last epoch
+    import signal
+    import time
+
+    proc = subprocess.Popen([*CLI, "run", "train_and_serve", "--local", "--param", "epochs=100000",
+                             "--param", "model_name=sigterm", "--no-predict"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not [p for p in _project_processes() if "train_worker" in " ".join(p.cmdline())]:
+            assert proc.poll() is None and time.monotonic() < deadline, "training never started"
+            time.sleep(0.5)
+        started = _project_processes()
+        proc.send_signal(signal.SIGTERM)  # the CLI alone, as kill PID does
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM
+        assert "stopped by signal 15; the processes it started were stopped too" in err
+        _, alive = psutil.wait_procs(started, timeout=10)
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], [p.cmdline()[:4] for p in alive]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def test_bad_table_is_rejected_before_any_step(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("a,b,label\n1,2,0\n3,,1\nx,4,1\n")
