@@ -22,8 +22,9 @@ import io
 import itertools
 import json
 import math
+import tempfile
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 
@@ -84,20 +85,26 @@ def load_table(uri: str, storage: Storage | None = None, label_column: str = "la
         df.attrs["image_shape"] = [1, 8, 8]
         return df
     storage = storage or Storage()
-    try:
-        data = storage.read_bytes(uri)
-    except StorageNotFound as e:
-        raise DatasetError(f"dataset not found: {uri}",
-                           "check dataset_uri; it must point at a CSV or Parquet file "
-                           "(or use sample://digits)") from e
-    suffix = PurePosixPath(parse_uri(uri).key).suffix.lower()
-    try:
-        if suffix in (".parquet", ".pq"):
-            return pd.read_parquet(io.BytesIO(data))
-        return pd.read_csv(io.BytesIO(data))
-    except Exception as e:  # pandas raises many types for unparsable input
-        raise DatasetError(f"cannot parse {uri} as {'Parquet' if suffix in ('.parquet', '.pq') else 'CSV'}: {e}",
-                           "give a CSV with a header row, or a .parquet file") from e
+    loc = parse_uri(uri)
+    suffix = PurePosixPath(loc.key).suffix.lower()
+    parquet = suffix in (".parquet", ".pq")
+    with tempfile.TemporaryDirectory(prefix="kfp-pytorch-dataset-") as tmp:
+        # pandas reads a file: the table is never held twice (as bytes, then parsed)
+        path = loc.path if not loc.is_s3 else Path(tmp) / f"table{suffix}"
+        try:
+            if loc.is_s3:
+                storage.download_file(uri, path)
+            elif not path.is_file():
+                raise StorageNotFound(f"read {uri}: no such file", "check the path")
+        except StorageNotFound as e:
+            raise DatasetError(f"dataset not found: {uri}",
+                               "check dataset_uri; it must point at a CSV or Parquet file "
+                               "(or use sample://digits)") from e
+        try:
+            return pd.read_parquet(path) if parquet else pd.read_csv(path)
+        except Exception as e:  # pandas raises many types for unparsable input
+            raise DatasetError(f"cannot parse {uri} as {'Parquet' if parquet else 'CSV'}: {e}",
+                               "give a CSV with a header row, or a .parquet file") from e
 
 
 def _split_sizes(n: int, val_fraction: float, test_fraction: float) -> dict[str, int]:
