@@ -176,6 +176,7 @@ def test_failed_task_is_read_from_kfp_locals_coloured_message():
     (["run", "train_and_serve", "--local", "--param", "epochs=three"], "epochs: expected integer, got 'three'"),
     (["run", "train_and_serve", "--local", "--param", "model_name=Bad_Name", "--param", "lr=-1"], "lr: must be > 0"),
     (["run", "train_and_serve", "--local", "--param", "dataset_uri=/nonexistent/data.csv"], "dataset not found"),
+    (["run", "train_and_serve", "--local", "--param", "dataset_uri=/"], "dataset not found: /"),  # a traceback
     (["run", "train_and_serve", "--local", "--param", "model_arch=nosuchpkg_q.models:net"],
      "cannot import model factory module 'nosuchpkg_q.models'"),
     (["run", "train_and_serve", "--local", "--param", "batch_size"], "expected key=value"),
