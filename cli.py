@@ -41,8 +41,10 @@ def _read_yaml(path: str, option: str):
     from kfp_pytorch.components.errors import ConfigError
 
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             return yaml.safe_load(f)
+    except UnicodeDecodeError:
+        raise ConfigError([f"{option} {path}: not UTF-8 text"], f"give {option} a YAML file") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else path

@@ -87,8 +87,8 @@ class StorageConfig:
             import yaml
 
             try:
-                file_cfg = yaml.safe_load(cfg_path.read_text()) or {}
-            except yaml.YAMLError as e:
+                file_cfg = yaml.safe_load(cfg_path.read_text(encoding="utf-8")) or {}
+            except (yaml.YAMLError, UnicodeDecodeError) as e:
                 raise StorageError(f"cannot parse storage config {cfg_path}: {e}",
                                    f"fix the YAML; keys: {', '.join(_FILE_KEYS)}") from e
             if not isinstance(file_cfg, dict):

@@ -626,8 +626,8 @@ def test_simulate_cli_bad_input(tmp_path):
                           "--schedule", str(tmp_path / "s.json")], capture_output=True, text=True)
     assert out.returncode == 2 and "--schedule: " in out.stderr and "must end in one of .csv" in out.stderr
     for text, needle in (("- a\n- b\n", "(top level): must be a mapping of fields, got list"),
-                         ("a: [\n", "not valid YAML")):
-        cfg.write_text(text)
+                         ("a: [\n", "not valid YAML"), ("\x81\x00\xff", "not UTF-8 text")):  # was a traceback
+        cfg.write_bytes(text.encode("latin-1"))
         out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(bad), "--config",
                               str(cfg)], capture_output=True, text=True)
         assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -320,6 +320,7 @@ def test_bad_platform_file_is_reported(tmp_path):
     ("gpu_tolerations: [3]\n", "gpu_tolerations[0]: must be a mapping"),
     ("s3_keys: 3\ns3_secret: My_Secret\n", "s3_secret: 'My_Secret' is not a valid Secret name"),
     ("labels: {a: [\n", "platform.yaml:2: not valid YAML"),
+    ("\x81\x00\xff", "platform.yaml: not UTF-8 text"),  # a binary file was a UnicodeDecodeError traceback
     ("s3_endpoint: ftp://minio:9000\n", "s3_endpoint: 'ftp://minio:9000' is not an S3 endpoint; write http(s)://HOST[:PORT]"),
     ("s3_endpoint: http://minio:9000/bucket\n", "s3_endpoint: 'http://minio:9000/bucket' is not an S3 endpoint"),
     ("mlflow_tracking_uri: sqlite:///mlflow.db\n",
@@ -327,7 +328,7 @@ def test_bad_platform_file_is_reported(tmp_path):
 ])
 def test_malformed_platform_file_gets_an_error_not_a_traceback(tmp_path, body, needle):
     plat = tmp_path / "platform.yaml"
-    plat.write_text(body)
+    plat.write_bytes(body.encode("latin-1"))
     r = run_cli("compile", "train_and_serve", "-o", str(tmp_path / "p.yaml"), "--platform", str(plat))
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "p.yaml").exists()

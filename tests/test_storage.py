@@ -99,10 +99,11 @@ def test_yes_no_settings_have_one_reading_and_a_typo_is_refused(tmp_path):
         StorageConfig.from_env({"KFP_PYTORCH_STORAGE_CONFIG": str(f)})
 
 
-@pytest.mark.parametrize("body,needle", [("- a\n", "must be a mapping, got list"), ("endpoint: [\n", "cannot parse")])
+@pytest.mark.parametrize("body,needle", [("- a\n", "must be a mapping, got list"), ("endpoint: [\n", "cannot parse"),
+                                         ("\x81\x00", "cannot parse")])
 def test_malformed_storage_config_file_is_reported(tmp_path, body, needle):
     f = tmp_path / "s.yaml"
-    f.write_text(body)
+    f.write_bytes(body.encode("latin-1"))
     with pytest.raises(StorageError) as e:
         StorageConfig.from_env({"KFP_PYTORCH_STORAGE_CONFIG": str(f)})
     assert needle in str(e.value) and str(f) in str(e.value) and e.value.hint
