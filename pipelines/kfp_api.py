@@ -56,7 +56,15 @@ class KfpApi:
             raise KfpApiError(f"{what} failed: HTTP {e.status}: {msg}") from e
 
     def upload(self, entry: PipelineEntry) -> tuple[str, str]:
-        """Upload the compiled pipeline (a new version if it exists); returns (pipeline_id, version_id)."""
+        """Upload the compiled pipeline; returns (pipeline_id, version_id).
+
+        A version is named by its content (``NAME-<sha256 of the compiled spec, 12 hex>``): the same
+        spec reuses its version, and a changed one (code, platform file) gets a new one. KFP refuses
+        a second version of the same name, so time-stamped names collided for submissions within
+        one second, and every submission added a version."""
+        import hashlib
+        import json
+
         from kfp import compiler
 
         from ..components._kfp import check_component_image
@@ -66,18 +74,32 @@ class KfpApi:
             path = str(Path(tmp) / f"{entry.name}.yaml")
             compiler.Compiler().compile(entry.func, package_path=path)
             name = entry.func.pipeline_spec.pipeline_info.name
+            version_name = f"{name}-{hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]}"
             pid = self._call("look up pipeline", self.client.get_pipeline_id, name)
             if pid is None:
                 p = self._call("upload pipeline", self.client.upload_pipeline, path, pipeline_name=name,
                                namespace=self.namespace)
                 pid = p.pipeline_id
                 versions = self._call("list versions", self.client.list_pipeline_versions, pid)
-                vid = versions.pipeline_versions[0].pipeline_version_id
-            else:
+                return pid, versions.pipeline_versions[0].pipeline_version_id
+
+            def existing() -> str | None:
+                flt = json.dumps({"predicates": [{"operation": "EQUALS", "key": "display_name",
+                                                  "string_value": version_name}]})
+                found = self._call("list versions", self.client.list_pipeline_versions, pid, filter=flt)
+                return next((v.pipeline_version_id for v in found.pipeline_versions or []
+                             if v.display_name == version_name), None)
+
+            if vid := existing():
+                return pid, vid
+            try:
                 v = self._call("upload pipeline version", self.client.upload_pipeline_version, path,
-                               pipeline_version_name=f"{name}-{time.strftime('%Y%m%d-%H%M%S')}", pipeline_id=pid)
-                vid = v.pipeline_version_id
-        return pid, vid
+                               pipeline_version_name=version_name, pipeline_id=pid)
+            except KfpApiError:
+                if vid := existing():  # uploaded at the same moment by another submission
+                    return pid, vid
+                raise
+            return pid, v.pipeline_version_id
 
     def find_experiment(self, name: str) -> str | None:
         """The experiment's id, or None when there is none of that name (nothing is created)."""

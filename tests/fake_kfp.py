@@ -103,6 +103,9 @@ class FakeKfp:
                 if pipeline_id not in self.pipelines:
                     raise KfpError(404, f"pipeline {pipeline_id} not found")
                 pid = pipeline_id
+                if any(v["pipeline_id"] == pid and v["display_name"] == name for v in self.versions.values()):
+                    # the API server's unique index on (PipelineId, Name)
+                    raise KfpError(409, f"Failed to create a pipeline version: version name {name} already exists")
             vid = str(uuid.uuid4())
             self.versions[vid] = {"pipeline_id": pid, "pipeline_version_id": vid, "display_name": name,
                                   "created_at": _now(), "pipeline_spec": spec, "platform_spec": platform}
@@ -228,8 +231,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(200, {"pipelines": items, "total_size": len(items)})
             m = re.fullmatch(r"/apis/v2beta1/pipelines/([^/]+)/versions", path)
             if m and verb == "GET":
-                items = [dict((a, b) for a, b in v.items() if a not in ("pipeline_spec", "platform_spec")) for v in k.versions.values()
-                         if v["pipeline_id"] == m.group(1)]
+                items = _by_name([dict((a, b) for a, b in v.items() if a not in ("pipeline_spec", "platform_spec"))
+                                  for v in k.versions.values() if v["pipeline_id"] == m.group(1)], q.get("filter"))
                 items.sort(key=lambda v: v["created_at"], reverse=True)
                 return self._send(200, {"pipeline_versions": items, "total_size": len(items)})
             if path == "/apis/v2beta1/experiments":

@@ -30,10 +30,18 @@ def test_submit_uploads_runs_and_follows(kfp_server):
     [run] = fake.runs.values()
     assert run["runtime_config"]["parameters"]["epochs"] == 3
     assert run["experiment_id"] in fake.experiments and len(fake.pipelines) == 1
-    # A second submit uploads a new version of the same pipeline, in the same experiment.
+    # A second submit uploads a version of the same pipeline named by its content, in the same experiment
     r = cli("submit", "train_and_serve", "--host", url, "--experiment", "nightly", "--no-wait")
     assert r.returncode == 0, r.stderr
     assert len(fake.pipelines) == 1 and len(fake.versions) == 2 and len(fake.experiments) == 1
+    # ... which the same spec reuses, whatever the parameters (time-stamped names collided within a second)
+    r = cli("submit", "train_and_serve", "--host", url, "--experiment", "nightly", "--no-wait", "--param", "epochs=4")
+    assert r.returncode == 0, r.stderr
+    assert len(fake.versions) == 2 and len(fake.runs) == 3
+    hashed = [v for v in fake.versions.values() if v["display_name"] != "train-and-serve"]
+    assert len(hashed) == 1 and hashed[0]["display_name"].startswith("train-and-serve-")
+    assert {r["pipeline_version_reference"]["pipeline_version_id"] for r in list(fake.runs.values())[1:]} == {
+        hashed[0]["pipeline_version_id"]}
 
 
 def test_a_failed_run_says_which_task_failed_and_why(kfp_server):
