@@ -95,7 +95,12 @@ class ClusterTrainer:
             deadline = t0 + timeout_s
             while state not in TERMINAL and time.monotonic() < deadline:
                 try:
-                    for _, o in kube.watch(group, version, plural, ns, name, rv, deadline - time.monotonic()):
+                    for event, o in kube.watch(group, version, plural, ns, name, rv, deadline - time.monotonic()):
+                        if event == "DELETED":  # nothing left to follow: the wait would run to the timeout
+                            raise TrainingError(f"{self.kind} {ns}/{name} was deleted while {state} (by kubectl or "
+                                                "another controller), before it ended",
+                                                "run the step again to create it anew (it resumes from the last "
+                                                "checkpoint)")
                         rv = o["metadata"]["resourceVersion"]
                         new = job_state(o)
                         if new != state:
@@ -209,7 +214,10 @@ class ClusterServer:
                 return {"name": name, "namespace": ns, "url": url,
                         "infer_url": f"{url}/v2/models/{spec.model_name}/infer", "updated": existed}
             try:
-                for _, o in kube.watch(group, version, plural, ns, name, rv, deadline - time.monotonic()):
+                for event, o in kube.watch(group, version, plural, ns, name, rv, deadline - time.monotonic()):
+                    if event == "DELETED":
+                        raise ServingError(f"InferenceService {ns}/{name} was deleted (by kubectl or another "
+                                           "controller) before it was Ready", "run the serve step again")
                     rv, current = o["metadata"]["resourceVersion"], o
                     if _isvc_ready(o) or time.monotonic() >= deadline:
                         break

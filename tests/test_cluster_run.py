@@ -111,6 +111,40 @@ def test_sigterm_deletes_the_job(k8s):
     assert fake.list("pytorchjobs", NS) == []
 
 
+def test_a_job_deleted_by_someone_else_ends_the_wait_at_once(k8s):
+    # the DELETED event was read as one more update: the step waited for the job to the timeout
+    from kubernetes import client
+
+    fake, api = k8s
+    s = spec(nodes=1)
+    name = f"{s.name}-master-0"
+    drive(fake, s.name, 1, [[(name, "Running")]], delay=0.1)
+
+    def kubectl_delete():
+        deadline = time.monotonic() + 10
+        while not fake.list("pytorchjobs", NS) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        client.CustomObjectsApi(api).delete_namespaced_custom_object("kubeflow.org", "v1", NS, "pytorchjobs", s.name)
+
+    threading.Thread(target=kubectl_delete, daemon=True).start()
+    with pytest.raises(TrainingError) as e:
+        ClusterTrainer(Kube(api), out=io.StringIO()).run(s, timeout_s=60)
+    assert f"PyTorchJob {NS}/{s.name} was deleted while" in str(e.value) and "run the step again" in e.value.hint
+
+    fake.operator.isvc_ready = False
+
+    def delete_isvc():
+        time.sleep(1)
+        client.CustomObjectsApi(api).delete_namespaced_custom_object("serving.kserve.io", "v1beta1", NS,
+                                                                     "inferenceservices", "gone")
+
+    threading.Thread(target=delete_isvc, daemon=True).start()
+    with pytest.raises(ServingError, match=f"InferenceService {NS}/gone was deleted"):
+        ClusterServer(Kube(api), out=io.StringIO()).run(
+            ClusterServeSpec("s3://models/x", "gone", "reg/kfp-pytorch:0.1.0", namespace=NS), 60)
+
+
 def test_rbac_and_missing_operator_errors(k8s):
     fake, api = k8s
     fake.denied.add(("create", "pytorchjobs"))
