@@ -13,6 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
+EXPORT_MAX_BATCH = 65536
+"""The largest batch the exported program takes (train_worker.export_program's dynamic dimension)."""
+CHUNK_ROWS = 8192
+"""Rows per forward pass when serving a request: larger ones are split."""
+
 
 class ExportedModel:
     """The exported program of ``root`` and its metadata; ``predict`` is thread-safe.
@@ -48,9 +53,15 @@ class ExportedModel:
             raise ValueError(f"rows {bad[:10]}{' ...' if len(bad) > 10 else ''} hold NaN or infinite features "
                              "(or values beyond FP32's range); send finite raw features")
         x = (x - self.mean) / self.std
+        if not len(x):
+            probs = np.zeros((0, int(self.meta.get("num_classes", len(self.classes)))), dtype=np.float32)
+            return probs, np.zeros(0, dtype=np.int64)
         with self._torch.inference_mode():
-            logits = self.module(self._torch.from_numpy(x))
-            probs = self._torch.softmax(logits, dim=1).numpy()
+            # in chunks: the program is exported for batches of up to EXPORT_MAX_BATCH rows, and a
+            # larger request failed its shape guard (an AssertionError, a 500 at the server)
+            probs = np.concatenate([
+                self._torch.softmax(self.module(self._torch.from_numpy(x[i:i + CHUNK_ROWS])), dim=1).numpy()
+                for i in range(0, len(x), CHUNK_ROWS)])
         return probs, probs.argmax(1).astype(np.int64)
 
 

@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from .errors import TrainingError
+from .exported_model import EXPORT_MAX_BATCH
 from .models import build_model
 from .prepare_data import load_split, read_metadata
 from .storage import Storage, join
@@ -85,7 +86,7 @@ def export_program(model: nn.Module, num_features: int) -> bytes:
     """``torch.export`` with a dynamic batch dimension, serialised to bytes."""
     model = model.eval()
     example = (torch.randn(2, num_features),)
-    batch = torch.export.Dim("batch", min=1, max=65536)
+    batch = torch.export.Dim("batch", min=1, max=EXPORT_MAX_BATCH)
     program = torch.export.export(model, example, dynamic_shapes=({0: batch},))
     buf = io.BytesIO()
     torch.export.save(program, buf)

@@ -40,6 +40,17 @@ def test_open_inference_protocol_v2(endpoint, digits_data, trained_model):
     assert (labels == local).all()
 
 
+def test_a_batch_larger_than_the_exported_program_takes_is_served_in_chunks(trained_model):
+    from kfp_pytorch.components.exported_model import EXPORT_MAX_BATCH
+
+    runner = ModelRunner(trained_model.model_uri)
+    rows = np.random.default_rng(0).normal(8, 5, size=(EXPORT_MAX_BATCH + 10, 64)).astype(np.float32)
+    probs, labels = runner.predict(rows)  # failed the program's shape guard: an AssertionError, a 500
+    assert probs.shape == (len(rows), 10) and labels.shape == (len(rows),)
+    tail_probs, tail_labels = runner.predict(rows[-10:])
+    assert np.allclose(probs[-10:], tail_probs, atol=1e-6) and (labels[-10:] == tail_labels).all()
+
+
 def test_bad_request_gets_a_400_not_a_crash(endpoint):
     body = {"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}
     r = requests.post(endpoint.infer_url, json=body)
