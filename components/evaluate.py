@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ConfigError, DatasetError
+from .exported_model import logits_in_chunks
 from .prepare_data import load_split, read_metadata
 from .storage import Storage, join
 
@@ -180,7 +181,7 @@ def evaluate(spec: EvaluateSpec, storage: Storage | None = None) -> dict:
     x = to_model_scale(x, data_meta, model_meta, spec)
     y, names = to_model_labels(y, data_meta, model_meta, spec)
     with torch.no_grad():
-        pred = module(torch.from_numpy(x)).argmax(1).numpy()
+        pred = logits_in_chunks(module, torch.from_numpy(x)).argmax(1).numpy()
     # a class the model knows but the test split lacks still counts when the model predicts it
     classes = sorted(set(np.unique(y).tolist()) | set(model_meta.get("classes", [])))
     metrics = compute_metrics(y, pred, classes)

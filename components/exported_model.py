@@ -57,12 +57,17 @@ class ExportedModel:
             probs = np.zeros((0, int(self.meta.get("num_classes", len(self.classes)))), dtype=np.float32)
             return probs, np.zeros(0, dtype=np.int64)
         with self._torch.inference_mode():
-            # in chunks: the program is exported for batches of up to EXPORT_MAX_BATCH rows, and a
-            # larger request failed its shape guard (an AssertionError, a 500 at the server)
-            probs = np.concatenate([
-                self._torch.softmax(self.module(self._torch.from_numpy(x[i:i + CHUNK_ROWS])), dim=1).numpy()
-                for i in range(0, len(x), CHUNK_ROWS)])
+            probs = self._torch.softmax(logits_in_chunks(self.module, self._torch.from_numpy(x)), dim=1).numpy()
         return probs, probs.argmax(1).astype(np.int64)
+
+
+def logits_in_chunks(module, x):
+    """``module(x)`` over chunks of :data:`CHUNK_ROWS` rows: the program is exported for batches of
+    up to :data:`EXPORT_MAX_BATCH` rows, and a larger one failed its shape guard (an AssertionError:
+    a 500 at the server, a crash in evaluation). ``x``: a non-empty tensor."""
+    import torch
+
+    return torch.cat([module(x[i:i + CHUNK_ROWS]) for i in range(0, len(x), CHUNK_ROWS)])
 
 
 def names_of(labels: np.ndarray, class_names: list[str] | None) -> list[str] | None:

@@ -71,6 +71,29 @@ def test_the_confusion_matrix_is_drawn_for_its_class_count(k, texts, ticks):
     plt.close(fig)
 
 
+def test_a_test_split_larger_than_one_program_batch_is_evaluated(digits_data, trained_model, tmp_path):
+    # the whole split went through the exported program at once: past 65,536 rows, an AssertionError
+    import numpy as np
+    import pandas as pd
+
+    from kfp_pytorch.components.exported_model import EXPORT_MAX_BATCH
+    from kfp_pytorch.components.prepare_data import PrepareSpec, load_split, prepare_data, read_metadata
+
+    x, y = load_split(digits_data, "train")
+    norm = read_metadata(digits_data)["normalization"]
+    n = int(EXPORT_MAX_BATCH / 0.45) + 200
+    pick = np.random.default_rng(0).integers(0, len(x), n)
+    table = pd.DataFrame(x[pick] * np.asarray(norm["std"]) + np.asarray(norm["mean"]),
+                         columns=read_metadata(digits_data)["features"])
+    table["target"] = y[pick]
+    table.to_parquet(tmp_path / "big.parquet")
+    big = str(tmp_path / "big")
+    prepare_data(PrepareSpec(str(tmp_path / "big.parquet"), big, label_column="target", val_fraction=0.05,
+                             test_fraction=0.45, shard_rows=20000))
+    m = evaluate(EvaluateSpec(big, trained_model.model_uri, threshold=0.5))["metrics"]
+    assert m["test_rows"] > EXPORT_MAX_BATCH and m["accuracy"] > 0.9
+
+
 def test_evaluate_rejects_bad_settings(digits_data, trained_model):
     with pytest.raises(ConfigError):
         evaluate(EvaluateSpec(digits_data, trained_model.model_uri, threshold=2, metric="auc"))
