@@ -310,9 +310,10 @@ def read_server(name: str) -> dict | None:
     except FileNotFoundError:
         return None
     except (ValueError, OSError):
-        return {"name": name, "pid": None, "infer_url": f"(unreadable record {p})", "unreadable": True}
-    return info if isinstance(info, dict) else {"name": name, "pid": None, "infer_url": f"(unreadable record {p})",
-                                                "unreadable": True}
+        info = None
+    if isinstance(info, dict):
+        return info
+    return {"name": name, "pid": None, "infer_url": f"(unreadable record {p})", "unreadable": True}
 
 
 def list_servers() -> list[dict]:
