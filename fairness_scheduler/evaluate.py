@@ -25,7 +25,7 @@ from .goals import (BASELINES, FAIR_BASELINES, GOALS, Check, baseline_checks, ch
                     missed, shared_misses)
 from .report import UserLookup, run_jobs, trace_people, workers_problems
 from .simulator import METRICS
-from .trace import CUTS, PAIRS, TraceJob, cut, overlay, read_trace, trace_users
+from .trace import CUTS, PAIRS, TraceJob, capacity, cut, overlay, read_trace, trace_users
 
 CACHE_VERSION = 2  # 2: every run's users (shares, tiers, quotas) are part of the key
 """Bump when a baseline's behaviour changes, so cached baseline metrics are not reused."""
@@ -211,10 +211,19 @@ def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] =
         except OSError as e:
             raise SchedulerConfigError([f"--cache: cannot create folder {cache}: {e.strerror or e}"],
                                        "give a writable folder, or leave --cache out") from None
+    mixes = list(_mixes(parsed, sets))
+    too_big: list[TraceError] = []
+    for _, name, part in mixes:  # every cluster the protocol cannot size is reported, before any run
+        try:
+            capacity(part, load, source=name)
+        except TraceError as e:
+            too_big.append(e)
+    if too_big:
+        raise TraceError("\n".join(e.message for e in too_big), too_big[0].hint)
     units: list[_Unit] = []
     cached: dict[int, dict] = {}
     keys: dict[int, Path] = {}
-    for set_name, name, part in _mixes(parsed, sets):
+    for set_name, name, part in mixes:
         own_users = bool(trace_users(part))
         for seed in (seeds[:1] if own_users else seeds):
             policies = BASELINES + ("fairshare",)

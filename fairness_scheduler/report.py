@@ -13,7 +13,7 @@ from .errors import SchedulerConfigError
 from .model import UserConfig, placement_problem
 from .policy import POLICIES
 from .simulator import METRICS, SimResult, simulate
-from .trace import TraceJob, capacity, protocol_nodes, protocol_users, protocol_workloads, read_trace, trace_users
+from .trace import MAX_USERS, TraceJob, capacity, protocol_nodes, protocol_users, protocol_workloads, read_trace, trace_users
 from .usage import format_duration
 
 
@@ -40,8 +40,8 @@ def option_problems(users: int, zipf: float, load: float, half_life: float, plac
     problems = []
     if problem := placement_problem(placement, "--placement"):
         problems.append(problem)
-    if users < 1:
-        problems.append(f"--users: must be >= 1, got {users}")
+    if not 1 <= users <= MAX_USERS:
+        problems.append(f"--users: must be from 1 to {MAX_USERS:,}, got {users}")
     if not 0 < load < math.inf:  # inf sized the cluster by its largest job alone
         problems.append(f"--load: must be a finite number > 0, got {load}")
     if not zipf >= 0:
@@ -98,7 +98,7 @@ def run_jobs(jobs: list[TraceJob], policies: list[str], users: int = 20, zipf: f
     not apply. Users that ``user_config`` lists (the scheduler config's
     :meth:`.config.SchedulerConfig.user`) have its shares, tier and quota, under every policy; the
     others 1 share and the protocol's tier (tier 1 for a trace's own users)."""
-    c = capacity(jobs, load)
+    c = capacity(jobs, load, source=trace or "the trace")
     people = trace_people(jobs, users, user_config)
     if trace_users(jobs):
         info_users = {"users": len(people), "users_from": "trace"}

@@ -32,6 +32,11 @@ COLUMNS = ("job_id", "submission_time", "duration", "num_gpu")
 USER_COLUMN = "user"
 """Optional: the job's real user (a trace of one's own cluster)."""
 NODE_GPUS = 8
+MAX_NODES = 100_000
+"""The largest cluster the simulator models: 800,000 GPUs, beyond any cluster built so far. Past it
+a mistyped ``num_gpu`` or a tiny ``--load`` would build billions of nodes and exhaust memory."""
+MAX_USERS = 100_000
+"""The most users the protocol draws (``--users``): its arrays are per user."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,7 @@ def read_trace(path: str | Path) -> list[TraceJob]:
         more = f"\n... and {len(problems) - MAX_LISTED} more bad rows" if len(problems) > MAX_LISTED else ""
         raise TraceError("\n".join(shown) + more,
                          "every job needs its own job_id, submission_time and duration must be numbers >= 0 "
-                         "and num_gpu an integer >= 0; fix or drop the rows above")
+                         "and num_gpu an integer from 0 to " f"{MAX_NODES * NODE_GPUS:,}; fix or drop the rows above")
     if not jobs:
         raise TraceError(f"{path}: no jobs", "the trace has a header but no rows")
     if not any(j.gpus for j in jobs):
@@ -136,6 +141,8 @@ def _parse_row(row: list[str], n_fields: int, idx: list[int], line: int, user_id
         return f"negative submission_time {sub}"
     if gpus_f < 0 or gpus_f != int(gpus_f):
         return f"num_gpu must be an integer >= 0, got {gpu}"
+    if gpus_f > MAX_NODES * NODE_GPUS:
+        return f"num_gpu {gpu} is more than the largest cluster the simulator models ({MAX_NODES * NODE_GPUS:,} GPUs)"
     return TraceJob(jid, submit, duration, int(gpus_f), line, user)
 
 
@@ -158,10 +165,17 @@ def protocol_users(n_users: int = 20) -> list[UserConfig]:
     return [UserConfig(user_name(k), 1.0, 3 if k < 5 else 2 if k < 10 else 1) for k in range(n_users)]
 
 
-def capacity(jobs: list[TraceJob], load: float = 0.9, node_gpus: int = NODE_GPUS) -> int:
+def capacity(jobs: list[TraceJob], load: float = 0.9, node_gpus: int = NODE_GPUS, source: str = "the trace") -> int:
+    """The protocol's cluster size in GPUs; a TraceError (naming ``source``) past :data:`MAX_NODES`."""
     span = max(j.submit for j in jobs) - min(j.submit for j in jobs)
     demand = sum(j.gpus * j.duration for j in jobs) / span if span > 0 else 0.0
-    by_load = math.ceil(demand / load / node_gpus) * node_gpus
+    nodes = demand / load / node_gpus  # inf for demand beyond a float: refused below, never ceil'd
+    if not nodes <= MAX_NODES:
+        raise TraceError(
+            f"{source}: at load {load:g} the protocol sizes the cluster at {nodes:,.0f} nodes of {node_gpus} GPUs "
+            f"(mean GPU demand {demand:,.4g} GPUs), more than the simulator models ({MAX_NODES:,})",
+            "raise --load (the protocol's is 0.9), or check the trace's duration and num_gpu columns")
+    by_load = math.ceil(nodes) * node_gpus
     biggest = math.ceil(max(j.gpus for j in jobs) / node_gpus) * node_gpus
     return max(by_load, biggest)
 

@@ -45,6 +45,8 @@ def write(tmp_path, text, name="t.csv"):
     ("job_id,submission_time,duration,num_gpu,user\na,0,10,1,ann\nb,1,10,1, \n", ":3:", "empty user in b,1,10,1"),
     ("job_id,submission_time,duration,num_gpu\na,0,10,1\nb,1,10,1\na,5,10,2\n", ":4:", "duplicate job_id 'a' (first on line 2)"),
     ("job_id,submission_time,duration,num_gpu\na,0,10,1\n ,1,10,1\n", ":3:", "empty job_id in  ,1,10,1"),
+    ("job_id,submission_time,duration,num_gpu\na,0,10,1\nb,1,10,1e12\n", ":3:",
+     "num_gpu 1e12 is more than the largest cluster the simulator models (800,000 GPUs)"),
 ])
 def test_malformed_rows_name_file_and_line(tmp_path, body, where, what):
     p = write(tmp_path, body)
@@ -85,6 +87,27 @@ def test_spreadsheet_exports_parse_and_binary_files_are_refused(tmp_path):
     with pytest.raises(TraceError) as e:
         read_trace(gz)
     assert f"{gz}: not UTF-8 text" in str(e.value) and "decompress" in str(e.value)
+
+
+@pytest.mark.parametrize("body,load", [
+    ("job_id,submission_time,duration,num_gpu\na,0,100,8\nb,10,100,4\n", "1e-9"),  # a typo'd load
+    ("job_id,submission_time,duration,num_gpu\na,0,1e308,8\nb,10,1e308,8\n", "0.9"),  # demand beyond a float
+])
+def test_a_cluster_too_big_to_model_is_refused_not_built(tmp_path, body, load):
+    # Sized by the protocol, this cluster would be billions of nodes (or inf): memory ran out
+    # building them, or math.ceil(inf) raised a bare OverflowError.
+    p = write(tmp_path, body)
+    out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(p), "--load", load],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"{p}: at load {float(load):g} the protocol sizes the cluster at" in out.stderr
+    assert "more than the simulator models (100,000)" in out.stderr and "raise --load" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "goals", "--traces", str(p), "--load", load],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "t: at load" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(p), "--users", "1000000000"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--users: must be from 1 to 100,000, got 1000000000" in out.stderr
 
 
 def test_protocol_users_and_capacity_follow_the_readme():
@@ -608,7 +631,7 @@ def test_simulate_cli_bad_input(tmp_path):
                           "fifo,x", "--users", "0", "--half-life", "soon", "--load", "inf", "--config", str(cfg),
                           "--workers", "0", "--seed", "-1"], capture_output=True, text=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    for needle in ("--policies: unknown policy 'x'", "--half-life: must be a duration", "--users: must be >= 1",
+    for needle in ("--policies: unknown policy 'x'", "--half-life: must be a duration", "--users: must be from 1 to 100,000, got 0",
                    "--load: must be a finite number > 0", "fairshare.weight_age: must be >= 0", "users[0].shares: must be > 0",
                    "--workers: must be an integer >= 1, got 0", "--seed: must be >= 0, got -1"):
         assert needle in out.stderr, needle
