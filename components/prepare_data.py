@@ -37,6 +37,17 @@ METADATA_FILE = "metadata.json"
 SPLITS = ("train", "val", "test")
 
 
+SEED_MAX = 2**32 - 1
+"""The largest seed every seeded step takes: scikit-learn's split takes 0..2**32-1 (torch more)."""
+
+
+def seed_problem(seed) -> str | None:
+    """What is wrong with a split/training seed, or None."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= SEED_MAX:
+        return f"seed: must be an integer from 0 to {SEED_MAX}, got {seed!r}"
+    return None
+
+
 @dataclass(frozen=True)
 class PrepareSpec:
     """What to prepare and where to put it."""
@@ -66,6 +77,8 @@ class PrepareSpec:
                 problems.append(f"{name}: must be in (0, 0.5), got {v}")
         if self.shard_rows < 1:
             problems.append(f"shard_rows: must be >= 1, got {self.shard_rows}")
+        if problem := seed_problem(self.seed):
+            problems.append(problem)
         if problems:
             raise ConfigError(problems, title="invalid prepare_data settings")
 

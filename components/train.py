@@ -29,6 +29,7 @@ from typing import Protocol
 
 from .errors import ConfigError, TrainingError
 from .models import ZOO, resolve_factory
+from .prepare_data import seed_problem
 from .storage import Storage, join
 
 WORKER_MODULE = "kfp_pytorch.components.train_worker"
@@ -84,6 +85,8 @@ class TrainSpec:
                 problems.append(f"{name}: must be an integer >= {lo}, got {v!r}")
         if not 0 < self.lr < math.inf:  # NaN too
             problems.append(f"lr: must be a finite number > 0, got {self.lr}")
+        if problem := seed_problem(self.seed):
+            problems.append(problem)
         if self.max_restarts < 0:
             problems.append(f"max_restarts: must be >= 0, got {self.max_restarts}")
         if self.backend not in BACKENDS:

@@ -4,12 +4,14 @@ The same pipeline runs on one machine (kfp.local, local DDP workers, local model
 unchanged, on a Kubeflow cluster (the ``backend`` parameters select PyTorchJob and KServe there).
 Every arrow carries a URI in artifact metadata, never data bytes in parameters.
 """
+import math
 import re
 
 from kfp import dsl
 
 from kfp_pytorch.components.ops.evaluate import evaluate_op
 from kfp_pytorch.components.models import ZOO
+from kfp_pytorch.components.prepare_data import seed_problem
 from kfp_pytorch.components.storage import StorageError, parse_uri
 from kfp_pytorch.components.train import gpu_share_problem
 from kfp_pytorch.components.ops.prepare_data import prepare_data_op
@@ -74,8 +76,10 @@ def validate_params(p: dict) -> list[str]:
     for k in ("epochs", "batch_size", "workers"):
         if p[k] < 1:
             problems.append(f"{k}: must be >= 1, got {p[k]}")
-    if not p["lr"] > 0:
-        problems.append(f"lr: must be > 0, got {p['lr']}")
+    if not 0 < p["lr"] < math.inf:  # NaN too
+        problems.append(f"lr: must be a finite number > 0, got {p['lr']}")
+    if problem := seed_problem(p["seed"]):
+        problems.append(problem)
     if not 0 <= p["threshold"] <= 1:
         problems.append(f"threshold: must be in [0, 1], got {p['threshold']}")
     if p["storage_root"] and not re.match(r"^(s3|minio)://[^/]+", p["storage_root"]):

@@ -174,7 +174,9 @@ def test_failed_task_is_read_from_kfp_locals_coloured_message():
     (["run", "no_such_pipeline", "--local"], "unknown pipeline 'no_such_pipeline'"),
     (["run", "train_and_serve", "--local", "--param", "epoch=3"], "did you mean 'epochs'"),
     (["run", "train_and_serve", "--local", "--param", "epochs=three"], "epochs: expected integer, got 'three'"),
-    (["run", "train_and_serve", "--local", "--param", "model_name=Bad_Name", "--param", "lr=-1"], "lr: must be > 0"),
+    (["run", "train_and_serve", "--local", "--param", "model_name=Bad_Name", "--param", "lr=-1"], "lr: must be a finite number > 0"),
+    # scikit-learn's split refused it in the prepare step, a traceback in the task's log
+    (["run", "train_and_serve", "--local", "--param", "seed=-1"], "seed: must be an integer from 0 to 4294967295, got -1"),
     (["run", "train_and_serve", "--local", "--param", "dataset_uri=/nonexistent/data.csv"], "dataset not found"),
     (["run", "train_and_serve", "--local", "--param", "dataset_uri=/"], "dataset not found: /"),  # a traceback
     (["run", "train_and_serve", "--local", "--param", "model_arch=nosuchpkg_q.models:net"],

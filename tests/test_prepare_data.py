@@ -99,8 +99,10 @@ def test_missing_dataset_and_bad_settings(tmp_path):
     with pytest.raises(DatasetError, match="unknown sample"):
         prepare_data(PrepareSpec("sample://mnist", str(tmp_path / "o")))
     with pytest.raises(ConfigError) as e:
-        prepare_data(PrepareSpec("sample://digits", str(tmp_path / "o"), val_fraction=0.7, shard_rows=0))
+        prepare_data(PrepareSpec("sample://digits", str(tmp_path / "o"), val_fraction=0.7, shard_rows=0, seed=-1))
     assert "val_fraction" in str(e.value) and "shard_rows" in str(e.value)
+    assert "seed: must be an integer from 0 to 4294967295, got -1" in str(e.value)  # was sklearn's InvalidParameterError
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_table_too_small_to_split_says_how_many_rows_it_needs(tmp_path):

@@ -195,9 +195,9 @@ def test_factory_results_are_checked():
 
 def test_invalid_settings_listed_together(tmp_path):
     with pytest.raises(ConfigError) as e:
-        train(TrainSpec("d", "o", epochs=0, workers=0, lr=-1, backend="slurm"))
+        train(TrainSpec("d", "o", epochs=0, workers=0, lr=-1, backend="slurm", seed=2**64))
     text = str(e.value)
-    for field in ("epochs", "workers", "lr", "backend"):
+    for field in ("epochs", "workers", "lr", "backend", "seed"):
         assert f"{field}:" in text
     for lr in (math.inf, math.nan):  # trained to NaN weights without a word
         with pytest.raises(ConfigError, match="lr: must be a finite number > 0"):
