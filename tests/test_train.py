@@ -158,6 +158,22 @@ def test_each_worker_process_needs_a_gpu_of_its_own(digits_data, tmp_path):
         assert "torchrun" not in str(e.value) and not (tmp_path / "o").exists()  # no worker ran
 
 
+def test_more_local_workers_than_memory_holds_are_refused_before_any_starts(digits_data, tmp_path):
+    from kfp_pytorch.components.train import WORKER_MEMORY, local_memory_problem
+
+    assert local_memory_problem(4, 4 * WORKER_MEMORY) is None
+    error, hint = local_memory_problem(100, 10 * WORKER_MEMORY + 1)
+    assert error == ("workers=100: 100 local worker processes need about 29.3 GiB of memory (300 MiB each), "
+                     "and this machine has 2.9 GiB available")
+    assert hint == "run at most 10 local workers, or train on the cluster (train_backend=cluster)"
+    # on this machine: far more than it holds, refused before torchrun starts any (the OOM killer
+    # used to pick among them and this machine's other processes)
+    many = int(psutil.virtual_memory().total // WORKER_MEMORY) + 1
+    with pytest.raises(TrainingError, match=f"workers={many}: {many} local worker processes need about"):
+        train(TrainSpec(digits_data, str(tmp_path / "o"), workers=many, epochs=1, progress="off"))
+    assert not (tmp_path / "o").exists()
+
+
 def test_timeout_kills_the_workers(digits_data, tmp_path):
     with pytest.raises(TrainingError, match="timeout"):
         train(TrainSpec(digits_data, str(tmp_path / "o"), model="factories:slow", epochs=50, timeout_s=3,
