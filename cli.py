@@ -390,30 +390,39 @@ def schedule_cmd(pipeline, host, namespace, experiment, token, cron, params, nam
 
 @cli.command("runs")
 @_kfp_options
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(min=0),
+              help="Newest runs to list; 0: all of them.")
 @click.option("--json", "as_json", is_flag=True)
-def runs_cmd(host, namespace, experiment, token, as_json):
-    """List runs and their status."""
+def runs_cmd(host, namespace, experiment, token, limit, as_json):
+    """List runs and their status, newest first."""
     from kfp_pytorch.pipelines.kfp_api import KfpApi
 
     api = KfpApi(host, namespace, token)
-    runs = api.runs(experiment)
+    listed = api.runs(experiment, limit)
     why_none = "no runs"
-    if runs is None:  # as `kubectl get` in an empty namespace: an answer, not a failure, and nothing created
+    if listed is None:  # as `kubectl get` in an empty namespace: an answer, not a failure, and nothing created
         known = api.experiment_names()
         why_none = (f"no runs: there is no experiment {experiment!r} here"
                     + (f" (experiments: {', '.join(known)})" if known else " (submit creates it)"))
-        runs = []
+        listed = ([], 0)
+    runs, total = listed
+    more = (f"the newest {len(runs)} of {total} runs; --limit N lists more, --limit 0 all"
+            if total > len(runs) else None)
     rows = [{"run_id": r.run_id, "name": r.display_name, "state": str(r.state), "created_at": str(r.created_at)}
             for r in runs]
     if as_json:
         click.echo(json.dumps(rows, indent=1))
-        if why_none != "no runs":
+        if why_none != "no runs" and not rows:
             click.echo(why_none, err=True)
+        if more:  # the array keeps its shape: say it beside
+            click.echo(more, err=True)
         return
     if not rows:
         click.echo(why_none)
     for r in rows:
         click.echo(f"{r['run_id']}  {r['state']:<10} {r['created_at']:<26} {r['name']}")
+    if more:
+        click.echo(more)
 
 
 @cli.command("manifest")

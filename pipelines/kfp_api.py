@@ -196,13 +196,22 @@ class KfpApi:
                        old.recurring_run_id)
         return rr.recurring_run_id, [old.recurring_run_id for old in existing]
 
-    def runs(self, experiment: str | None = None, page_size: int = 50) -> list | None:
-        """Runs, newest first; None when ``experiment`` does not exist (listing creates nothing)."""
+    def runs(self, experiment: str | None = None, limit: int = 50) -> tuple[list, int] | None:
+        """The newest ``limit`` runs (0: all), newest first, and how many there are; None when
+        ``experiment`` does not exist (listing creates nothing). Pages through the API's list."""
         eid = None
         if experiment:
             eid = self.find_experiment(experiment)
             if eid is None:
                 return None
-        resp = self._call("list runs", self.client.list_runs, experiment_id=eid, namespace=self.namespace,
-                          page_size=page_size, sort_by="created_at desc")
-        return resp.runs or []
+        out: list = []
+        token, total = "", 0
+        while True:
+            want = 100 if not limit else min(100, limit - len(out))
+            resp = self._call("list runs", self.client.list_runs, experiment_id=eid, namespace=self.namespace,
+                              page_size=want, page_token=token, sort_by="created_at desc")
+            out += resp.runs or []
+            total = max(total, resp.total_size or 0, len(out))
+            token = resp.next_page_token or ""
+            if not token or (limit and len(out) >= limit):
+                return out, total

@@ -9,6 +9,7 @@ seconds first, or a descriptor such as ``@daily``), an upload must be a parsable
 """
 from __future__ import annotations
 
+import base64
 import json
 import re
 import threading
@@ -20,6 +21,30 @@ from urllib.parse import parse_qs, urlparse
 import yaml
 
 from servers import serve_in_thread, stop_http
+
+
+def _page(items: list[dict], q: dict, key: str = "run_id") -> dict:
+    """One page of a list, as the API server pages it (backend/src/apiserver/list/list.go):
+    ``sort_by`` "field", "field asc" or "field desc" with the primary key breaking ties the same
+    way, ``page_size`` 0 for its default of 20 and capped at 200, and an opaque base64
+    ``next_page_token`` (here it holds the offset; the server's holds the next row's keys)."""
+    words = (q.get("sort_by") or "created_at").lower().split()
+    if len(words) > 2 or (len(words) == 2 and words[1] not in ("asc", "desc")):
+        raise KfpError(400, f"Invalid input error: Received invalid sort by format {q['sort_by']!r}")
+    field = words[0]
+    items = sorted(items, key=lambda r: (str(r.get(field) or ""), r.get(key) or ""),
+                   reverse=len(words) == 2 and words[1] == "desc")
+    size = int(q.get("page_size") or 0)
+    if size < 0:
+        raise KfpError(400, f"Invalid input error: The page size should be greater than 0. Got {size}")
+    size = min(size or 20, 200)
+    try:
+        start = json.loads(base64.b64decode(q["page_token"]))["offset"] if q.get("page_token") else 0
+    except (ValueError, KeyError, TypeError):
+        raise KfpError(400, "Invalid input error: Invalid package token") from None
+    more = len(items) > start + size
+    return {"runs": items[start:start + size], "total_size": len(items),
+            "next_page_token": base64.b64encode(json.dumps({"offset": start + size}).encode()).decode() if more else ""}
 
 
 def _now() -> str:
@@ -254,7 +279,7 @@ class _Handler(BaseHTTPRequestHandler):
                     return self._send(200, k.create_run(json.loads(raw or b"{}")))
                 items = [FakeKfp._public(r) for r in k.runs.values()
                          if not q.get("experiment_id") or r.get("experiment_id") == q["experiment_id"]]
-                return self._send(200, {"runs": items, "total_size": len(items)})
+                return self._send(200, _page(items, q))
             m = re.fullmatch(r"/apis/v2beta1/runs/([^/:]+)", path)
             if m and verb == "GET":
                 return self._send(200, k.get_run(m.group(1)))

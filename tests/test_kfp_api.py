@@ -178,6 +178,31 @@ def test_runs_lists_status(kfp_server):
     assert sorted(e["display_name"] for e in fake.experiments.values()) == ["kfp-pytorch"]
 
 
+def test_runs_pages_through_the_api_and_says_when_it_lists_only_the_newest(kfp_server):
+    # the API answers a page at a time (20 by default, 200 at most): one page was all there was
+    fake, url = kfp_server
+    assert cli("submit", "train_and_serve", "--host", url, "--no-wait").returncode == 0
+    [first] = fake.runs.values()
+    first["created_at"] = "2026-12-03T09:00:00Z"
+    body = {k: v for k, v in first.items() if k in ("display_name", "pipeline_version_reference", "runtime_config",
+                                                    "experiment_id")}
+    for i in range(1, 230):
+        fake.create_run(dict(body, display_name=f"run-{i:03d}"))
+        fake.runs[list(fake.runs)[-1]]["created_at"] = f"2026-12-03T10:{i // 60:02d}:{i % 60:02d}Z"
+    r = cli("runs", "--host", url, "--json")
+    rows = json.loads(r.stdout)
+    assert r.returncode == 0 and [x["name"] for x in rows[:2]] == ["run-229", "run-228"] and len(rows) == 50
+    assert r.stderr.endswith("\nthe newest 50 of 230 runs; --limit N lists more, --limit 0 all\n")
+    r = cli("runs", "--host", url, "--limit", "0")
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and len(lines) == 230 and lines[0].endswith(" run-229") and lines[-2].endswith(" run-001")
+    assert "train_and_serve" in lines[-1]
+    pages = [q for q in fake.requests if q == ("GET", "/apis/v2beta1/runs")]
+    assert len(pages) == 1 + 3  # the first listing one page of 50, then 100 + 100 + 30
+    r = cli("runs", "--host", url, "--limit", "-1")
+    assert r.returncode == 2 and "--limit" in r.stderr
+
+
 def test_unreachable_host_and_auth(kfp_server):
     fake, url = kfp_server
     r = cli("runs", "--host", f"http://127.0.0.1:{free_port()}")
