@@ -897,6 +897,14 @@ def _main(argv: list[str] | None, debug: bool) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         return 130
+    except OSError as e:  # the disk, not the input: a full disk, a path that vanished, a permission
+        if debug:
+            raise
+        where = " ".join(f"{f}" for f in (e.filename, e.filename2) if f)
+        click.secho(f"Error: {e.strerror or e}" + (f": {where}" if where else ""), fg="red", err=True)
+        click.echo("  hint: check that path, its permissions and the free disk space (--debug shows the traceback)",
+                   err=True)
+        return 1
 
 
 if __name__ == "__main__":

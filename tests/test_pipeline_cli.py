@@ -366,6 +366,14 @@ def test_compile_output_is_checked_before_compiling(tmp_path, out, needle):
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_a_write_the_disk_refuses_is_an_error_not_a_traceback():
+    # /proc takes no new files; root passes the writable-directory check, so the write itself fails
+    r = run_cli("compile", "train_and_serve", "-o", "/proc/kfp-pytorch-p.yaml")
+    assert r.returncode in (1, 2) and "/proc" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    if r.returncode == 1:
+        assert "Error: No such file or directory: /proc/kfp-pytorch-p.yaml" in r.stderr and "hint:" in r.stderr
+
+
 def test_a_bad_step_image_is_refused_before_compiling_or_calling_the_server(tmp_path):
     bad = {"KFP_PYTORCH_IMAGE": "Registry.example.com/kfp pytorch:0.1"}
     r = run_cli("compile", "train_and_serve", "-o", str(tmp_path / "p.yaml"), env=bad)
