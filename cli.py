@@ -897,13 +897,14 @@ def _main(argv: list[str] | None, debug: bool) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         return 130
-    except OSError as e:  # the disk, not the input: a full disk, a path that vanished, a permission
+    except OSError as e:  # the machine, not the input: a full disk, a vanished path, a refused connection
         if debug:
             raise
         where = " ".join(f"{f}" for f in (e.filename, e.filename2) if f)
         click.secho(f"Error: {e.strerror or e}" + (f": {where}" if where else ""), fg="red", err=True)
-        click.echo("  hint: check that path, its permissions and the free disk space (--debug shows the traceback)",
-                   err=True)
+        hint = ("check that the server is up and reachable" if isinstance(e, ConnectionError)
+                else "check that path, its permissions and the free disk space")
+        click.echo(f"  hint: {hint} (--debug shows the traceback)", err=True)
         return 1
 
 
