@@ -21,6 +21,7 @@ import threading
 import time
 import urllib.parse
 from dataclasses import asdict, dataclass
+from typing import Callable
 from pathlib import Path
 
 import requests
@@ -177,31 +178,58 @@ def _tail(path: Path, n: int = 15) -> str:
     return "\n".join(f"    {line}" for line in lines)
 
 
+def _port_of(info: dict) -> int | None:
+    try:
+        return urllib.parse.urlsplit(info.get("url") or "").port
+    except ValueError:
+        return None
+
+
 class LocalServeBackend:
-    def start(self, spec: ServeSpec) -> Endpoint:
-        # Serving a name again replaces the running server (a redeploy, as KServe does on update).
-        stop_server(spec.model_name)
+    def start(self, spec: ServeSpec, check: Callable[[Endpoint], None] | None = None) -> Endpoint:
+        """Start a server for ``spec`` and, once it is ready, run ``check`` (the smoke test) on it.
+
+        Serving a name again replaces the running server (a redeploy, as KServe rolls out an
+        update): the new one starts beside it and the old one is stopped only once the new one
+        is ready and ``check`` passed, so a model that fails to load or to answer leaves the old
+        one serving. Only a redeploy on the old one's own fixed port stops it first."""
+        old = read_server(spec.model_name)
+        live = old if old is not None and _ours(old) else None
         port = spec.port or _pick_port(spec.host)
+        if old is not None and (live is None or _port_of(live) == port):
+            stop_server(spec.model_name)  # a dead record, or the port the new server needs
+            live = None
         if not port_is_free(spec.host, port):
             raise PortInUseError(f"port {port} on {spec.host} is already in use",
                                  "choose another port (or port=0 for a free one), or stop the process using it")
         log = _servers_dir() / f"{spec.model_name}.log"
+        # beside a live server, the new one logs apart until it takes over (the old one's log is open)
+        new_log = log.with_suffix(".new.log") if live else log
         cmd = [sys.executable, "-m", PREDICTOR_MODULE, "--model_name", spec.model_name, "--model_uri",
                spec.model_uri, "--http_port", str(port), "--enable_grpc", "false", "--workers", "1",
                # No log line per request: KServe's /metrics histograms keep the latencies, and the
                # line costs about a tenth of a request's server time here.
                "--enable_latency_logging", "false"]
-        with open(log, "wb") as out:
+        with open(new_log, "wb") as out:
             # A new session: the server must outlive this step (kfp.local runs each step as a child).
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         url = f"http://{spec.host}:{port}"
         ep = Endpoint(spec.model_name, url, f"{url}/v2/models/{spec.model_name}/infer", proc.pid, spec.model_uri)
         try:
-            self._wait_ready(proc, ep, spec.startup_timeout_s, log)
+            self._wait_ready(proc, ep, spec.startup_timeout_s, new_log)
+            if check is not None:
+                check(ep)
+        except ServingError as e:
+            _terminate(proc.pid)
+            kept = f"\n  the server already serving {spec.model_name} keeps serving: {live['infer_url']}" if live else ""
+            raise ServingError(e.message + kept, e.hint) from e.__cause__
         except BaseException:
             _terminate(proc.pid)
             raise
+        if live is not None:
+            stop_server(spec.model_name)  # the old one goes only now
+            os.replace(new_log, log)  # the file stays open in the new server: it logs on, under the usual name
         _write_record(spec.model_name, {**asdict(ep), "create_time": _create_time(proc.pid)})
         return ep
 
@@ -224,9 +252,10 @@ class LocalServeBackend:
 
 
 class ClusterServeBackend:
-    """A KServe InferenceService running the same TorchPredictor; see :mod:`.cluster_run`."""
+    """A KServe InferenceService running the same TorchPredictor; see :mod:`.cluster_run`. KServe
+    rolls an update out itself: the previous revision serves until the new one is ready."""
 
-    def start(self, spec: ServeSpec) -> Endpoint:
+    def start(self, spec: ServeSpec, check: Callable[[Endpoint], None] | None = None) -> Endpoint:
         from .cluster import ClusterConfig
         from .cluster_run import ClusterServer
         from .k8s import Kube
@@ -235,7 +264,10 @@ class ClusterServeBackend:
         canary = spec.canary_traffic_percent if spec.canary_traffic_percent >= 0 else None
         res = ClusterServer(Kube()).run(cfg.serve_spec(spec.model_uri, spec.model_name, canary),
                                         timeout_s=spec.startup_timeout_s)
-        return Endpoint(spec.model_name, res["url"], res["infer_url"], None, spec.model_uri)
+        ep = Endpoint(spec.model_name, res["url"], res["infer_url"], None, spec.model_uri)
+        if check is not None:
+            check(ep)
+        return ep
 
 
 BACKENDS = {"local": LocalServeBackend, "cluster": ClusterServeBackend}
@@ -339,18 +371,18 @@ def stop_server(name: str) -> bool:
 
 
 def serve(spec: ServeSpec, sample_row: list[float] | None = None) -> Endpoint:
-    """Start the backend, then smoke-test one prediction (a row of the training mean by default)."""
+    """Start the backend and smoke-test one prediction (a row of the training mean by default)
+    before the endpoint is handed over: a local redeploy whose smoke test fails leaves the server
+    it was to replace serving."""
     spec.validate()
-    ep = BACKENDS[spec.backend]().start(spec)
-    try:
-        if sample_row is None:
+
+    def smoke(ep: Endpoint) -> None:
+        row = sample_row
+        if row is None:  # read once the server is up: a missing model is its error, with its log
             from .storage import Storage, join
 
-            meta = json.loads(Storage().read_bytes(join(spec.model_uri, "metadata.json")))
-            sample_row = meta["normalization"]["mean"]
-        resp = infer(ep.url, ep.name, [sample_row])
+            row = json.loads(Storage().read_bytes(join(spec.model_uri, "metadata.json")))["normalization"]["mean"]
+        resp = infer(ep.url, ep.name, [row])
         ep.smoke_test = {"label": resp["outputs"][1]["data"][0] if len(resp["outputs"]) > 1 else None}
-    except BaseException:
-        stop_server(spec.model_name)
-        raise
-    return ep
+
+    return BACKENDS[spec.backend]().start(spec, check=smoke)

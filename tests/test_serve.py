@@ -140,6 +140,32 @@ def test_client_survives_a_redeploy_on_the_same_port(trained_model):
         stop_server("redeploy")
 
 
+def test_a_failed_redeploy_leaves_the_running_server_serving(trained_model, tmp_path):
+    # Serving a name again stopped the running server first: a model that failed to load left
+    # nothing serving. Now the old one goes only once the new one is ready and answered.
+    from kfp_pytorch.components.paths import home
+
+    row = [[0.0] * 64]
+    old = serve(ServeSpec(trained_model.model_uri, "swap"))
+    try:
+        with pytest.raises(ServingError) as e:
+            serve(ServeSpec(str(tmp_path / "nothing"), "swap"))
+        assert "exited" in str(e.value) and f"the server already serving swap keeps serving: {old.infer_url}" in str(e.value)
+        assert infer(old.url, "swap", row)["model_name"] == "swap"
+        [info] = [s for s in list_servers() if s["name"] == "swap"]
+        assert info["pid"] == old.pid and info["alive"]
+        new = serve(ServeSpec(trained_model.model_uri, "swap"))  # a good model takes over
+        assert new.pid != old.pid and new.url != old.url and new.smoke_test is not None
+        assert not psutil.pid_exists(old.pid) or psutil.Process(old.pid).status() == psutil.STATUS_ZOMBIE
+        assert infer(new.url, "swap", row)["model_name"] == "swap"
+        [info] = [s for s in list_servers() if s["name"] == "swap"]
+        assert info["pid"] == new.pid
+        logs = sorted(p.name for p in (home() / "servers").glob("swap*.log"))
+        assert logs == ["swap.log"] and "Uvicorn running" in (home() / "servers" / "swap.log").read_text()
+    finally:
+        stop_server("swap")
+
+
 def test_server_is_listed_and_stopped(endpoint):
     [info] = [s for s in list_servers() if s["name"] == "digits"]
     assert info["alive"] and info["pid"] == endpoint.pid
