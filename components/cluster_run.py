@@ -36,6 +36,10 @@ def _condition_message(obj: dict, state: str) -> str:
     return ""
 
 
+def _span(seconds: float) -> str:
+    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
+
+
 @dataclass
 class ClusterRunResult:
     name: str
@@ -51,6 +55,11 @@ class ClusterRunResult:
 class ClusterTrainer:
     """Runs a ClusterTrainSpec as a PyTorchJob (default) or TrainJob and follows it to the end."""
 
+    pending_report_after_s = 60.0
+    """A job not Running after this long gets its pods' scheduling reasons in the step's log ..."""
+    pending_report_every_s = 300.0
+    """... and again this often while it waits (each report is one pod list)."""
+
     def __init__(self, kube: Kube, kind: str = "PyTorchJob", delete_policy: str = "on-success",
                  out=None, poll_pods: bool = True):
         if kind not in ("PyTorchJob", "TrainJob"):
@@ -60,6 +69,7 @@ class ClusterTrainer:
         self.kube, self.kind, self.delete_policy = kube, kind, delete_policy
         self.out = out or sys.stdout
         self.poll_pods = poll_pods
+        """Report why a job that is not running yet waits (its pods' scheduling reasons)."""
 
     def manifest(self, spec: ClusterTrainSpec) -> dict:
         return to_pytorchjob(spec) if self.kind == "PyTorchJob" else to_trainjob(spec)
@@ -93,9 +103,16 @@ class ClusterTrainer:
         deleted = False
         try:
             deadline = t0 + timeout_s
+            next_report = t0 + self.pending_report_after_s
             while state not in TERMINAL and time.monotonic() < deadline:
+                waiting = self.poll_pods and running_at is None
+                horizon = min(deadline, next_report) if waiting else deadline
+                if waiting and time.monotonic() >= next_report:
+                    self._report_pending(ns, name, time.monotonic() - t0)
+                    next_report = time.monotonic() + self.pending_report_every_s
+                    continue
                 try:
-                    for event, o in kube.watch(group, version, plural, ns, name, rv, deadline - time.monotonic()):
+                    for event, o in kube.watch(group, version, plural, ns, name, rv, horizon - time.monotonic()):
                         if event == "DELETED":  # nothing left to follow: the wait would run to the timeout
                             raise TrainingError(f"{self.kind} {ns}/{name} was deleted while {state} (by kubectl or "
                                                 "another controller), before it ended",
@@ -113,6 +130,8 @@ class ClusterTrainer:
                         if state in TERMINAL or time.monotonic() >= deadline:
                             current = o
                             break
+                        if running_at is None and time.monotonic() >= horizon:
+                            break  # time to say why it still waits
                 except Expired:  # our RV fell out of the server's history: re-read, re-watch
                     current = kube.get(group, version, plural, ns, name)
                     rv, state = current["metadata"]["resourceVersion"], job_state(current)
@@ -137,6 +156,26 @@ class ClusterTrainer:
                 signal.signal(signal.SIGTERM, prev)
             if log_thread is not None:
                 log_thread.join(timeout=2)
+
+    def _report_pending(self, ns: str, name: str, waited: float) -> None:
+        """Say in the step's log why the job is not running yet: what a user would otherwise
+        learn only from `kubectl describe pod`, or at the timeout."""
+        try:
+            pods = self.kube.pods(ns, self._selector(name))
+        except Exception as e:  # best effort, as the log stream: the watch decides the outcome
+            self._say(f"[kfp-pytorch] {self.kind} {name}: not running after {_span(waited)} "
+                      f"(its pods could not be listed: {e})")
+            return
+        head = f"[kfp-pytorch] {self.kind} {name}: not running after {_span(waited)}"
+        if not pods:
+            op = "the Kubeflow training operator" if self.kind == "PyTorchJob" else "the Trainer and JobSet controllers"
+            self._say(f"{head}: no pods yet ({op} creates them: check that it is installed and running)")
+            return
+        pending = [p for p in pods if not p.status or p.status.phase == "Pending"]
+        reasons = sorted({f"{c.reason}: {c.message}" for p in pending for c in ((p.status and p.status.conditions) or [])
+                          if c.type == "PodScheduled" and c.status == "False" and c.reason})
+        self._say(f"{head}: {len(pending)} of {len(pods)} pods pending"
+                  + (f" ({'; '.join(reasons)})" if reasons else ""))
 
     def _start_log_stream(self, ns: str, name: str):
         pods = self.kube.pods(ns, self._selector(name))
@@ -186,6 +225,11 @@ class ClusterTrainer:
                 f"{len(pods)} pods still pending" + (f" ({'; '.join(reasons)})" if reasons else ""),
                 "reduce nodes/resources, or wait for capacity (raise the timeout); "
                 "`kubectl describe pod` shows the scheduler's reasons")
+        if not pods:
+            op = "the Kubeflow training operator" if self.kind == "PyTorchJob" else "the Trainer and JobSet controllers"
+            return TrainingError(f"{self.kind} {ns}/{name}: no pods were created within {timeout_s:g}s",
+                                 f"{op} creates them: check that it is installed and running, and its events "
+                                 f"(`kubectl -n {ns} describe {self.kind.lower()} {name}`)")
         return TrainingError(f"{self.kind} {ns}/{name} did not finish within {timeout_s:g}s",
                              "raise the timeout or reduce epochs")
 

@@ -392,8 +392,12 @@ class Operator:
     def __init__(self, fake: FakeCluster):
         self.fake = fake
         self.isvc_ready = True
+        self.installed = True
+        """False: no operator runs in this cluster (its CRDs are there, nothing acts on them)."""
 
     def on_event(self, plural: str, kind: str, obj: dict) -> None:
+        if not self.installed:
+            return
         f = self.fake
         ns, name = obj["metadata"].get("namespace"), obj["metadata"]["name"]
         if plural == "pytorchjobs" and kind == "ADDED":

@@ -102,6 +102,35 @@ def test_unplaceable_gang_fails_at_timeout_with_reason(k8s):
     assert fake.list("pytorchjobs", NS) == []  # deleted: it would only hold partial resources
 
 
+def test_a_waiting_job_says_why_in_the_step_log_before_the_timeout(k8s, monkeypatch):
+    # the step's log said nothing between "created" and the timeout (an hour by default)
+    fake, api = k8s
+    s = spec(nodes=4)
+    monkeypatch.setattr(ClusterTrainer, "pending_report_after_s", 1.0)
+    monkeypatch.setattr(ClusterTrainer, "pending_report_every_s", 1.5)
+    drive(fake, s.name, 4, [[(f"{s.name}-worker-{i}", "Pending", "Unschedulable",
+                              "0/8 nodes are available: 8 Insufficient nvidia.com/gpu") for i in range(3)]], delay=0.05)
+    out = io.StringIO()
+    with pytest.raises(TrainingError, match="gang could not be placed"):
+        ClusterTrainer(Kube(api), out=out).run(s, timeout_s=4.5)
+    reports = [line for line in out.getvalue().splitlines() if "not running after" in line]
+    assert len(reports) >= 2, out.getvalue()
+    assert reports[0].startswith(f"[kfp-pytorch] PyTorchJob {s.name}: not running after 1s: 4 of 4 pods pending (")
+    assert "Unschedulable: 0/8 nodes are available: 8 Insufficient nvidia.com/gpu" in reports[0]
+    # no pods at all: the operator is what is missing
+    s2 = spec(nodes=1)
+    out = io.StringIO()
+    fake.operator.installed = False
+    try:
+        with pytest.raises(TrainingError) as e:
+            ClusterTrainer(Kube(api), out=out).run(s2, timeout_s=2.5)
+    finally:
+        fake.operator.installed = True
+    assert "no pods yet (the Kubeflow training operator creates them: check that it is installed and running)" \
+        in out.getvalue()
+    assert "no pods were created within 2.5s" in str(e.value) and "training operator" in str(e.value)
+
+
 def test_sigterm_deletes_the_job(k8s):
     fake, api = k8s
     s = spec(nodes=1)
