@@ -251,6 +251,7 @@ class ClusterServer:
             current = kube.patch(group, version, plural, ns, name, {"spec": obj["spec"]})
         rv = current["metadata"]["resourceVersion"]
         deadline = time.monotonic() + timeout_s
+        said: list[str] = []
         while time.monotonic() < deadline:
             if _isvc_ready(current):
                 url = (current.get("status") or {}).get("url", "")
@@ -265,14 +266,27 @@ class ClusterServer:
                     rv, current = o["metadata"]["resourceVersion"], o
                     if _isvc_ready(o) or time.monotonic() >= deadline:
                         break
+                    if (why := _not_ready(o)) and why != said:  # each change of why it waits, once
+                        said = why
+                        self.out.write(f"[kfp-pytorch] InferenceService {ns}/{name} not ready yet: {'; '.join(why)}\n")
+                        self.out.flush()
             except Expired:
                 current = kube.get(group, version, plural, ns, name)
                 rv = current["metadata"]["resourceVersion"]
-        reasons = [f"{c.get('type')}: {c.get('reason', '')} {c.get('message', '')}".strip()
-                   for c in (current.get("status") or {}).get("conditions") or [] if c.get("status") != "True"]
+        reasons = _not_ready(current)
         raise ServingError(f"InferenceService {ns}/{name} not Ready within {timeout_s:g}s"
                            + (f" ({'; '.join(reasons)})" if reasons else ""),
                            "kubectl describe inferenceservice shows why (image pull, storage initializer, S3 secret)")
+
+
+def _not_ready(obj: dict) -> list[str]:
+    """The InferenceService's conditions that are not True: why it is not Ready."""
+    out = []
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("status") != "True":
+            why = " ".join(x for x in (c.get("reason"), c.get("message")) if x)
+            out.append(f"{c.get('type')}: {why}" if why else f"{c.get('type')} {c.get('status', 'Unknown')}")
+    return out
 
 
 def _isvc_ready(obj: dict) -> bool:

@@ -209,6 +209,36 @@ def test_inference_service_not_ready_times_out(k8s):
             ClusterServeSpec("s3://models/x", "stuck", "reg/kfp-pytorch:0.1.0", namespace=NS), 1)
 
 
+def test_a_waiting_inference_service_says_why_as_its_status_changes(k8s):
+    # KServe reports why in the conditions; the step's log said nothing until the timeout
+    fake, api = k8s
+    fake.operator.isvc_ready = False
+    why = {"type": "PredictorReady", "status": "False", "reason": "ContainersNotReady",
+           "message": "containers with unready status: [storage-initializer]"}
+
+    def kserve_reports():
+        deadline = time.monotonic() + 5
+        while not fake.list("inferenceservices", NS) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        isvc = fake.get("inferenceservices", NS, "slow")
+        for conditions in ([why], [why], [dict(why, message="Back-off pulling image")]):  # the same twice: said once
+            time.sleep(0.2)
+            isvc["status"] = {"conditions": [{"type": "Ready", "status": "False"}, *conditions]}
+            fake.replace("inferenceservices", NS, "slow", isvc, status_only=True, check_rv=False)
+
+    threading.Thread(target=kserve_reports, daemon=True).start()
+    out = io.StringIO()
+    with pytest.raises(ServingError) as e:
+        ClusterServer(Kube(api), out=out).run(
+            ClusterServeSpec("s3://models/x", "slow", "reg/kfp-pytorch:0.1.0", namespace=NS), 2)
+    lines = [line for line in out.getvalue().splitlines() if "not ready yet" in line]
+    assert lines == [f"[kfp-pytorch] InferenceService {NS}/slow not ready yet: Ready False; PredictorReady: ContainersNotReady "
+                     "containers with unready status: [storage-initializer]",
+                     f"[kfp-pytorch] InferenceService {NS}/slow not ready yet: Ready False; PredictorReady: ContainersNotReady "
+                     "Back-off pulling image"], out.getvalue()
+    assert "Back-off pulling image" in str(e.value)
+
+
 def _kubeconfig(tmp_path, url):
     import yaml
 
