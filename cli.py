@@ -374,7 +374,9 @@ def schedule_cmd(pipeline, host, namespace, experiment, token, cron, params, nam
     from kfp_pytorch.components._kfp import check_component_image
     from kfp_pytorch.pipelines import get_pipeline
     from kfp_pytorch.pipelines.kfp_api import KfpApi
-    from kfp_pytorch.pipelines.schedule import validate_cron
+    from datetime import datetime, timezone
+
+    from kfp_pytorch.pipelines.schedule import next_runs, validate_cron
 
     cron = validate_cron(cron)
     entry = get_pipeline(pipeline)
@@ -386,6 +388,9 @@ def schedule_cmd(pipeline, host, namespace, experiment, token, cron, params, nam
                                                            replace)
     click.echo(f"recurring run {rr} created: {pipeline} at '{cron}'"
                + (f" (replaced {', '.join(replaced)})" if replaced else ""))
+    soon = next_runs(cron, datetime.now(timezone.utc).replace(microsecond=0))
+    click.echo("next runs: " + ", ".join(t.strftime("%Y-%m-%d %H:%M:%S") for t in soon)
+               + " UTC (KFP reads the cron on its server's clock, UTC unless its time zone was changed)")
 
 
 @cli.command("runs")

@@ -1,6 +1,7 @@
 """KFP schedules: cron validation. KFP parses a recurring run's cron with robfig/cron's ``Parse``:
 6 fields with *seconds* first, or a descriptor (``@daily``, ``@every 1h30m``...)."""
 import re
+from datetime import datetime
 
 from kfp_pytorch.components.errors import ConfigError
 
@@ -95,3 +96,23 @@ def validate_cron(expr: str) -> str:
     if problems:
         raise ConfigError(problems, 'example: --cron "0 0 3 * * *"', title="invalid schedule")
     return " ".join(fields)
+
+
+# robfig/cron's descriptors as the 6-field expressions they stand for
+_DESCRIBED = {"@yearly": "0 0 0 1 1 *", "@annually": "0 0 0 1 1 *", "@monthly": "0 0 0 1 * *",
+              "@weekly": "0 0 0 * * 0", "@daily": "0 0 0 * * *", "@midnight": "0 0 0 * * *", "@hourly": "0 0 * * * *"}
+
+
+def next_runs(expr: str, after: datetime, n: int = 3) -> list[datetime]:
+    """The next ``n`` times a validated expression fires after ``after``, as robfig/cron reads it:
+    a day-of-month and a day-of-week both given match either (croniter's ``day_or``, as Vixie and
+    robfig cron do); ``@every D`` fires every D from the schedule's start."""
+    from datetime import timedelta
+
+    if expr.startswith("@every "):
+        step = timedelta(seconds=_go_duration_seconds(expr.split()[1]))
+        return [after + step * (k + 1) for k in range(n)]
+    from croniter import croniter
+
+    it = croniter(_DESCRIBED.get(expr, expr), after, second_at_beginning=True, day_or=True)
+    return [it.get_next(type(after)) for _ in range(n)]

@@ -3,6 +3,8 @@ manifest dry runs; cron validation."""
 import json
 import subprocess
 import sys
+from datetime import datetime, timezone
+from datetime import time as dt_time
 
 import pytest
 import yaml
@@ -89,6 +91,27 @@ def test_schedule_with_six_field_cron(kfp_server):
     [rr] = fake.recurring.values()
     assert rr["trigger"]["cron_schedule"]["cron"] == "0 0 3 * * *" and int(rr["max_concurrency"]) == 1
     assert rr["runtime_config"]["parameters"]["threshold"] == 0.95
+    line = next(x for x in r.stdout.splitlines() if x.startswith("next runs: "))
+    times = [datetime.strptime(t, "%Y-%m-%d %H:%M:%S") for t in line[len("next runs: "):].split(" UTC")[0].split(", ")]
+    assert len(times) == 3 and all(t.time() == dt_time(3) for t in times)
+    assert [(b - a).days for a, b in zip(times, times[1:])] == [1, 1]
+
+
+@pytest.mark.parametrize("cron,expected", [
+    ("0 0 3 * * *", ["2026-12-04 03:00:00", "2026-12-05 03:00:00", "2026-12-06 03:00:00"]),
+    ("0 30 * * * *", ["2026-12-03 14:30:00", "2026-12-03 15:30:00", "2026-12-03 16:30:00"]),
+    # day of month and day of week both given: either matches (robfig/cron, as Vixie cron)
+    ("0 0 3 15 * MON", ["2026-12-07 03:00:00", "2026-12-14 03:00:00", "2026-12-15 03:00:00"]),
+    ("0 0 0 * * 0", ["2026-12-06 00:00:00", "2026-12-13 00:00:00", "2026-12-20 00:00:00"]),
+    ("@weekly", ["2026-12-06 00:00:00", "2026-12-13 00:00:00", "2026-12-20 00:00:00"]),
+    ("@monthly", ["2027-01-01 00:00:00", "2027-02-01 00:00:00", "2027-03-01 00:00:00"]),
+    ("@every 1h30m", ["2026-12-03 15:40:05", "2026-12-03 17:10:05", "2026-12-03 18:40:05"]),
+])
+def test_next_runs_read_the_cron_as_kfp_does(cron, expected):
+    from kfp_pytorch.pipelines.schedule import next_runs
+
+    after = datetime(2026, 12, 3, 14, 10, 5, tzinfo=timezone.utc)  # a Thursday
+    assert [t.strftime("%Y-%m-%d %H:%M:%S") for t in next_runs(validate_cron(cron), after)] == expected
 
 
 def test_schedule_with_a_descriptor(kfp_server):
