@@ -2,7 +2,8 @@
 
 Before any step runs, :func:`preflight` checks what would otherwise fail halfway: parameters,
 that the dataset exists and validates, that the S3 endpoint answers and accepts the credentials,
-that the model factory imports, and that a fixed serving port is free. A run that fails anyway
+that the model factory imports, that an MLflow server named as the tracking URI answers, and
+that a fixed serving port is free. A run that fails anyway
 has its failed task's partial outputs removed, so nothing half-written is left behind.
 """
 import collections
@@ -13,12 +14,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kfp_pytorch.components.errors import DatasetError, KfpPytorchError, PortInUseError
+from kfp_pytorch.components.errors import DatasetError, KfpPytorchError, PortInUseError, RegistryError
 from kfp_pytorch.components.models import build_model, resolve_factory
 from kfp_pytorch.components.paths import home
 from kfp_pytorch.components.prepare_data import SAMPLE_SCHEME, check_table, encode_labels, load_table
 from kfp_pytorch.components.serve import port_is_free, read_server
 from kfp_pytorch.components.storage import Storage
+from kfp_pytorch.components.tracking import resolve_tracking_uri
 
 from .registry import PipelineEntry
 
@@ -47,12 +49,30 @@ def preflight(params: dict, storage: Storage | None = None) -> None:
         build_model(params["model_arch"], table.shape[1] - 1, int(ids.max()) + 1, table.attrs.get("image_shape"))
     if params.get("storage_root"):
         storage.ensure_bucket(params["storage_root"])
+    if "tracking_uri" in params:
+        check_tracking_server(resolve_tracking_uri(params["tracking_uri"]))
     port = params.get("serve_port", 0)
     if port:
         mine = read_server(params.get("model_name", ""))
         if not port_is_free("127.0.0.1", port) and not (mine and mine.get("url", "").endswith(f":{port}")):
             raise PortInUseError(f"serve_port {port} on 127.0.0.1 is already in use",
                                  "pass --param serve_port=0 for a free port, or stop the process using it")
+
+
+def check_tracking_server(uri: str, timeout: float = 5.0) -> None:
+    """An MLflow server given as the tracking URI answers: the train step would find out after
+    the data was prepared (and MLflow itself retries for minutes). Any HTTP answer will do (a
+    proxy in front may want a login); only no answer at all is refused."""
+    if not uri.startswith(("http://", "https://")):
+        return  # a store URI (sqlite, postgresql...): MLflow opens it in the step
+    import requests
+
+    try:
+        requests.get(f"{uri.rstrip('/')}/health", timeout=timeout)
+    except requests.RequestException as e:
+        raise RegistryError(f"cannot reach the MLflow tracking server at {uri} ({type(e).__name__})",
+                            "check tracking_uri and that `mlflow server` is running; "
+                            "leave it empty for the embedded sqlite store") from None
 
 
 @dataclass

@@ -200,6 +200,14 @@ def test_bad_input_is_a_clear_error(args, needle):
     assert not (Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").exists()  # nothing ran
 
 
+def test_a_tracking_server_that_does_not_answer_is_found_before_any_step():
+    # found by the train step, after the data was prepared and the model trained
+    r = run_cli("run", "train_and_serve", "--local", "--param", f"tracking_uri=http://127.0.0.1:{free_port()}")
+    assert r.returncode == 1 and "cannot reach the MLflow tracking server at http://127.0.0.1:" in r.stderr
+    assert "mlflow server" in r.stderr and "Traceback" not in r.stderr
+    assert not (Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").exists()  # nothing ran
+
+
 def test_a_run_stopped_by_sigterm_takes_its_workers_down(tmp_path):
     # a kill (or timeout, or a CI cancel) reaches the CLI only: kfp.local's task process and the
     # torchrun workers under it trained on, orphaned, to the last epoch
