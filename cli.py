@@ -371,11 +371,11 @@ def submit_cmd(pipeline, host, namespace, experiment, token, params, run_name, w
 def schedule_cmd(pipeline, host, namespace, experiment, token, cron, params, name, max_concurrency, platform_file,
                  replace):
     """Create a recurring run of PIPELINE (e.g. nightly retraining)."""
+    from datetime import datetime, timezone
+
     from kfp_pytorch.components._kfp import check_component_image
     from kfp_pytorch.pipelines import get_pipeline
     from kfp_pytorch.pipelines.kfp_api import KfpApi
-    from datetime import datetime, timezone
-
     from kfp_pytorch.pipelines.schedule import next_runs, validate_cron
 
     cron = validate_cron(cron)

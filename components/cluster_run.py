@@ -40,6 +40,14 @@ def _span(seconds: float) -> str:
     return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
 
 
+def _pending(pods: list) -> tuple[list, list[str]]:
+    """The pods not yet placed, and the scheduler's reasons for them (PodScheduled False)."""
+    pending = [p for p in pods if not p.status or p.status.phase == "Pending"]
+    reasons = sorted({f"{c.reason}: {c.message}" for p in pending for c in ((p.status and p.status.conditions) or [])
+                      if c.type == "PodScheduled" and c.status == "False" and c.reason})
+    return pending, reasons
+
+
 @dataclass
 class ClusterRunResult:
     name: str
@@ -157,6 +165,10 @@ class ClusterTrainer:
             if log_thread is not None:
                 log_thread.join(timeout=2)
 
+    def _operator(self) -> str:
+        """What creates this kind's pods."""
+        return "the Kubeflow training operator" if self.kind == "PyTorchJob" else "the Trainer and JobSet controllers"
+
     def _report_pending(self, ns: str, name: str, waited: float) -> None:
         """Say in the step's log why the job is not running yet: what a user would otherwise
         learn only from `kubectl describe pod`, or at the timeout."""
@@ -168,12 +180,9 @@ class ClusterTrainer:
             return
         head = f"[kfp-pytorch] {self.kind} {name}: not running after {_span(waited)}"
         if not pods:
-            op = "the Kubeflow training operator" if self.kind == "PyTorchJob" else "the Trainer and JobSet controllers"
-            self._say(f"{head}: no pods yet ({op} creates them: check that it is installed and running)")
+            self._say(f"{head}: no pods yet ({self._operator()} creates them: check that it is installed and running)")
             return
-        pending = [p for p in pods if not p.status or p.status.phase == "Pending"]
-        reasons = sorted({f"{c.reason}: {c.message}" for p in pending for c in ((p.status and p.status.conditions) or [])
-                          if c.type == "PodScheduled" and c.status == "False" and c.reason})
+        pending, reasons = _pending(pods)
         self._say(f"{head}: {len(pending)} of {len(pods)} pods pending"
                   + (f" ({'; '.join(reasons)})" if reasons else ""))
 
@@ -216,19 +225,16 @@ class ClusterTrainer:
 
     def _timeout(self, ns: str, name: str, timeout_s: float) -> TrainingError:
         pods = self.kube.pods(ns, self._selector(name))
-        pending = [p for p in pods if not p.status or p.status.phase == "Pending"]
+        pending, reasons = _pending(pods)
         if pending:
-            reasons = sorted({f"{c.reason}: {c.message}" for p in pending for c in (p.status.conditions or [])
-                              if c.type == "PodScheduled" and c.status == "False" and c.reason})
             return TrainingError(
                 f"{self.kind} {ns}/{name}: gang could not be placed within {timeout_s:g}s: {len(pending)} of "
                 f"{len(pods)} pods still pending" + (f" ({'; '.join(reasons)})" if reasons else ""),
                 "reduce nodes/resources, or wait for capacity (raise the timeout); "
                 "`kubectl describe pod` shows the scheduler's reasons")
         if not pods:
-            op = "the Kubeflow training operator" if self.kind == "PyTorchJob" else "the Trainer and JobSet controllers"
             return TrainingError(f"{self.kind} {ns}/{name}: no pods were created within {timeout_s:g}s",
-                                 f"{op} creates them: check that it is installed and running, and its events "
+                                 f"{self._operator()} creates them: check that it is installed and running, and its events "
                                  f"(`kubectl -n {ns} describe {self.kind.lower()} {name}`)")
         return TrainingError(f"{self.kind} {ns}/{name} did not finish within {timeout_s:g}s",
                              "raise the timeout or reduce epochs")

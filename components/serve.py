@@ -21,8 +21,8 @@ import threading
 import time
 import urllib.parse
 from dataclasses import asdict, dataclass
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 import requests
 from urllib3.util.wait import wait_for_read
