@@ -83,12 +83,24 @@ class Tracker:
         return rid
 
     def champion(self, name: str) -> dict | None:
+        """The version holding ``champion`` and its run's metrics; None when the model or alias is absent.
+
+        Only absence means "no champion": any other failure (a 403 from an auth proxy, a server that
+        stays at 503) raises, because reading it as "no champion" would promote a worse model.
+        """
         from mlflow.exceptions import MlflowException
+        from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 
         try:
-            mv = self.client.get_model_version_by_alias(name, CHAMPION)
-        except MlflowException:
+            model = self.client.get_registered_model(name)
+        except MlflowException as e:
+            if e.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+                return None
+            raise
+        version = (model.aliases or {}).get(CHAMPION)
+        if version is None:
             return None
+        mv = self.client.get_model_version(name, str(version))
         metrics = self.client.get_run(mv.run_id).data.metrics if mv.run_id else {}
         return {"version": mv.version, "run_id": mv.run_id, "metrics": metrics}
 

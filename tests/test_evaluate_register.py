@@ -153,3 +153,61 @@ def test_register_validates_name_and_metric(trained_model):
     with pytest.raises(ConfigError) as e:
         register(RegisterSpec(trained_model.model_uri, "bad name!", {"accuracy": 1.0}, True, metric="auc"))
     assert "model_name" in str(e.value) and "metric" in str(e.value)
+
+
+def test_a_registry_that_refuses_the_champion_read_stops_the_step(mlflow_server, trained_model, s3):
+    """Only "no such model / no such alias" means no champion; a refused read must not promote a worse model."""
+    import urllib.request
+    from http.server import BaseHTTPRequestHandler
+
+    from servers import serve_in_thread, stop_http
+
+    name = "digits-guarded"
+    first = register(RegisterSpec(trained_model.model_uri, name, _metrics(0.95), True, tracking_uri=mlflow_server.url))
+    assert first["champion"] is True
+
+    class AuthProxy(BaseHTTPRequestHandler):
+        """An auth proxy in front of the real server that denies registry reads to this user."""
+
+        def _forward(self):
+            if "/registered-models/" in self.path and self.command == "GET":
+                body = b'{"error_code": "PERMISSION_DENIED", "message": "no read access to the registry"}'
+                self.send_response(403)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
+            data = self.rfile.read(int(self.headers.get("Content-Length") or 0)) or None
+            req = urllib.request.Request(mlflow_server.url + self.path, data=data, method=self.command,
+                                         headers={"Content-Type": self.headers.get("Content-Type", "application/json")})
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    status, body = r.status, r.read()
+            except urllib.error.HTTPError as e:
+                status, body = e.code, e.read()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
+
+        def log_message(self, *args):
+            pass
+
+    server, url = serve_in_thread(AuthProxy)
+    try:
+        with pytest.raises(RegistryError, match="register model failed at .*no read access to the registry"):
+            register(RegisterSpec(trained_model.model_uri, name, _metrics(0.50), True, tracking_uri=url))
+    finally:
+        stop_http(server)
+    # nothing was registered and the champion did not move
+    client = mlflow.MlflowClient(mlflow_server.url)
+    assert int(client.get_model_version_by_alias(name, "champion").version) == first["version"]
+    assert {int(v.version) for v in client.search_model_versions(f"name='{name}'")} == {first["version"]}
+    # a model with versions but no champion yet: the first version that passes its gate takes it
+    client.delete_registered_model_alias(name, "champion")
+    again = register(RegisterSpec(trained_model.model_uri, name, _metrics(0.90), True, tracking_uri=mlflow_server.url))
+    assert again["champion"] is True and again["previous_champion"] is None
