@@ -27,7 +27,7 @@ from typing import Callable
 import requests
 from urllib3.util.wait import wait_for_read
 
-from .errors import ConfigError, PortInUseError, ServingError
+from .errors import ConfigError, KfpPytorchError, PortInUseError, ServingError
 from .paths import home
 
 PREDICTOR_MODULE = "kfp_pytorch.components.kserve_predictor"
@@ -185,6 +185,17 @@ def _port_of(info: dict) -> int | None:
         return None
 
 
+def _smoke_test(check: Callable[[Endpoint], None], ep: Endpoint, log: str) -> None:
+    """Run ``check`` on a ready server; anything but our own errors becomes a ServingError that names it."""
+    try:
+        check(ep)
+    except KfpPytorchError:
+        raise
+    except Exception as e:
+        raise ServingError(f"the smoke test of {ep.infer_url} failed: {type(e).__name__}: {e}",
+                           f"the server started but did not answer as a model server should; see {log}") from e
+
+
 class LocalServeBackend:
     def start(self, spec: ServeSpec, check: Callable[[Endpoint], None] | None = None) -> Endpoint:
         """Start a server for ``spec`` and, once it is ready, run ``check`` (the smoke test) on it.
@@ -219,11 +230,13 @@ class LocalServeBackend:
         try:
             self._wait_ready(proc, ep, spec.startup_timeout_s, new_log)
             if check is not None:
-                check(ep)
-        except ServingError as e:
+                _smoke_test(check, ep, f"its log {new_log}")
+        except KfpPytorchError as e:  # the error keeps its type (a StorageError stays one) and gains a note
             _terminate(proc.pid)
-            kept = f"\n  the server already serving {spec.model_name} keeps serving: {live['infer_url']}" if live else ""
-            raise ServingError(e.message + kept, e.hint) from e.__cause__
+            if live:
+                e.message += f"\n  the server already serving {spec.model_name} keeps serving: {live['infer_url']}"
+                e.args = (e.message,)
+            raise
         except BaseException:
             _terminate(proc.pid)
             raise
@@ -266,7 +279,8 @@ class ClusterServeBackend:
                                         timeout_s=spec.startup_timeout_s)
         ep = Endpoint(spec.model_name, res["url"], res["infer_url"], None, spec.model_uri)
         if check is not None:
-            check(ep)
+            _smoke_test(check, ep, f"the predictor's log: kubectl logs -n {cfg.namespace} "
+                                   f"-l serving.kserve.io/inferenceservice={spec.model_name}")
         return ep
 
 

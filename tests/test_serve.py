@@ -166,6 +166,42 @@ def test_a_failed_redeploy_leaves_the_running_server_serving(trained_model, tmp_
         stop_server("swap")
 
 
+def test_a_smoke_test_that_fails_otherwise_also_leaves_the_running_server_serving(trained_model):
+    # Only a ServingError from the smoke test carried the "keeps serving" note; a storage error
+    # reading the sample row lost it, and anything else escaped as a bare traceback.
+    from kfp_pytorch.components.errors import StorageUnreachable
+    from kfp_pytorch.components.serve import LocalServeBackend
+
+    def s3_down(ep):
+        raise StorageUnreachable("cannot reach S3 at http://minio:9000", "check the endpoint")
+
+    def bad_answer(ep):
+        raise KeyError("outputs")
+
+    spec = ServeSpec(trained_model.model_uri, "smoke")
+    old = serve(spec)
+    try:
+        with pytest.raises(StorageUnreachable) as e:
+            LocalServeBackend().start(spec, check=s3_down)
+        assert str(e.value).startswith("cannot reach S3 at http://minio:9000\n"
+                                       f"  the server already serving smoke keeps serving: {old.infer_url}")
+        assert e.value.hint == "check the endpoint"
+        with pytest.raises(ServingError) as e:
+            LocalServeBackend().start(spec, check=bad_answer)
+        msg = str(e.value)
+        assert "the smoke test of http://127.0.0.1:" in msg and "failed: KeyError: 'outputs'" in msg
+        assert f"the server already serving smoke keeps serving: {old.infer_url}" in msg and "smoke.new.log" in msg
+        [info] = [s for s in list_servers() if s["name"] == "smoke"]
+        assert info["pid"] == old.pid and info["alive"]
+        assert infer(old.url, "smoke", [[0.0] * 64])["model_name"] == "smoke"
+    finally:
+        stop_server("smoke")
+    # with nothing serving before, the same failure is still a ServingError, with no note
+    with pytest.raises(ServingError) as e:
+        LocalServeBackend().start(spec, check=bad_answer)
+    assert "keeps serving" not in str(e.value) and not [s for s in list_servers() if s["name"] == "smoke"]
+
+
 def test_server_is_listed_and_stopped(endpoint):
     [info] = [s for s in list_servers() if s["name"] == "digits"]
     assert info["alive"] and info["pid"] == endpoint.pid
