@@ -346,14 +346,19 @@ def submit_cmd(pipeline, host, namespace, experiment, token, params, run_name, w
     _cluster_notes(values, platform)
     api = KfpApi(host, namespace, token)
     run_id = api.submit(entry, values, experiment, run_name)
-    click.echo(f"run {run_id} created: {host.rstrip('/')}/#/runs/details/{run_id}")
+    run_url = f"{host.rstrip('/')}/#/runs/details/{run_id}"
+    click.echo(f"run {run_id} created: {run_url}")
     if wait:
-        state = api.follow(run_id)
+        try:
+            state = api.follow(run_id)
+        except KeyboardInterrupt:  # only the following stops: the run is the server's
+            click.echo(f"\nstopped following run {run_id}; it goes on on the server: {run_url}", err=True)
+            sys.exit(130)
         click.echo(f"run {run_id}: {state}")
         if state != "SUCCEEDED":
             for line in api.failure_lines(api.last_run):
                 click.echo(line, err=True)
-            click.echo(f"the step logs: {host.rstrip('/')}/#/runs/details/{run_id}", err=True)
+            click.echo(f"the step logs: {run_url}", err=True)
             sys.exit(1)
 
 

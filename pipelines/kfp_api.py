@@ -10,7 +10,7 @@ from pathlib import Path
 
 import requests
 
-from kfp_pytorch.components.errors import KfpPytorchError
+from kfp_pytorch.components.errors import KfpPytorchError, TemporaryError
 
 from .registry import PipelineEntry
 
@@ -19,6 +19,14 @@ TERMINAL = {"SUCCEEDED", "FAILED", "SKIPPED", "CANCELED", "CANCELING"}
 
 class KfpApiError(KfpPytorchError):
     exit_code = 3
+
+
+class KfpApiUnavailable(KfpApiError, TemporaryError):
+    """The API did not answer, or its gateway said it is down for now (HTTP 502/503/504):
+    a port-forward that dropped, an ml-pipeline pod that restarts. Worth retrying."""
+
+
+GATEWAY_DOWN = (502, 503, 504)
 
 
 def _check_host(host: str, token: str | None) -> None:
@@ -46,14 +54,21 @@ class KfpApi:
     def _call(self, what: str, fn, *a, **kw):
         import kfp_server_api
 
+        import urllib3
+
         try:
             return fn(*a, **kw)
         except kfp_server_api.ApiException as e:
             if e.status in (401, 403):
                 raise KfpApiError(f"{what}: the KFP API refused the request (HTTP {e.status})",
                                   "pass --token or set KF_PIPELINES_TOKEN; check your access to the namespace") from e
-            msg = e.body.decode() if isinstance(e.body, bytes) else (e.body or e.reason)
-            raise KfpApiError(f"{what} failed: HTTP {e.status}: {msg}") from e
+            msg = e.body.decode(errors="replace") if isinstance(e.body, bytes) else (e.body or e.reason)
+            kind = KfpApiUnavailable if e.status in GATEWAY_DOWN else KfpApiError
+            raise kind(f"{what} failed: HTTP {e.status}: {str(msg).strip()[:300]}") from e
+        except urllib3.exceptions.HTTPError as e:  # refused, reset or timed out: kfp_server_api speaks urllib3
+            reason = getattr(e, "reason", None) or e
+            raise KfpApiUnavailable(f"{what}: the KFP API at {self.host} did not answer ({type(reason).__name__})",
+                                    "check that it is up and that a port-forward to it still runs") from e
 
     def upload(self, entry: PipelineEntry) -> tuple[str, str]:
         """Upload the compiled pipeline; returns (pipeline_id, version_id).
@@ -102,12 +117,13 @@ class KfpApi:
             return pid, v.pipeline_version_id
 
     def find_experiment(self, name: str) -> str | None:
-        """The experiment's id, or None when there is none of that name (nothing is created)."""
-        import kfp_server_api
-
+        """The experiment's id, or None when there is none of that name (nothing is created). Only
+        absence is None: a refused or failed lookup raises, where it was taken for "no experiment"
+        and the create that followed failed with a misleading error (or made a second one)."""
         try:
-            return self.client.get_experiment(experiment_name=name, namespace=self.namespace).experiment_id
-        except (ValueError, kfp_server_api.ApiException):
+            return self._call("look up experiment", self.client.get_experiment, experiment_name=name,
+                              namespace=self.namespace).experiment_id
+        except ValueError:  # kfp.Client: "No experiment is found with name ..."
             return None
 
     def experiment_names(self) -> list[str]:
@@ -130,16 +146,46 @@ class KfpApi:
                          pipeline_id=pid, version_id=vid, params=params)
         return run.run_id
 
-    def follow(self, run_id: str, timeout_s: float = 24 * 3600, interval: float = 2.0, out=None) -> str:
+    def follow(self, run_id: str, timeout_s: float = 24 * 3600, interval: float = 2.0, out=None,
+               outage_s: float = 300.0) -> str:
         """Show the run's state as it changes, until it ends; returns the final state (the last
-        run read is kept in :attr:`last_run`)."""
+        run read is kept in :attr:`last_run`).
+
+        The run goes on on the server whatever happens here, so an API that stops answering (a
+        port-forward that drops, an API server pod that restarts) is waited for, with backoff, for
+        up to ``outage_s``; only then does following stop, with the run's URL to go on with."""
         out = out or sys.stderr
-        t0, last = time.monotonic(), None
+        t0, last, down_since, tries = time.monotonic(), None, None, 0
+
+        def stamp() -> str:
+            return f"[{time.monotonic() - t0:7.1f}s]"
+
         while True:
-            run = self.last_run = self._call("get run", self.client.get_run, run_id)
+            try:
+                run = self._call("get run", self.client.get_run, run_id)
+            except KfpApiUnavailable as e:
+                now = time.monotonic()
+                if down_since is None:
+                    down_since = now
+                    out.write(f"{stamp()} lost the KFP API: {e.message}; retrying for up to {outage_s:.0f} s "
+                              f"(the run goes on on the server)\n")
+                    out.flush()
+                if now - down_since >= outage_s or now - t0 > timeout_s:
+                    raise KfpApiUnavailable(
+                        f"stopped following run {run_id}: the KFP API at {self.host} has not answered for "
+                        f"{now - down_since:.0f} s ({e.message})",
+                        f"the run goes on on the server: see {self.host.rstrip('/')}/#/runs/details/{run_id}, "
+                        f"or `kfp-pytorch runs --host {self.host}` once the API is back") from e
+                tries += 1
+                time.sleep(min(interval * 2 ** min(tries - 1, 5), 30.0, max(outage_s - (now - down_since), 0.05)))
+                continue
+            if down_since is not None:
+                out.write(f"{stamp()} the KFP API answers again after {time.monotonic() - down_since:.0f} s\n")
+                down_since, tries = None, 0
+            self.last_run = run
             state = str(run.state)
             if state != last:
-                out.write(f"[{time.monotonic() - t0:7.1f}s] run {run_id}: {state}\n")
+                out.write(f"{stamp()} run {run_id}: {state}\n")
                 out.flush()
                 last = state
             if state in TERMINAL or time.monotonic() - t0 > timeout_s:

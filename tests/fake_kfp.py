@@ -69,6 +69,13 @@ class FakeKfp:
         """States a run walks through, one per GET."""
         self.failure: tuple[str, str] | None = None
         """(task, message) a FAILED run reports."""
+        self.gateway_down: set[int] = set()
+        """Which GETs of a run (numbered from 1) the gateway in front answers 503 "no healthy
+        upstream", as Istio's does while the API server pod restarts."""
+        self.run_gets = 0
+        self.faults: list[tuple[str, str, int, str]] = []
+        """(verb, path regex, HTTP code, message): requests the server fails, as a sick one would."""
+        self.stopped = False
         self.server = None
         self.requests: list[tuple[str, str]] = []
 
@@ -82,6 +89,7 @@ class FakeKfp:
         return url
 
     def stop(self) -> None:
+        self.stopped = True  # a connection kept alive across the stop is dropped, as a dead port-forward drops it
         stop_http(self.server)
 
     def reset(self) -> None:
@@ -92,6 +100,9 @@ class FakeKfp:
             self.requests.clear()
             self.run_states = ["PENDING", "RUNNING", "SUCCEEDED"]
             self.failure = None
+            self.gateway_down = set()
+            self.run_gets = 0
+            self.faults = []
 
     # -- behaviour -----------------------------------------------------------------------------------
     def _spec_inputs(self, spec: dict) -> dict:
@@ -234,6 +245,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _handle(self, verb: str) -> None:
         k = self.kfp
+        if k.stopped:
+            self.close_connection = True
+            return
         n = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(n) if n else b""
         url = urlparse(self.path)
@@ -242,6 +256,21 @@ class _Handler(BaseHTTPRequestHandler):
         k.requests.append((verb, path))
         if k.require_token and self.headers.get("Authorization") != f"Bearer {k.require_token}":
             return self._error(401, "Unauthenticated: request is missing a valid bearer token")
+        for f_verb, f_path, code, message in k.faults:
+            if verb == f_verb and re.fullmatch(f_path, path):
+                return self._error(code, message)
+        if verb == "GET" and re.fullmatch(r"/apis/v2beta1/runs/[^/]+", path):
+            with k.lock:
+                k.run_gets += 1
+                down = k.run_gets in k.gateway_down
+            if down:
+                body = b"no healthy upstream"
+                self.send_response(503)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
         try:
             if path == "/apis/v2beta1/healthz":
                 return self._send(200, {"multi_user": False})

@@ -46,6 +46,80 @@ def test_submit_uploads_runs_and_follows(kfp_server):
         hashed[0]["pipeline_version_id"]}
 
 
+def test_following_rides_out_an_api_outage_and_says_so(kfp_server):
+    # The gateway answers 503 while the API server pod restarts: following used to stop at the
+    # first such answer (exit 3) although the run went on on the server.
+    fake, url = kfp_server
+    fake.run_states = ["PENDING", "RUNNING", "RUNNING", "SUCCEEDED"]
+    fake.gateway_down = {2, 3}
+    r = cli("submit", "train_and_serve", "--host", url)
+    assert r.returncode == 0 and "SUCCEEDED" in r.stdout, r.stderr
+    assert "lost the KFP API: get run failed: HTTP 503: no healthy upstream; retrying for up to 300 s" in r.stderr
+    assert "the KFP API answers again after" in r.stderr and fake.run_gets == 5  # 2 refused, 3 answered
+
+
+def test_following_stops_with_the_run_url_when_the_api_stays_away(kfp_server):
+    import io
+
+    from kfp_pytorch.pipelines import get_pipeline
+    from kfp_pytorch.pipelines.kfp_api import KfpApi, KfpApiUnavailable
+
+    fake, url = kfp_server
+    api = KfpApi(url)
+    run_id = api.submit(get_pipeline("train_and_serve"), {}, "outage")
+    fake.gateway_down = set(range(1, 1000))
+    out = io.StringIO()
+    with pytest.raises(KfpApiUnavailable) as e:
+        api.follow(run_id, interval=0.05, outage_s=0.5, out=out)
+    assert f"stopped following run {run_id}: the KFP API at {url} has not answered for" in e.value.message
+    assert f"the run goes on on the server: see {url}/#/runs/details/{run_id}" in e.value.hint
+    assert out.getvalue().count("lost the KFP API") == 1 and 4 <= fake.run_gets <= 12  # backoff, not a busy loop
+    # the API server itself gone (the port-forward died): the same, from a refused connection
+    from fake_kfp import FakeKfp
+
+    own = FakeKfp()
+    api = KfpApi(own.start())
+    run_id = api.submit(get_pipeline("train_and_serve"), {}, "outage")
+    own.stop()
+    with pytest.raises(KfpApiUnavailable, match=f"stopped following run {run_id}: .*did not answer"):
+        api.follow(run_id, interval=0.05, outage_s=0.3, out=io.StringIO())
+
+
+def test_ctrl_c_stops_following_not_the_run(kfp_server):
+    import signal
+
+    fake, url = kfp_server
+    fake.run_states = ["PENDING"] + ["RUNNING"] * 500
+    proc = subprocess.Popen([*CLI, "submit", "train_and_serve", "--host", url], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:
+            if ": RUNNING" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    [run_id] = fake.runs
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert f"stopped following run {run_id}; it goes on on the server: {url}/#/runs/details/{run_id}" in err
+    assert fake.runs[run_id]["state"] == "RUNNING" and ("POST", f"/apis/v2beta1/runs/{run_id}:terminate") \
+        not in fake.requests
+
+
+def test_a_failed_experiment_lookup_is_not_taken_for_no_experiment(kfp_server):
+    # A lookup that failed read as "no such experiment": submit then created another one of the
+    # same name (or failed on the create with a misleading error).
+    fake, url = kfp_server
+    fake.faults = [("GET", "/apis/v2beta1/experiments", 500, "Internal error: failed to list experiments: "
+                                                             "database is locked")]
+    r = cli("submit", "train_and_serve", "--host", url, "--experiment", "nightly", "--no-wait")
+    assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+    assert "look up experiment failed: HTTP 500: " in r.stderr and "database is locked" in r.stderr
+    assert not fake.experiments and not fake.runs
+    assert ("POST", "/apis/v2beta1/experiments") not in fake.requests
+
+
 def test_a_failed_run_says_which_task_failed_and_why(kfp_server):
     fake, url = kfp_server
     fake.run_states = ["PENDING", "RUNNING", "FAILED"]
