@@ -237,9 +237,16 @@ class KfpApi:
         rr = self._call("create recurring run", self.client.create_recurring_run, experiment_id=eid,
                         job_name=name, cron_expression=cron, pipeline_id=pid,
                         version_id=vid, params=params, max_concurrency=max_concurrency, no_catchup=True)
-        for old in existing:
-            self._call(f"delete the replaced recurring run {old.recurring_run_id}", self.client.delete_recurring_run,
-                       old.recurring_run_id)
+        for i, old in enumerate(existing):
+            try:
+                self._call(f"delete the replaced recurring run {old.recurring_run_id}",
+                           self.client.delete_recurring_run, old.recurring_run_id)
+            except KfpApiError as e:  # both now trigger: say which is which, and what is left to do
+                left = [o.recurring_run_id for o in existing[i:]]
+                raise type(e)(f"{e.message}\n  the new recurring run {rr.recurring_run_id} was created and is "
+                              f"enabled; {len(left)} replaced one(s) still run beside it: {', '.join(left)}",
+                              "delete or disable those in the KFP UI (Recurring runs), or run the same command "
+                              "with --replace again once the API answers") from e
         return rr.recurring_run_id, [old.recurring_run_id for old in existing]
 
     def runs(self, experiment: str | None = None, limit: int = 50) -> tuple[list, int] | None:

@@ -217,6 +217,23 @@ def test_scheduling_again_under_the_same_name_is_refused_unless_replace(kfp_serv
     assert len(fake.recurring) == 3
 
 
+def test_a_replace_whose_delete_fails_says_both_schedules_run(kfp_server):
+    fake, url = kfp_server
+    assert cli("schedule", "train_and_serve", "--host", url, "--cron", "@daily").returncode == 0
+    [first] = fake.recurring
+    fake.faults = [("DELETE", f"/apis/v2beta1/recurringruns/{first}", 500, "Internal error: database is locked")]
+    r = cli("schedule", "train_and_serve", "--host", url, "--cron", "0 0 4 * * *", "--replace")
+    assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+    [new] = set(fake.recurring) - {first}
+    assert f"delete the replaced recurring run {first} failed: HTTP 500" in r.stderr
+    assert f"the new recurring run {new} was created and is enabled; 1 replaced one(s) still run beside it: {first}" \
+        in r.stderr and "with --replace again" in r.stderr
+    # run again once the API answers, --replace leaves one schedule
+    fake.faults = []
+    r = cli("schedule", "train_and_serve", "--host", url, "--cron", "0 0 4 * * *", "--replace")
+    assert r.returncode == 0 and len(fake.recurring) == 1, r.stderr
+
+
 def test_five_field_cron_shows_the_six_field_form(kfp_server):
     _, url = kfp_server
     r = cli("schedule", "train_and_serve", "--host", url, "--cron", "0 3 * * *")
