@@ -273,6 +273,51 @@ def serve_stop(names, stop_all):
                            "kfp-pytorch serve list shows the running ones")
 
 
+@serve_grp.command("predict")
+@click.argument("name")
+@click.argument("table")
+@click.option("--url", default=None,
+              help="The server's base URL, for one not started here (a KServe InferenceService's status.url).")
+@click.option("--model-uri", default=None,
+              help="The model directory, to match columns by feature name (a local server's record has it).")
+@click.option("--label-column", default="label", show_default=True,
+              help="Compared with the predictions when present; never sent.")
+@click.option("--batch-size", default=256, show_default=True, type=click.IntRange(1, 65536))
+@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Write the predictions as CSV here (default: stdout).")
+def serve_predict(name, table, url, model_uri, label_column, batch_size, output):
+    """Predict every row of TABLE (CSV or Parquet: a path, s3://..., or sample://digits) with the
+    model server NAME, and write row, prediction, confidence (and the row's label) as CSV."""
+    from kfp_pytorch.components.batch_predict import predict_table, resolve_target
+    from kfp_pytorch.components.prepare_data import load_table
+
+    target = resolve_target(name, url, model_uri)
+    frame = load_table(table, label_column=label_column)
+    show = sys.stderr.isatty() and len(frame) > batch_size
+    with click.progressbar(length=len(frame), label="predicting", file=sys.stderr) if show else _NoBar() as bar:
+        preds, accuracy = predict_table(target, frame, label_column, source=table, batch_size=batch_size,
+                                        on_batch=bar.update)
+    if output:
+        preds.to_csv(output, index=False)
+    else:
+        click.echo(preds.to_csv(index=False), nl=False)
+    note = f"{len(preds)} rows predicted by {target.name} at {target.url}"
+    if accuracy is not None:
+        note += f"; accuracy against {label_column!r}: {accuracy:.4f}"
+    click.echo(note + (f"; written to {output}" if output else ""), err=True)
+
+
+class _NoBar:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n):
+        pass
+
+
 @cli.group("storage")
 def storage_grp():
     """Object storage (MinIO / S3) as configured by AWS_ENDPOINT_URL and credentials."""

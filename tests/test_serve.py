@@ -202,6 +202,59 @@ def test_a_smoke_test_that_fails_otherwise_also_leaves_the_running_server_servin
     assert "keeps serving" not in str(e.value) and not [s for s in list_servers() if s["name"] == "smoke"]
 
 
+def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_model, tmp_path):
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    from kfp_pytorch.components.prepare_data import load_table
+
+    cli = lambda *a: subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "serve", "predict", *a],  # noqa: E731
+                                    capture_output=True, text=True, timeout=300)
+    table = load_table("sample://digits")
+    features = [c for c in table.columns if c != "label"]
+    # columns in another order, an id column the model never saw: matched by name
+    shuffled = table[["label", *features[::-1]]].assign(id=range(len(table)))
+    shuffled.to_csv(tmp_path / "rows.csv", index=False)
+    r = cli("digits", str(tmp_path / "rows.csv"), "--batch-size", "500")
+    assert r.returncode == 0, r.stderr
+    import io
+
+    out = pd.read_csv(io.StringIO(r.stdout))
+    assert list(out.columns) == ["row", "prediction", "confidence", "label"] and len(out) == len(table)
+    _, expected = ModelRunner(trained_model.model_uri).predict(table[features].to_numpy(np.float32))
+    assert (out["prediction"].to_numpy() == expected).all() and (out["label"] == table["label"]).all()
+    assert ((out["confidence"] > 0) & (out["confidence"] <= 1)).all()
+    acc = float((expected == table["label"].to_numpy()).mean())
+    assert f"{len(table)} rows predicted by digits at {endpoint.url}; accuracy against 'label': {acc:.4f}" in r.stderr
+    # to a file, without labels, by URL (a server not started here): columns taken in the table's order
+    table[features].head(7).to_csv(tmp_path / "plain.csv", index=False)
+    r = cli("digits", str(tmp_path / "plain.csv"), "--url", endpoint.url, "-o", str(tmp_path / "p.csv"))
+    assert r.returncode == 0 and r.stdout == "" and "accuracy" not in r.stderr, r.stderr
+    assert (pd.read_csv(tmp_path / "p.csv")["prediction"].to_numpy() == expected[:7]).all()
+    # a missing feature column, a value that is not a number, a server that is not there: one clear line each
+    shuffled.drop(columns=["pixel_0_3", "pixel_7_7"]).to_csv(tmp_path / "short.csv", index=False)
+    r = cli("digits", str(tmp_path / "short.csv"))
+    assert r.returncode == 2 and "lacks 2 of the model's 64 feature columns: ['pixel_0_3', 'pixel_7_7']" in r.stderr
+    bad = table.astype({"pixel_2_2": object, "pixel_1_1": object})
+    bad.loc[4, "pixel_2_2"] = "n/a"  # pandas reads it as NaN
+    bad.to_csv(tmp_path / "bad.csv", index=False)
+    r = cli("digits", str(tmp_path / "bad.csv"))
+    assert r.returncode == 2 and "1 feature value(s) are empty, NaN or infinite: row 5 'pixel_2_2'" in r.stderr, r.stderr
+    bad.loc[9, "pixel_1_1"] = "twelve"
+    bad.to_csv(tmp_path / "bad.csv", index=False)
+    r = cli("digits", str(tmp_path / "bad.csv"))
+    assert r.returncode == 2 and "feature column 'pixel_1_1' is not numeric (row 10: 'twelve')" in r.stderr, r.stderr
+    r = cli("nothere", str(tmp_path / "plain.csv"))
+    assert r.returncode == 1 and "no local model server named 'nothere'" in r.stderr and "--url" in r.stderr
+    # positional columns of the wrong count: the server's refusal, with the rows it concerns
+    table[features[:10]].head(3).to_csv(tmp_path / "narrow.csv", index=False)
+    r = cli("digits", str(tmp_path / "narrow.csv"), "--url", endpoint.url)
+    assert r.returncode == 1 and "rows 1-3: inference request failed: HTTP 400" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_server_is_listed_and_stopped(endpoint):
     [info] = [s for s in list_servers() if s["name"] == "digits"]
     assert info["alive"] and info["pid"] == endpoint.pid

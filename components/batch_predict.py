@@ -1,0 +1,139 @@
+"""Predictions for a whole table from a running model server (local, or a KServe InferenceService).
+
+The client half of serving: rows go over the Open Inference Protocol v2 in batches, as raw
+features (the server applies the training normalisation), and come back as labels (class names
+where the training table had them) with their confidence. Columns are matched by name against the
+features the model was trained on when its ``metadata.json`` can be read, so a table with its
+columns in another order, or with extra columns (an id, the label), is predicted correctly; a
+table missing one is refused with the names, never predicted on shifted inputs.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .errors import DatasetError, ServingError
+from .serve import infer, read_server
+from .storage import Storage, join
+
+
+@dataclass
+class Target:
+    """Where to send rows: the server's base URL, the model's name there, and the model
+    directory (for its feature names), when known."""
+
+    url: str
+    name: str
+    model_uri: str | None = None
+
+
+def resolve_target(name: str, url: str | None = None, model_uri: str | None = None) -> Target:
+    """A local server by name (its record holds URL and model), or any server by ``url``."""
+    if url:
+        return Target(url, name, model_uri)
+    info = read_server(name)
+    if info is None or info.get("unreadable") or not info.get("url"):
+        raise ServingError(f"no local model server named {name!r}",
+                           "`kfp-pytorch serve list` shows the local ones; for a KServe InferenceService "
+                           "pass --url (its status.url) and the model's name")
+    return Target(info["url"], name, model_uri or info.get("model_uri"))
+
+
+def model_features(model_uri: str, storage: Storage | None = None) -> dict:
+    """The model's metadata (features, class names) from its directory."""
+    from .predictor import model_dir_uri
+
+    storage = storage or Storage()
+    try:
+        return json.loads(storage.read_bytes(join(model_dir_uri(model_uri), "metadata.json")))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ServingError(f"the model's metadata at {model_uri} is not readable JSON ({e})",
+                           "point --model-uri at the model/ directory written by train") from e
+
+
+def feature_matrix(table, features: list[str] | None, label_column: str, source: str) -> tuple[np.ndarray, list]:
+    """The rows as the model reads them (raw features in training order) and the true labels
+    (empty when the table has no label column). Pure: no I/O."""
+    labels = table[label_column].tolist() if label_column in table.columns else []
+    if features is not None:
+        missing = [f for f in features if f not in table.columns]
+        if missing:
+            raise DatasetError(f"{source} lacks {len(missing)} of the model's {len(features)} feature columns: "
+                               f"{missing[:8]}{' ...' if len(missing) > 8 else ''}",
+                               "send a table with the training table's feature columns (other columns are ignored)")
+        cols = list(features)
+    else:  # no metadata: every column but the label, in the table's order
+        cols = [c for c in table.columns if c != label_column]
+    if table.empty:
+        raise DatasetError(f"{source} has no rows", "send a table with at least one row")
+    frame = table[cols]
+    bad = [c for c in cols if not np.issubdtype(frame[c].dtype, np.number)]
+    if bad:
+        col = bad[0]
+        import pandas as pd
+
+        odd = np.flatnonzero((pd.to_numeric(frame[col], errors="coerce").isna() & frame[col].notna()).to_numpy())
+        row = int(odd[0]) if len(odd) else 0
+        raise DatasetError(f"{source}: feature column {col!r} is not numeric (row {row + 1}: {frame[col].iloc[row]!r})"
+                           + (f"; so are {bad[1:8]}" if len(bad) > 1 else ""),
+                           "features are sent as numbers; fix or drop those values")
+    with np.errstate(over="ignore"):
+        x = frame.to_numpy(dtype=np.float32)
+    rows, where = np.nonzero(~np.isfinite(x))
+    if len(rows):  # an empty cell, "n/a" (NaN to pandas) or a number beyond FP32: found here, by row and column
+        cells = ", ".join(f"row {r + 1} {cols[c]!r}" for r, c in zip(rows[:5], where[:5]))
+        raise DatasetError(f"{source}: {len(rows)} feature value(s) are empty, NaN or infinite: {cells}"
+                           + (" ..." if len(rows) > 5 else ""), "fill or drop those rows; the model needs every feature")
+    return x, labels
+
+
+def predict_rows(target: Target, x: np.ndarray, batch_size: int = 256,
+                 on_batch: Callable[[int], None] | None = None) -> dict:
+    """Send ``x`` in batches; returns ``label`` (ids), ``class`` (names, or None) and ``confidence``."""
+    if batch_size < 1:
+        raise ServingError(f"batch size must be >= 1, got {batch_size}")
+    labels, names, conf = [], [], []
+    for start in range(0, len(x), batch_size):
+        rows = x[start:start + batch_size]
+        try:
+            resp = infer(target.url, target.name, rows.tolist(), timeout=60.0)
+        except ServingError as e:
+            raise ServingError(f"rows {start + 1}-{start + len(rows)}: {e.message}", e.hint) from e
+        out = {o["name"]: o for o in resp.get("outputs", [])}
+        if "label" not in out or "probabilities" not in out:
+            raise ServingError(f"the server at {target.url} answered without 'label' and 'probabilities' outputs "
+                               f"(got {sorted(out)})", "is it a kfp-pytorch model server? check the URL and name")
+        k = len(rows)
+        labels.extend(int(v) for v in out["label"]["data"])
+        probs = np.asarray(out["probabilities"]["data"], dtype=np.float64).reshape(k, -1)
+        conf.extend(probs.max(axis=1).tolist())
+        if "class" in out:
+            names.extend(out["class"]["data"])
+        if on_batch is not None:
+            on_batch(k)
+    return {"label": labels, "class": names or None, "confidence": conf}
+
+
+def predict_table(target: Target, table, label_column: str = "label", source: str = "the table",
+                  batch_size: int = 256, on_batch: Callable[[int], None] | None = None,
+                  storage: Storage | None = None):
+    """Predict every row of ``table``; returns (DataFrame of predictions, accuracy or None).
+
+    Accuracy is given when the table has ``label_column``: a predicted class name (or id, for a
+    model trained on numeric labels) against the row's label."""
+    import pandas as pd
+
+    meta = model_features(target.model_uri, storage) if target.model_uri else {}
+    x, truth = feature_matrix(table, meta.get("features"), label_column, source)
+    res = predict_rows(target, x, batch_size, on_batch)
+    shown = res["class"] if res["class"] is not None else res["label"]
+    out = pd.DataFrame({"row": np.arange(1, len(x) + 1), "prediction": shown,
+                        "confidence": np.round(res["confidence"], 4)})
+    accuracy = None
+    if truth:
+        out["label"] = truth
+        accuracy = float(np.mean([str(p) == str(t) for p, t in zip(shown, truth)]))
+    return out, accuracy
