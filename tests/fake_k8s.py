@@ -32,7 +32,7 @@ from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, urlparse
 
-from servers import serve_in_thread, stop_http
+from servers import reply, serve_in_thread, stop_http
 
 CORE = {"pods": True, "events": True, "secrets": True, "configmaps": True, "serviceaccounts": True,
         "nodes": False, "namespaces": False}  # plural -> namespaced
@@ -605,13 +605,7 @@ class _Handler(BaseHTTPRequestHandler):
         tail = int(q["tailLines"]) if "tailLines" in q else None
         if not follow:
             lines = f.logs.get((ns, name), [])
-            text = "".join(lines[-tail:] if tail else lines).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain")
-            self.send_header("Content-Length", str(len(text)))
-            self.end_headers()
-            self.wfile.write(text)
-            return
+            return reply(self, 200, "".join(lines[-tail:] if tail else lines).encode(), "text/plain")
         self.send_response(200)
         self.send_header("Content-Type", "text/plain")
         self.send_header("Transfer-Encoding", "chunked")

@@ -20,7 +20,7 @@ from urllib.parse import parse_qs, urlparse
 
 import yaml
 
-from servers import serve_in_thread, stop_http
+from servers import reply, serve_in_thread, stop_http
 
 
 def _page(items: list[dict], q: dict, key: str = "run_id") -> dict:
@@ -264,13 +264,7 @@ class _Handler(BaseHTTPRequestHandler):
                 k.run_gets += 1
                 down = k.run_gets in k.gateway_down
             if down:
-                body = b"no healthy upstream"
-                self.send_response(503)
-                self.send_header("Content-Type", "text/plain")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-                return
+                return reply(self, 503, b"no healthy upstream", "text/plain")
         try:
             if path == "/apis/v2beta1/healthz":
                 return self._send(200, {"multi_user": False})

@@ -226,6 +226,15 @@ def serve_in_thread(handler_cls) -> tuple["object", str]:
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
+def reply(handler, code: int, body: bytes, content_type: str = "application/json") -> None:
+    """Answer a BaseHTTPRequestHandler's request with ``body`` (its length given)."""
+    handler.send_response(code)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 def stop_http(server) -> None:
     if server is not None:
         server.shutdown()

@@ -160,7 +160,7 @@ def test_a_registry_that_refuses_the_champion_read_stops_the_step(mlflow_server,
     import urllib.request
     from http.server import BaseHTTPRequestHandler
 
-    from servers import serve_in_thread, stop_http
+    from servers import reply, serve_in_thread, stop_http
 
     name = "digits-guarded"
     first = register(RegisterSpec(trained_model.model_uri, name, _metrics(0.95), True, tracking_uri=mlflow_server.url))
@@ -171,13 +171,7 @@ def test_a_registry_that_refuses_the_champion_read_stops_the_step(mlflow_server,
 
         def _forward(self):
             if "/registered-models/" in self.path and self.command == "GET":
-                body = b'{"error_code": "PERMISSION_DENIED", "message": "no read access to the registry"}'
-                self.send_response(403)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-                return
+                return reply(self, 403, b'{"error_code": "PERMISSION_DENIED", "message": "no read access to the registry"}')
             data = self.rfile.read(int(self.headers.get("Content-Length") or 0)) or None
             req = urllib.request.Request(mlflow_server.url + self.path, data=data, method=self.command,
                                          headers={"Content-Type": self.headers.get("Content-Type", "application/json")})
@@ -186,11 +180,7 @@ def test_a_registry_that_refuses_the_champion_read_stops_the_step(mlflow_server,
                     status, body = r.status, r.read()
             except urllib.error.HTTPError as e:
                 status, body = e.code, e.read()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            reply(self, status, body)
 
         do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
 
