@@ -362,13 +362,18 @@ def _host(ctx, param, value):
     return value
 
 
-def _kfp_options(f):
-    f = click.option("--token", envvar="KF_PIPELINES_TOKEN", default=None, help="Bearer token (or KF_PIPELINES_TOKEN).")(f)
-    f = click.option("--experiment", default="kfp-pytorch", show_default=True)(f)
-    f = click.option("--namespace", default=None, callback=_namespace,
-                     help="Kubeflow profile namespace (multi-user).")(f)
-    f = click.option("--host", required=True, envvar="KFP_HOST", callback=_host, help="KFP API URL (or KFP_HOST).")(f)
-    return f
+def _kfp_options(f=None, *, host_required: bool = True):
+    def wrap(f):
+        f = click.option("--token", envvar="KF_PIPELINES_TOKEN", default=None,
+                         help="Bearer token (or KF_PIPELINES_TOKEN).")(f)
+        f = click.option("--experiment", default="kfp-pytorch", show_default=True)(f)
+        f = click.option("--namespace", default=None, callback=_namespace,
+                         help="Kubeflow profile namespace (multi-user).")(f)
+        return click.option("--host", required=host_required, envvar="KFP_HOST",
+                            callback=_host if host_required else lambda c, p, v: v if v is None else _host(c, p, v),
+                            help="KFP API URL (or KFP_HOST)." + ("" if host_required else " Not with --local."))(f)
+
+    return wrap(f) if f is not None else wrap
 
 
 @cli.command("submit")
@@ -444,12 +449,26 @@ def schedule_cmd(pipeline, host, namespace, experiment, token, cron, params, nam
 
 
 @cli.command("runs")
-@_kfp_options
+@_kfp_options(host_required=False)
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(min=0),
               help="Newest runs to list; 0: all of them.")
 @click.option("--json", "as_json", is_flag=True)
-def runs_cmd(host, namespace, experiment, token, limit, as_json):
-    """List runs and their status, newest first."""
+@click.option("--local", is_flag=True, help="The runs of `run --local` on this machine (KFP_PYTORCH_HOME).")
+@click.option("--keep", default=None, type=click.IntRange(min=1), metavar="N",
+              help="With --local: remove all but the newest N runs' outputs (a served model's run is kept).")
+@click.option("--dry-run", is_flag=True, help="With --keep: say what would be removed, remove nothing.")
+def runs_cmd(host, namespace, experiment, token, limit, as_json, local, keep, dry_run):
+    """List runs and their status, newest first (--local: this machine's, and prune them)."""
+    if local:
+        if host:
+            raise click.UsageError("--local lists this machine's runs: leave out --host (or unset KFP_HOST)")
+        return _local_runs(limit, as_json, keep, dry_run)
+    if keep is not None or dry_run:
+        raise click.UsageError("--keep and --dry-run prune local runs: add --local (a KFP server keeps its runs; "
+                               "archive them in the KFP UI)")
+    if not host:
+        raise click.UsageError("Missing option '--host' (or KFP_HOST): the KFP API's URL; --local lists this "
+                               "machine's runs")
     from kfp_pytorch.pipelines.kfp_api import KfpApi
 
     api = KfpApi(host, namespace, token)
@@ -478,6 +497,56 @@ def runs_cmd(host, namespace, experiment, token, limit, as_json):
         click.echo(f"{r['run_id']}  {r['state']:<10} {r['created_at']:<26} {r['name']}")
     if more:
         click.echo(more)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> None:
+    import time
+
+    from kfp_pytorch.components.paths import home
+    from kfp_pytorch.pipelines.local import local_runs, prune_local_runs
+
+    root = home() / "local_outputs"
+    if keep is not None:
+        removed, spared = prune_local_runs(keep, root, dry_run=dry_run)
+        verb = "would remove" if dry_run else "removed"
+        for r in removed:
+            click.echo(f"{verb} {r.name}  {r.status:<10} {_size(r.size)}")
+        for r in spared:
+            why = (f"its model is served by {', '.join(r.served_by)}" if r.served_by
+                   else "no record and written within the hour: it may still be running")
+            click.echo(f"kept {r.name}: {why}")
+        click.echo(f"{verb} {len(removed)} local run(s), {_size(sum(r.size for r in removed))}; "
+                   f"kept the newest {keep}" + (f" and {len(spared)} more" if spared else "")
+                   + ("" if not removed or dry_run else
+                      "; the MLflow registry keeps its own copy of each registered model"))
+        return
+    runs = local_runs(root)
+    shown = runs[:limit] if limit else runs
+    if as_json:
+        click.echo(json.dumps([{"name": r.name, "path": str(r.path), "status": r.status, "size_bytes": r.size,
+                                "modified": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r.modified)),
+                                "steps": r.steps, "served_by": r.served_by, "params": r.params}
+                               for r in shown], indent=1))
+        return
+    if not runs:
+        click.echo(f"no local runs under {root}")
+    for r in shown:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.modified))
+        served = f"  serving: {', '.join(r.served_by)}" if r.served_by else ""
+        click.echo(f"{r.name:<44} {r.status:<10} {when}  {_size(r.size):>9}  {len(r.steps)} steps{served}")
+    if len(shown) < len(runs):
+        click.echo(f"the newest {len(shown)} of {len(runs)} local runs; --limit 0 lists all")
+    if runs:
+        click.echo(f"{len(runs)} local run(s), {_size(sum(r.size for r in runs))} under {root}; "
+                   "`runs --local --keep N` removes all but the newest N")
 
 
 @cli.command("manifest")

@@ -160,11 +160,104 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
     outputs = _read_outputs(run_dir)
     elapsed = time.perf_counter() - t0
     if error is None:
-        return LocalRun(entry.name, run_dir, True, outputs, elapsed_s=elapsed)
-    failed = failed_task_of(str(error))
-    if failed and (run_dir / failed).exists():
-        shutil.rmtree(run_dir / failed, ignore_errors=True)  # partial outputs of the failed step
-    return LocalRun(entry.name, run_dir, False, outputs, failed, elapsed, error_of(tee.lines))
+        run = LocalRun(entry.name, run_dir, True, outputs, elapsed_s=elapsed)
+    else:
+        failed = failed_task_of(str(error))
+        if failed and (run_dir / failed).exists():
+            shutil.rmtree(run_dir / failed, ignore_errors=True)  # partial outputs of the failed step
+        run = LocalRun(entry.name, run_dir, False, outputs, failed, elapsed, error_of(tee.lines))
+    if run_dir != root:
+        _write_run_record(run, params)
+    return run
+
+
+RUN_RECORD = "run.json"
+"""Written into a local run's directory when the run ends: pipeline, status, failed task, parameters."""
+ACTIVE_WINDOW_S = 3600.0
+"""A run with no record (still running, or stopped by a kill) that wrote within this long is left alone."""
+
+
+def _write_run_record(run: LocalRun, params: dict) -> None:
+    import time
+
+    record = {"pipeline": run.pipeline, "status": "SUCCEEDED" if run.succeeded else "FAILED",
+              "failed_task": run.failed_task, "elapsed_s": round(run.elapsed_s, 2),
+              "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "params": params}
+    (run.run_dir / RUN_RECORD).write_text(json.dumps(record, indent=1, default=str))
+
+
+@dataclass
+class LocalRunInfo:
+    """One directory under the local pipeline root, as `runs --local` lists it."""
+
+    name: str
+    path: Path
+    status: str
+    """SUCCEEDED or FAILED from its record; without one (stopped by a kill, or run before records were
+    kept): RUNNING? when it wrote within the hour, else UNKNOWN."""
+    modified: float
+    """The newest write under it (seconds since the epoch)."""
+    size: int
+    steps: list[str]
+    """Tasks that finished (they left an executor output)."""
+    served_by: list[str] = field(default_factory=list)
+    """Live local model servers whose model is in this run: never pruned."""
+    params: dict = field(default_factory=dict)
+
+
+def local_runs(root: Path | None = None, now: float | None = None) -> list[LocalRunInfo]:
+    """The local runs under ``root`` (default ``KFP_PYTORCH_HOME/local_outputs``), newest first."""
+    import time
+
+    from kfp_pytorch.components.serve import list_servers
+
+    root = Path(root or home() / "local_outputs")
+    now = time.time() if now is None else now
+    served = [(s["name"], Path(s["model_uri"]).resolve()) for s in list_servers()
+              if s.get("alive") and s.get("model_uri") and "://" not in s["model_uri"]]
+    out = []
+    for d in (root.iterdir() if root.is_dir() else []):
+        if not d.is_dir():
+            continue
+        size, modified = 0, d.stat().st_mtime
+        for f in d.rglob("*"):
+            try:
+                st = f.lstat()
+            except FileNotFoundError:  # removed while listed
+                continue
+            modified = max(modified, st.st_mtime)
+            size += st.st_size if f.is_file() else 0
+        try:
+            record = json.loads((d / RUN_RECORD).read_text())
+        except (OSError, ValueError):
+            record = None
+        status = (record.get("status", "UNKNOWN") if isinstance(record, dict)
+                  else "RUNNING?" if now - modified < ACTIVE_WINDOW_S else "UNKNOWN")
+        resolved = d.resolve()
+        out.append(LocalRunInfo(d.name, d, status, modified, size,
+                                sorted(f.parent.name for f in d.glob("*/executor_output.json")),
+                                [n for n, m in served if m == resolved or resolved in m.parents],
+                                (record or {}).get("params", {}) if isinstance(record, dict) else {}))
+    return sorted(out, key=lambda r: (r.modified, r.name), reverse=True)
+
+
+def prune_local_runs(keep: int, root: Path | None = None, now: float | None = None,
+                     dry_run: bool = False) -> tuple[list[LocalRunInfo], list[LocalRunInfo]]:
+    """Remove all but the newest ``keep`` local runs; returns (removed, spared). Spared, whatever
+    their age: a run whose model a live local server serves, and a run with no record that wrote
+    within the last hour (it may still be running)."""
+    if keep < 0:
+        raise ValueError("keep must be >= 0")
+    runs = local_runs(root, now)
+    removed, spared = [], []
+    for r in runs[keep:]:
+        if r.served_by or r.status == "RUNNING?":
+            spared.append(r)
+            continue
+        if not dry_run:
+            shutil.rmtree(r.path)
+        removed.append(r)
+    return removed, spared
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -209,4 +302,5 @@ def summarize(run: LocalRun) -> dict:
     return s
 
 
-__all__ = ["preflight", "run_local", "summarize", "error_of", "LocalRun", "KfpPytorchError"]
+__all__ = ["preflight", "run_local", "summarize", "error_of", "LocalRun", "KfpPytorchError", "local_runs",
+           "prune_local_runs", "LocalRunInfo"]

@@ -106,6 +106,10 @@ def test_gate_failure_skips_register_and_serve():
     s = summary_of(r.stdout)
     assert s["gate_passed"] is False and "model" not in s and "endpoint" not in s
     assert not _project_processes()
+    # the run is recorded where it wrote, and listed with its parameters
+    [listed] = json.loads(run_cli("runs", "--local", "--json").stdout)
+    assert listed["path"] == s["run_dir"] and listed["status"] == "SUCCEEDED" and listed["params"]["epochs"] == 1
+    assert listed["steps"] == ["evaluate-op", "prepare-data-op", "train-op"] and listed["served_by"] == []
     assert ("note: gpus_per_node only applies with train_backend=cluster (a PyTorchJob's pods and their GPUs); "
             "this run has train_backend=local, so it changes nothing") in r.stderr
     assert "note: canary_traffic_percent only applies with serve_backend=cluster" in r.stderr
@@ -144,6 +148,67 @@ def test_a_step_that_fails_is_named_and_its_partial_outputs_removed(tmp_path):
     run_dir = max((Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").iterdir(), key=lambda d: d.stat().st_mtime)
     assert (run_dir / "prepare-data-op").is_dir() and not (run_dir / "train-op").exists()
     assert not _project_processes()
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "FAILED" and record["failed_task"] == "train-op"
+    assert record["params"]["model_arch"] == "badfactory:net"
+
+
+def test_local_runs_are_listed_and_pruned_but_a_served_model_and_a_running_run_are_kept(trained_model):
+    import shutil
+    import time
+
+    from kfp_pytorch.components.serve import ServeSpec, serve, stop_server
+
+    root = Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs"
+    now = time.time()
+
+    def make(name, age_h, status=None, model=False):
+        d = root / name
+        (d / "train-op").mkdir(parents=True)
+        (d / "train-op" / "executor_output.json").write_text("{}")
+        (d / "prepare-data-op").mkdir()
+        (d / "prepare-data-op" / "shard.npz").write_bytes(b"x" * 10_000)
+        if model:
+            shutil.copytree(trained_model.model_uri, d / "train-op" / "model")
+        if status:
+            (d / "run.json").write_text(json.dumps({"status": status, "params": {"epochs": 3}}))
+        for f in [d, *d.rglob("*")]:
+            os.utime(f, (now - age_h * 3600, now - age_h * 3600))
+        return d
+
+    make("train-and-serve-a", 50, "SUCCEEDED", model=True)  # its model is being served
+    make("train-and-serve-b", 40, "FAILED")
+    make("train-and-serve-c", 30)                           # killed long ago: no record
+    make("train-and-serve-d", 20, "SUCCEEDED")
+    make("train-and-serve-e", 0.1)                          # no record yet, writing: may be running
+    make("train-and-serve-f", 0.05, "SUCCEEDED")
+    served = serve(ServeSpec(str(root / "train-and-serve-a" / "train-op" / "model"), "kept-model"))
+    try:
+        r = run_cli("runs", "--local")
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert [ln.split()[0] for ln in lines[:6]] == [f"train-and-serve-{x}" for x in "fedcba"]
+        assert [ln.split()[1] for ln in lines[:6]] == ["SUCCEEDED", "RUNNING?", "SUCCEEDED", "UNKNOWN", "FAILED",
+                                                       "SUCCEEDED"]
+        assert lines[5].endswith("serving: kept-model") and "6 local run(s)" in lines[-1]
+        dry = run_cli("runs", "--local", "--keep", "1", "--dry-run")
+        assert dry.returncode == 0 and "would remove 3 local run(s), 29.4 KB" in dry.stdout, dry.stdout
+        assert len(list(root.iterdir())) == 6
+        r = run_cli("runs", "--local", "--keep", "1")
+        assert r.returncode == 0, r.stderr
+        assert sorted(d.name for d in root.iterdir()) == [f"train-and-serve-{x}" for x in "aef"]
+        assert "kept train-and-serve-a: its model is served by kept-model" in r.stdout
+        assert "kept train-and-serve-e: no record and written within the hour: it may still be running" in r.stdout
+        assert "removed 3 local run(s), 29.4 KB; kept the newest 1 and 2 more" in r.stdout
+        assert run_cli("runs", "--local", "--keep", "0").returncode == 2  # a run is always kept
+        r = run_cli("runs", "--local", "--host", "http://127.0.0.1:1")
+        assert r.returncode == 2 and "leave out --host" in r.stderr
+        r = run_cli("runs", "--keep", "2", "--host", "http://127.0.0.1:1")
+        assert r.returncode == 2 and "add --local" in r.stderr
+    finally:
+        stop_server("kept-model")
+    assert served.pid and run_cli("runs", "--local", "--keep", "1").returncode == 0
+    assert sorted(d.name for d in root.iterdir()) == ["train-and-serve-e", "train-and-serve-f"]
 
 
 def test_a_steps_error_is_read_from_its_log_with_its_problems_and_hint():
