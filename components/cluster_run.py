@@ -260,9 +260,14 @@ class ClusterServer:
         said: list[str] = []
         while time.monotonic() < deadline:
             if _isvc_ready(current):
-                url = (current.get("status") or {}).get("url", "")
-                self.out.write(f"[kfp-pytorch] InferenceService {ns}/{name} ready at {url}\n")
-                return {"name": name, "namespace": ns, "url": url,
+                status = current.get("status") or {}
+                url = status.get("url", "")
+                # status.url is the external host (Knative/ingress domain, example.com by default);
+                # status.address.url the in-cluster one (*.svc.cluster.local), which pods can reach
+                cluster_url = (status.get("address") or {}).get("url") or None
+                self.out.write(f"[kfp-pytorch] InferenceService {ns}/{name} ready at {url}"
+                               + (f" (in the cluster: {cluster_url})" if cluster_url else "") + "\n")
+                return {"name": name, "namespace": ns, "url": url, "cluster_url": cluster_url,
                         "infer_url": f"{url}/v2/models/{spec.model_name}/infer", "updated": existed}
             try:
                 for event, o in kube.watch(group, version, plural, ns, name, rv, deadline - time.monotonic()):

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import urllib.parse
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -75,6 +76,8 @@ class Endpoint:
     pid: int | None
     model_uri: str
     smoke_test: dict | None = None
+    cluster_url: str | None = None
+    """Cluster backend: the InferenceService's in-cluster address (status.address.url)."""
 
 
 def _servers_dir() -> Path:
@@ -277,10 +280,25 @@ class ClusterServeBackend:
         canary = spec.canary_traffic_percent if spec.canary_traffic_percent >= 0 else None
         res = ClusterServer(Kube()).run(cfg.serve_spec(spec.model_uri, spec.model_name, canary),
                                         timeout_s=spec.startup_timeout_s)
-        ep = Endpoint(spec.model_name, res["url"], res["infer_url"], None, spec.model_uri)
+        ep = Endpoint(spec.model_name, res["url"], res["infer_url"], None, spec.model_uri,
+                      cluster_url=res.get("cluster_url"))
         if check is not None:
-            _smoke_test(check, ep, f"the predictor's log: kubectl logs -n {cfg.namespace} "
-                                   f"-l serving.kserve.io/inferenceservice={spec.model_name}")
+            # In a pod (the pipeline's serve step) the external host often does not resolve (the
+            # default domain is example.com): the smoke test goes to the in-cluster address.
+            inside = bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and ep.cluster_url
+            probe = dataclasses.replace(ep, url=ep.cluster_url,
+                                        infer_url=f"{ep.cluster_url}/v2/models/{ep.name}/infer") if inside else ep
+            try:
+                _smoke_test(check, probe, f"the predictor's log: kubectl logs -n {cfg.namespace} "
+                                          f"-l serving.kserve.io/inferenceservice={spec.model_name}")
+            except ServingError as e:
+                if inside or "could not reach" not in e.message:
+                    raise
+                raise ServingError(e.message + f"\n  the InferenceService is Ready; its URL {ep.url} is not reachable "
+                                   "from this machine",
+                                   "run this where the ingress domain resolves (KServe's config-domain), or in the "
+                                   f"cluster, where its address {ep.cluster_url or '(status.address.url)'} is used") from e
+            ep.smoke_test = probe.smoke_test
         return ep
 
 

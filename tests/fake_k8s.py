@@ -392,6 +392,10 @@ class Operator:
     def __init__(self, fake: FakeCluster):
         self.fake = fake
         self.isvc_ready = True
+        self.isvc_domain = "example.com"
+        """KServe's ingress domain (config-domain; example.com unless configured): status.url's host."""
+        self.isvc_address: str | None = None
+        """status.address.url, the in-cluster URL; None: http://NAME.NS.svc.cluster.local, as KServe writes it."""
         self.installed = True
         """False: no operator runs in this cluster (its CRDs are there, nothing acts on them)."""
 
@@ -433,7 +437,9 @@ class Operator:
             isvc = f.get("inferenceservices", ns, name)
         except ApiError:
             return
-        isvc["status"] = {"url": f"http://{name}.{ns}.svc.cluster.local", "observedGeneration": generation,
+        isvc["status"] = {"url": f"http://{name}.{ns}.{self.isvc_domain}",
+                          "address": {"url": self.isvc_address or f"http://{name}.{ns}.svc.cluster.local"},
+                          "observedGeneration": generation,
                           "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now_iso()},
                                          {"type": "PredictorReady", "status": "True", "lastTransitionTime": now_iso()}]}
         f.replace("inferenceservices", ns, name, isvc, status_only=True, check_rv=False)

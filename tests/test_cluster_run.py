@@ -191,7 +191,8 @@ def test_inference_service_ready_and_canary_update(k8s):
     fake, api = k8s
     server = ClusterServer(Kube(api), out=io.StringIO())
     first = server.run(ClusterServeSpec("s3://models/run1/model", "digits", "reg/kfp-pytorch:0.1.0", namespace=NS), 10)
-    assert first["url"] == f"http://digits.{NS}.svc.cluster.local" and not first["updated"]
+    assert first["url"] == f"http://digits.{NS}.example.com" and not first["updated"]
+    assert first["cluster_url"] == f"http://digits.{NS}.svc.cluster.local"
     second = server.run(ClusterServeSpec("s3://models/run2/model", "digits", "reg/kfp-pytorch:0.1.0", namespace=NS,
                                          canary_traffic_percent=20), 10)
     isvc = fake.get("inferenceservices", NS, "digits")
@@ -280,6 +281,36 @@ def test_train_runtime_uses_the_cluster_backend(k8s, _fake_k8s_server, s3, bucke
     assert result.history[0]["loss"] == 0.3 and result.model_uri == f"{out}/model"
     created = [r for r in fake.requests if r == ("create", "pytorchjobs")]
     assert created == [("create", "pytorchjobs")]
+
+
+def test_the_serve_step_in_a_pod_smoke_tests_the_in_cluster_address(k8s, _fake_k8s_server, trained_model, tmp_path,
+                                                                     monkeypatch):
+    # status.url is the ingress host (example.com unless the domain is configured), which a pod
+    # cannot resolve; the step's smoke test went there and failed on every default install.
+    from kfp_pytorch.components.serve import ServeSpec, serve, stop_server
+
+    fake, _ = k8s
+    predictor = serve(ServeSpec(trained_model.model_uri, "digits"))  # stands in for the predictor pod
+    try:
+        fake.operator.isvc_address = predictor.url
+        monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path, _fake_k8s_server[1])))
+        monkeypatch.setenv("KFP_PYTORCH_IMAGE", "reg/kfp-pytorch:0.1.0")
+        monkeypatch.setenv("KFP_PYTORCH_NAMESPACE", NS)
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")  # as in every pod
+        spec = ServeSpec("s3://models/run1/model", "digits", backend="cluster", startup_timeout_s=10)
+        ep = serve(spec, sample_row=[0.0] * 64)
+        assert ep.url == f"http://digits.{NS}.example.com" and ep.infer_url.startswith(ep.url)
+        assert ep.cluster_url == predictor.url and ep.smoke_test["label"] is not None
+        # off the cluster (a laptop with a kubeconfig), the external URL is what there is: said plainly
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
+        fake.operator.isvc_domain = "invalid"  # never resolves (RFC 2606)
+        with pytest.raises(ServingError) as e:
+            serve(ServeSpec("s3://models/run2/model", "digits", backend="cluster", startup_timeout_s=10),
+                  sample_row=[0.0] * 64)
+        assert f"its URL http://digits.{NS}.invalid is not reachable from this machine" in str(e.value)
+        assert "KServe's config-domain" in e.value.hint and predictor.url in e.value.hint
+    finally:
+        stop_server("digits")
 
 
 def test_cluster_backend_needs_object_storage():
