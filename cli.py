@@ -448,6 +448,56 @@ def schedule_cmd(pipeline, host, namespace, experiment, token, cron, params, nam
                + " UTC (KFP reads the cron on its server's clock, UTC unless its time zone was changed)")
 
 
+@cli.command("schedules")
+@_kfp_options
+@click.option("--json", "as_json", is_flag=True)
+def schedules_cmd(host, namespace, experiment, token, as_json):
+    """List the experiment's recurring runs: name, status, cron and the next run time."""
+    from datetime import datetime, timezone
+
+    from kfp_pytorch.pipelines.kfp_api import KfpApi
+    from kfp_pytorch.pipelines.schedule import next_runs
+
+    api = KfpApi(host, namespace, token)
+    found = api.recurring_runs(experiment)
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    rows = []
+    for rr in found or []:
+        cron = rr.trigger.cron_schedule.cron if rr.trigger and rr.trigger.cron_schedule else None
+        every = (f"every {rr.trigger.periodic_schedule.interval_second}s"
+                 if rr.trigger and rr.trigger.periodic_schedule else None)
+        nxt = None
+        if cron and str(rr.status) == "ENABLED":
+            try:
+                nxt = next_runs(cron, now, 1)[0].strftime("%Y-%m-%d %H:%M:%S UTC")
+            except (ValueError, KfpPytorchError):  # a cron KFP took that croniter does not read: no next time
+                nxt = None
+        rows.append({"recurring_run_id": rr.recurring_run_id, "name": rr.display_name, "status": str(rr.status),
+                     "schedule": cron or every or "-", "next_run": nxt, "max_concurrency": rr.max_concurrency,
+                     "created_at": str(rr.created_at)})
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    if found is None:
+        click.echo(f"no recurring runs: there is no experiment {experiment!r} here")
+    elif not rows:
+        click.echo(f"no recurring runs in experiment {experiment!r}")
+    for r in rows:
+        click.echo(f"{r['recurring_run_id']}  {r['status']:<9} {r['schedule']!r:<18} next: {r['next_run'] or '-':<24} "
+                   f"{r['name']}")
+
+
+@cli.command("unschedule")
+@click.argument("name")
+@_kfp_options
+def unschedule_cmd(name, host, namespace, experiment, token):
+    """Delete the recurring run NAME of the experiment (the runs it started stay)."""
+    from kfp_pytorch.pipelines.kfp_api import KfpApi
+
+    for rid in KfpApi(host, namespace, token).unschedule(name, experiment):
+        click.echo(f"deleted recurring run {rid} ({name})")
+
+
 @cli.command("runs")
 @_kfp_options(host_required=False)
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(min=0),

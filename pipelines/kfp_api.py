@@ -249,6 +249,34 @@ class KfpApi:
                               "with --replace again once the API answers") from e
         return rr.recurring_run_id, [old.recurring_run_id for old in existing]
 
+    def recurring_runs(self, experiment: str) -> list | None:
+        """The experiment's recurring runs, oldest first; None when the experiment does not exist."""
+        eid = self.find_experiment(experiment)
+        if eid is None:
+            return None
+        out, token = [], ""
+        while True:
+            resp = self._call("list recurring runs", self.client.list_recurring_runs, experiment_id=eid,
+                              namespace=self.namespace, page_size=100, page_token=token, sort_by="created_at")
+            out += resp.recurring_runs or []
+            token = resp.next_page_token or ""
+            if not token:
+                return out
+
+    def unschedule(self, name: str, experiment: str) -> list[str]:
+        """Delete the experiment's recurring runs called ``name``; returns their ids. Runs they
+        started are left alone (they are runs like any other)."""
+        found = self.recurring_runs_named(name, experiment)
+        if not found:
+            known = sorted({rr.display_name for rr in self.recurring_runs(experiment) or []})
+            raise KfpApiError(f"experiment {experiment!r} has no recurring run named {name!r}"
+                              + (f" (it has: {', '.join(known)})" if known else " (it has none)"),
+                              "`kfp-pytorch schedules` lists them; --experiment names another experiment")
+        for rr in found:
+            self._call(f"delete recurring run {rr.recurring_run_id}", self.client.delete_recurring_run,
+                       rr.recurring_run_id)
+        return [rr.recurring_run_id for rr in found]
+
     def runs(self, experiment: str | None = None, limit: int = 50) -> tuple[list, int] | None:
         """The newest ``limit`` runs (0: all), newest first, and how many there are; None when
         ``experiment`` does not exist (listing creates nothing). Pages through the API's list."""

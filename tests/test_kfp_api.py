@@ -234,6 +234,31 @@ def test_a_replace_whose_delete_fails_says_both_schedules_run(kfp_server):
     assert r.returncode == 0 and len(fake.recurring) == 1, r.stderr
 
 
+def test_schedules_are_listed_and_unscheduled_by_name(kfp_server):
+    fake, url = kfp_server
+    r = cli("schedules", "--host", url)
+    assert r.returncode == 0 and "no recurring runs: there is no experiment 'kfp-pytorch' here" in r.stdout
+    assert not fake.experiments  # listing creates nothing
+    assert cli("schedule", "train_and_serve", "--host", url, "--cron", "0 0 3 * * *").returncode == 0
+    assert cli("schedule", "train_and_serve", "--host", url, "--cron", "@every 6h", "--name", "often").returncode == 0
+    nightly, often = fake.recurring
+    fake.recurring[often]["status"] = "DISABLED"  # paused in the UI
+    r = cli("schedules", "--host", url, "--json")
+    assert r.returncode == 0, r.stderr
+    rows = {row["name"]: row for row in json.loads(r.stdout)}
+    assert rows["train_and_serve-schedule"]["schedule"] == "0 0 3 * * *"
+    assert rows["train_and_serve-schedule"]["next_run"].endswith("03:00:00 UTC")
+    assert rows["often"]["status"] == "DISABLED" and rows["often"]["next_run"] is None
+    text = cli("schedules", "--host", url).stdout
+    assert f"{nightly}  ENABLED   '0 0 3 * * *'" in text and "next: -" in text
+    r = cli("unschedule", "nope", "--host", url)
+    assert r.returncode == 3 and ("experiment 'kfp-pytorch' has no recurring run named 'nope' "
+                                  "(it has: often, train_and_serve-schedule)") in r.stderr
+    r = cli("unschedule", "often", "--host", url)
+    assert r.returncode == 0 and r.stdout == f"deleted recurring run {often} (often)\n"
+    assert list(fake.recurring) == [nightly]
+
+
 def test_five_field_cron_shows_the_six_field_form(kfp_server):
     _, url = kfp_server
     r = cli("schedule", "train_and_serve", "--host", url, "--cron", "0 3 * * *")
