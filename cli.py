@@ -8,6 +8,7 @@ import os
 import sys
 
 import click
+from click.core import ParameterSource
 
 from kfp_pytorch.components.errors import KfpPytorchError
 from kfp_pytorch.fairness_scheduler.model import PLACEMENTS
@@ -509,9 +510,9 @@ def unschedule_cmd(name, host, namespace, experiment, token):
 @click.option("--dry-run", is_flag=True, help="With --keep: say what would be removed, remove nothing.")
 def runs_cmd(host, namespace, experiment, token, limit, as_json, local, keep, dry_run):
     """List runs and their status, newest first (--local: this machine's, and prune them)."""
-    if local:
-        if host:
-            raise click.UsageError("--local lists this machine's runs: leave out --host (or unset KFP_HOST)")
+    if local:  # KFP_HOST exported for the other commands is no reason to refuse
+        if host and click.get_current_context().get_parameter_source("host") != ParameterSource.ENVIRONMENT:
+            raise click.UsageError("--local lists this machine's runs: leave out --host")
         return _local_runs(limit, as_json, keep, dry_run)
     if keep is not None or dry_run:
         raise click.UsageError("--keep and --dry-run prune local runs: add --local (a KFP server keeps its runs; "

@@ -203,6 +203,8 @@ def test_local_runs_are_listed_and_pruned_but_a_served_model_and_a_running_run_a
         assert run_cli("runs", "--local", "--keep", "0").returncode == 2  # a run is always kept
         r = run_cli("runs", "--local", "--host", "http://127.0.0.1:1")
         assert r.returncode == 2 and "leave out --host" in r.stderr
+        r = run_cli("runs", "--local", env={"KFP_HOST": "http://127.0.0.1:1"})  # exported for submit: no matter
+        assert r.returncode == 0 and "3 local run(s)" in r.stdout, r.stderr
         r = run_cli("runs", "--keep", "2", "--host", "http://127.0.0.1:1")
         assert r.returncode == 2 and "add --local" in r.stderr
     finally:
