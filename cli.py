@@ -156,7 +156,7 @@ def _cluster_notes(values: dict, platform) -> None:
 def run_cmd(pipeline, local, params, predict, as_json):
     """Run PIPELINE end-to-end (--local: kfp.local, local DDP workers, local model server)."""
     from kfp_pytorch.pipelines import get_pipeline
-    from kfp_pytorch.pipelines.local import preflight, run_local, summarize
+    from kfp_pytorch.pipelines.local import pile_note, preflight, run_local, summarize
 
     entry = get_pipeline(pipeline)
     values = _resolve_params(entry, params)
@@ -169,6 +169,8 @@ def run_cmd(pipeline, local, params, predict, as_json):
         click.echo(json.dumps(summary, indent=1, default=str))
     else:
         _print_summary(summary)
+    if note := pile_note():
+        click.echo(f"note: {note}", err=True)
     if not run.succeeded:
         sys.exit(1)
 

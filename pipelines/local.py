@@ -241,6 +241,20 @@ def local_runs(root: Path | None = None, now: float | None = None) -> list[Local
     return sorted(out, key=lambda r: (r.modified, r.name), reverse=True)
 
 
+PILE_RUNS, PILE_BYTES = 20, 5 * 1024**3
+"""Past either, the end of a local run says how much older runs hold and how to remove them."""
+
+
+def pile_note(root: Path | None = None) -> str | None:
+    """A note when the local runs have piled up (more than 20, or more than 5 GB); None otherwise."""
+    runs = local_runs(root)
+    size = sum(r.size for r in runs)
+    if len(runs) <= PILE_RUNS and size <= PILE_BYTES:
+        return None
+    return (f"{len(runs)} local runs hold {size / 1024**3:.1f} GB under {Path(root or home() / 'local_outputs')}; "
+            "`kfp-pytorch runs --local --keep 5` removes all but the newest 5 (a served model's run is kept)")
+
+
 def prune_local_runs(keep: int, root: Path | None = None, now: float | None = None,
                      dry_run: bool = False) -> tuple[list[LocalRunInfo], list[LocalRunInfo]]:
     """Remove all but the newest ``keep`` local runs; returns (removed, spared). Spared, whatever

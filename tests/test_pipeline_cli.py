@@ -213,6 +213,19 @@ def test_local_runs_are_listed_and_pruned_but_a_served_model_and_a_running_run_a
     assert sorted(d.name for d in root.iterdir()) == ["train-and-serve-e", "train-and-serve-f"]
 
 
+def test_the_end_of_a_run_notes_local_runs_that_piled_up(tmp_path):
+    from kfp_pytorch.pipelines.local import PILE_RUNS, pile_note
+
+    root = tmp_path / "local_outputs"
+    for i in range(PILE_RUNS):
+        (root / f"train-and-serve-{i}").mkdir(parents=True)
+    assert pile_note(root) is None
+    (root / "train-and-serve-x").mkdir()
+    assert pile_note(root) == (f"21 local runs hold 0.0 GB under {root}; `kfp-pytorch runs --local --keep 5` "
+                               "removes all but the newest 5 (a served model's run is kept)")
+    assert pile_note(tmp_path / "none") is None
+
+
 def test_a_steps_error_is_read_from_its_log_with_its_problems_and_hint():
     from kfp_pytorch.pipelines.local import error_of
 
