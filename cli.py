@@ -156,6 +156,7 @@ def _cluster_notes(values: dict, platform) -> None:
 def run_cmd(pipeline, local, params, predict, as_json):
     """Run PIPELINE end-to-end (--local: kfp.local, local DDP workers, local model server)."""
     from kfp_pytorch.pipelines import get_pipeline
+    from kfp_pytorch.components.evaluate import gate_note
     from kfp_pytorch.pipelines.local import pile_note, preflight, run_local, summarize
 
     entry = get_pipeline(pipeline)
@@ -169,6 +170,9 @@ def run_cmd(pipeline, local, params, predict, as_json):
         click.echo(json.dumps(summary, indent=1, default=str))
     else:
         _print_summary(summary)
+    if "gate_passed" in summary and (why := gate_note({"metric": "accuracy", "threshold": values["threshold"],
+                                                       "passed": summary["gate_passed"]}, summary.get("metrics", {}))):
+        click.echo(f"note: {why}", err=True)
     if note := pile_note():
         click.echo(f"note: {note}", err=True)
     if not run.succeeded:
@@ -215,7 +219,14 @@ def _print_summary(s: dict) -> None:
             click.secho("\n".join(f"  {line}" for line in s["error"].splitlines()), fg="red")
     if "metrics" in s:
         m = s["metrics"]
-        click.echo("metrics:   " + ", ".join(f"{k}={v:.4f}" for k, v in m.items() if k not in ("test_rows", "gate_passed")))
+        shown = []
+        for k, v in m.items():
+            if k in ("test_rows", "gate_passed", "accuracy_ci95_low", "accuracy_ci95_high"):
+                continue
+            ci = (f" (95% {m['accuracy_ci95_low']:.3f}-{m['accuracy_ci95_high']:.3f} on {int(m['test_rows'])} test rows)"
+                  if k == "accuracy" and "accuracy_ci95_low" in m and "test_rows" in m else "")
+            shown.append(f"{k}={v:.4f}{ci}")
+        click.echo("metrics:   " + ", ".join(shown))
     if "gate_passed" in s:
         click.echo(f"gate:      {'passed' if s['gate_passed'] else 'FAILED (model not registered nor served)'}")
     if "model" in s:

@@ -86,11 +86,38 @@ def to_model_labels(y: np.ndarray, data_meta: dict, model_meta: dict,
     return np.asarray([index[d[int(i)]] for i in y], dtype=np.int64), names
 
 
+def accuracy_interval(correct: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval of an accuracy of ``correct`` of ``n`` (scipy's binomtest): on a small
+    test split the point estimate alone overstates what is known."""
+    from scipy.stats import binomtest
+
+    if n == 0:
+        return 0.0, 1.0
+    ci = binomtest(int(correct), int(n)).proportion_ci(confidence_level=level, method="wilson")
+    return float(ci.low), float(ci.high)
+
+
+def gate_note(gate: dict, metrics: dict) -> str | None:
+    """A note when the test split is too small for the gate's verdict on accuracy to be sure: the
+    95 % interval reaches across the threshold. None otherwise."""
+    if gate["metric"] != "accuracy" or "accuracy_ci95_low" not in metrics:
+        return None
+    lo, hi, t = metrics["accuracy_ci95_low"], metrics["accuracy_ci95_high"], gate["threshold"]
+    if not lo < t <= hi:
+        return None
+    return (f"the gate {'passed' if gate['passed'] else 'failed'} on {metrics['test_rows']} test rows: accuracy "
+            f"{metrics['accuracy']:.4f}, 95% interval {lo:.4f}-{hi:.4f}, which the threshold {t:.4f} falls in; "
+            "a larger table (more test rows) would make the verdict sure")
+
+
 def compute_metrics(y_true: np.ndarray, y_pred: np.ndarray, classes: list[int]) -> dict:
     from sklearn.metrics import accuracy_score, confusion_matrix, f1_score, precision_score, recall_score
 
+    lo, hi = accuracy_interval(int((np.asarray(y_true) == np.asarray(y_pred)).sum()), len(y_true))
     return {
         "accuracy": float(accuracy_score(y_true, y_pred)),
+        "accuracy_ci95_low": lo,
+        "accuracy_ci95_high": hi,
         "macro_f1": float(f1_score(y_true, y_pred, average="macro", labels=classes, zero_division=0)),
         "macro_precision": float(precision_score(y_true, y_pred, average="macro", labels=classes, zero_division=0)),
         "macro_recall": float(recall_score(y_true, y_pred, average="macro", labels=classes, zero_division=0)),
@@ -166,7 +193,8 @@ def render_report(metrics: dict, history: list[dict], classes: list[int], gate: 
             f"<style>body{{font-family:sans-serif;margin:1.5em}}td{{padding:2px 12px}}</style></head><body>"
             f"<h2>Evaluation report</h2><p style='color:{color};font-weight:bold'>Gate {verdict}: "
             f"{html.escape(gate['metric'])} = {gate['value']:.4f} (threshold {gate['threshold']:.4f})</p>"
-            f"<table>{rows}</table>{figs}</body></html>")
+            + (f"<p style='color:#9a6700'>{html.escape(note)}</p>" if (note := gate_note(gate, metrics)) else "")
+            + f"<table>{rows}</table>{figs}</body></html>")
 
 
 def evaluate(spec: EvaluateSpec, storage: Storage | None = None) -> dict:
@@ -191,4 +219,4 @@ def evaluate(spec: EvaluateSpec, storage: Storage | None = None) -> dict:
     history = json.loads(storage.read_bytes(history_uri)) if storage.exists(history_uri) else []
     ticks = classes if names is None else [names[c] for c in classes]
     return {"metrics": metrics, "gate": gate, "classes": classes, "class_names": names,
-            "report_html": render_report(metrics, history, ticks, gate)}
+            "gate_note": gate_note(gate, metrics), "report_html": render_report(metrics, history, ticks, gate)}

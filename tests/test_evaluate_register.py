@@ -23,6 +23,27 @@ def test_evaluate_metrics_gate_and_report(digits_data, trained_model):
     assert html.count("data:image/png;base64,") == 2 and "Gate PASSED" in html
     strict = evaluate(EvaluateSpec(digits_data, trained_model.model_uri, threshold=0.999999, metric="macro_f1"))
     assert strict["gate"]["passed"] is False and "Gate FAILED" in strict["report_html"]
+    # the accuracy's 95% interval (Wilson) comes with it; a threshold inside it gets a note
+    lo, hi = m["accuracy_ci95_low"], m["accuracy_ci95_high"]
+    assert lo < m["accuracy"] < hi <= 1 and 0.02 < hi - lo < 0.1  # 270 rows: a few points wide
+    assert res["gate_note"] is None and "95% interval" not in html
+    near = evaluate(EvaluateSpec(digits_data, trained_model.model_uri, threshold=(lo + m["accuracy"]) / 2))
+    assert near["gate"]["passed"] is True and near["gate_note"].startswith(
+        f"the gate passed on 270 test rows: accuracy {m['accuracy']:.4f}, 95% interval {lo:.4f}-{hi:.4f}")
+    assert "95% interval" in near["report_html"]
+
+
+def test_the_accuracy_interval_is_wilsons():
+    from kfp_pytorch.components.evaluate import accuracy_interval, gate_note
+
+    # reference values of the Wilson score interval (Newcombe 1998, table I: 81/263 -> 0.2553-0.3662)
+    assert accuracy_interval(81, 263) == pytest.approx((0.2553, 0.3662), abs=1e-4)
+    assert accuracy_interval(2, 2) == pytest.approx((0.3424, 1.0), abs=1e-4)  # "1.0 accuracy" on 2 rows
+    assert accuracy_interval(0, 0) == (0.0, 1.0)
+    m = {"accuracy": 1.0, "accuracy_ci95_low": 0.3424, "accuracy_ci95_high": 1.0, "test_rows": 2}
+    assert "on 2 test rows" in gate_note({"metric": "accuracy", "threshold": 0.9, "passed": True}, m)
+    assert gate_note({"metric": "macro_f1", "threshold": 0.9, "passed": True}, m) is None
+    assert gate_note({"metric": "accuracy", "threshold": 0.3, "passed": True}, m) is None  # surely above
 
 
 def test_evaluate_on_another_preparation_judges_what_the_server_would_answer(trained_model, tmp_path):

@@ -23,6 +23,8 @@ def evaluate_op(dataset: Input[Dataset], model: Input[Model], metrics: Output[Me
     for k, v in scalars.items():
         metrics.log_metric(k, v)
     metrics.log_metric("gate_passed", int(res["gate"]["passed"]))
+    if res.get("gate_note"):
+        print(f"note: {res['gate_note']}")
     names = res["class_names"]  # the KFP UI's confusion matrix reads best with the classes' names
     confusion.log_confusion_matrix([names[c] if names else str(c) for c in res["classes"]],
                                    res["metrics"]["confusion_matrix"])
