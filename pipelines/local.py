@@ -153,6 +153,13 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
         entry.func(**params)
     except RuntimeError as e:  # kfp.local: "Pipeline ... FAILURE. Inner task failed: 'x'"
         error = e
+    except BaseException:  # Ctrl-C or a stop signal: the run is recorded as canceled, then the stop goes on
+        sys.stdout = tee.inner
+        new = sorted(set(root.iterdir()) - before, key=lambda p: p.stat().st_mtime)
+        if new:
+            _write_run_record(LocalRun(entry.name, new[-1], False, elapsed_s=time.perf_counter() - t0), params,
+                              status="CANCELED")
+        raise
     finally:
         sys.stdout = tee.inner
     new = sorted(set(root.iterdir()) - before, key=lambda p: p.stat().st_mtime)
@@ -177,10 +184,10 @@ ACTIVE_WINDOW_S = 3600.0
 """A run with no record (still running, or stopped by a kill) that wrote within this long is left alone."""
 
 
-def _write_run_record(run: LocalRun, params: dict) -> None:
+def _write_run_record(run: LocalRun, params: dict, status: str | None = None) -> None:
     import time
 
-    record = {"pipeline": run.pipeline, "status": "SUCCEEDED" if run.succeeded else "FAILED",
+    record = {"pipeline": run.pipeline, "status": status or ("SUCCEEDED" if run.succeeded else "FAILED"),
               "failed_task": run.failed_task, "elapsed_s": round(run.elapsed_s, 2),
               "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "params": params}
     (run.run_dir / RUN_RECORD).write_text(json.dumps(record, indent=1, default=str))
@@ -193,7 +200,7 @@ class LocalRunInfo:
     name: str
     path: Path
     status: str
-    """SUCCEEDED or FAILED from its record; without one (stopped by a kill, or run before records were
+    """SUCCEEDED, FAILED or CANCELED from its record; without one (stopped by a kill, or run before records were
     kept): RUNNING? when it wrote within the hour, else UNKNOWN."""
     modified: float
     """The newest write under it (seconds since the epoch)."""

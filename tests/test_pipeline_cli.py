@@ -309,6 +309,10 @@ def test_a_run_stopped_by_sigterm_takes_its_workers_down(tmp_path):
         assert "stopped by signal 15; the processes it started were stopped too" in err
         _, alive = psutil.wait_procs(started, timeout=10)
         assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], [p.cmdline()[:4] for p in alive]
+        # the run is recorded as canceled, not left to look as if it were still running
+        [run_dir] = (Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").iterdir()
+        record = json.loads((run_dir / "run.json").read_text())
+        assert record["status"] == "CANCELED" and record["params"]["epochs"] == 100000
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
