@@ -28,12 +28,18 @@ class Target:
     url: str
     name: str
     model_uri: str | None = None
+    host_header: str | None = None
+    """The InferenceService's host, when ``url`` is the ingress gateway's address."""
 
 
-def resolve_target(name: str, url: str | None = None, model_uri: str | None = None) -> Target:
+def resolve_target(name: str, url: str | None = None, model_uri: str | None = None,
+                   host_header: str | None = None) -> Target:
     """A local server by name (its record holds URL and model), or any server by ``url``."""
     if url:
-        return Target(url, name, model_uri)
+        return Target(url, name, model_uri, host_header)
+    if host_header:
+        raise ServingError("--host-header goes with --url (the ingress gateway's address)",
+                           "a local server is reached by its name alone")
     info = read_server(name)
     if info is None or info.get("unreadable") or not info.get("url"):
         raise ServingError(f"no local model server named {name!r}",
@@ -99,7 +105,7 @@ def predict_rows(target: Target, x: np.ndarray, batch_size: int = 256,
     for start in range(0, len(x), batch_size):
         rows = x[start:start + batch_size]
         try:
-            resp = infer(target.url, target.name, rows.tolist(), timeout=60.0)
+            resp = infer(target.url, target.name, rows.tolist(), timeout=60.0, host_header=target.host_header)
         except ServingError as e:
             raise ServingError(f"rows {start + 1}-{start + len(rows)}: {e.message}", e.hint) from e
         out = {o["name"]: o for o in resp.get("outputs", [])}

@@ -144,8 +144,11 @@ def _connection(url: str) -> _Conn:
     return found
 
 
-def infer(url: str, name: str, rows, timeout: float = 10.0) -> dict:
-    """One OIP v2 request with FP32 rows over a kept-alive connection; returns the parsed response."""
+def infer(url: str, name: str, rows, timeout: float = 10.0, host_header: str | None = None) -> dict:
+    """One OIP v2 request with FP32 rows over a kept-alive connection; returns the parsed response.
+
+    ``host_header``: the InferenceService's host (``status.url``'s) when ``url`` is the ingress
+    gateway's address, as KServe's docs call it (``curl -H "Host: ..."``): Istio routes by it."""
     rows = [list(map(float, r)) for r in rows]
     if not rows or not rows[0]:
         raise ServingError("no rows to send: infer needs at least one row of features",
@@ -161,7 +164,10 @@ def infer(url: str, name: str, rows, timeout: float = 10.0) -> dict:
             else:
                 conn.sock.settimeout(timeout)
         conn.timeout = timeout
-        conn.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if host_header:
+            headers["Host"] = host_header  # http.client then sends this one instead of its own
+        conn.request("POST", path, json.dumps(body).encode(), headers)
         r = conn.getresponse()
         data = r.read()
     except (OSError, http.client.HTTPException) as e:

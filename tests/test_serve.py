@@ -248,6 +248,36 @@ def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_mod
     assert r.returncode == 2 and "feature column 'pixel_1_1' is not numeric (row 10: 'twelve')" in r.stderr, r.stderr
     r = cli("nothere", str(tmp_path / "plain.csv"))
     assert r.returncode == 1 and "no local model server named 'nothere'" in r.stderr and "--url" in r.stderr
+    # through an ingress gateway that routes by Host, as Istio does for KServe (404 for any other host)
+    import urllib.request
+    from http.server import BaseHTTPRequestHandler
+
+    from servers import reply, serve_in_thread, stop_http
+
+    class Gateway(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            if self.headers["Host"] != "digits.team-a.example.com":
+                return reply(self, 404, b"", "text/plain")
+            req = urllib.request.Request(endpoint.url + self.path, data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as up:
+                reply(self, up.status, up.read())
+
+        def log_message(self, *a):
+            pass
+
+    gw, gw_url = serve_in_thread(Gateway)
+    try:
+        r = cli("digits", str(tmp_path / "plain.csv"), "--url", gw_url, "--host-header", "digits.team-a.example.com")
+        assert r.returncode == 0, r.stderr
+        assert (pd.read_csv(io.StringIO(r.stdout))["prediction"].to_numpy() == expected[:7]).all()
+        r = cli("digits", str(tmp_path / "plain.csv"), "--url", gw_url)
+        assert r.returncode == 1 and "HTTP 404" in r.stderr
+    finally:
+        stop_http(gw)
+    r = cli("digits", str(tmp_path / "plain.csv"), "--host-header", "digits.team-a.example.com")
+    assert r.returncode == 1 and "--host-header goes with --url" in r.stderr
     # positional columns of the wrong count: the server's refusal, with the rows it concerns
     table[features[:10]].head(3).to_csv(tmp_path / "narrow.csv", index=False)
     r = cli("digits", str(tmp_path / "narrow.csv"), "--url", endpoint.url)
