@@ -250,16 +250,21 @@ def serve_grp():
 
 
 @serve_grp.command("list")
-def serve_list():
-    """Each local model server: name, pid, up or down, and its inference URL."""
+@click.option("--json", "as_json", is_flag=True, help="Print the servers' records as JSON.")
+def serve_list(as_json):
+    """Each local model server: name, pid, up or down, its inference URL and the model it serves."""
     from kfp_pytorch.components.serve import list_servers
 
     servers = list_servers()
+    if as_json:
+        click.echo(json.dumps(servers, indent=1, default=str))
+        return
     if not servers:
         click.echo("no local model servers")
     for s in servers:
         state = "?" if s.get("unreadable") else "up" if s["alive"] else "down"
-        click.echo(f"{s['name']:<16} pid={str(s['pid'] or '-'):<8} {state:<5} {s['infer_url']}")
+        model = f"  model: {s['model_uri']}" if s.get("model_uri") else ""
+        click.echo(f"{s['name']:<16} pid={str(s['pid'] or '-'):<8} {state:<5} {s['infer_url']}{model}")
 
 
 @serve_grp.command("stop")
