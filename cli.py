@@ -241,7 +241,10 @@ def _print_summary(s: dict) -> None:
         p = s["prediction"]
         click.secho(f"prediction served over HTTP: label {p['label']} (true label {p['true_label']}, "
                     f"confidence {p['confidence']:.3f})", bold=True)
-        click.echo("stop the server with: kfp-pytorch serve stop " + s["endpoint"].split("/v2/models/")[1].split("/")[0])
+    if s.get("endpoint") and "/v2/models/" in s["endpoint"]:
+        name = s["endpoint"].split("/v2/models/")[1].split("/")[0]
+        click.echo(f"predict a table with:  kfp-pytorch serve predict {name} TABLE.csv")
+        click.echo(f"stop the server with:  kfp-pytorch serve stop {name}")
 
 
 @cli.group("serve")

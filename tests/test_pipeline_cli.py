@@ -226,6 +226,21 @@ def test_the_end_of_a_run_notes_local_runs_that_piled_up(tmp_path):
     assert pile_note(tmp_path / "none") is None
 
 
+def test_the_summary_says_how_to_use_and_stop_the_served_model(capsys):
+    from kfp_pytorch.cli import _print_summary
+
+    s = {"pipeline": "train_and_serve", "status": "SUCCEEDED", "gate_passed": True,
+         "metrics": {"accuracy": 0.97, "accuracy_ci95_low": 0.944, "accuracy_ci95_high": 0.985, "test_rows": 270},
+         "endpoint": "http://127.0.0.1:8080/v2/models/digits-x/infer", "artifacts": {}}
+    _print_summary(s)
+    out = capsys.readouterr().out
+    assert "metrics:   accuracy=0.9700 (95% 0.944-0.985 on 270 test rows)\n" in out
+    assert "predict a table with:  kfp-pytorch serve predict digits-x TABLE.csv\n" in out
+    assert "stop the server with:  kfp-pytorch serve stop digits-x\n" in out  # with --no-predict too
+    _print_summary({**s, "gate_passed": False, "endpoint": None})
+    assert "serve stop" not in capsys.readouterr().out
+
+
 def test_a_steps_error_is_read_from_its_log_with_its_problems_and_hint():
     from kfp_pytorch.pipelines.local import error_of
 
