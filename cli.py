@@ -6,6 +6,7 @@ Every user mistake ends in a one-paragraph error with the next step and a non-ze
 import json
 import os
 import sys
+from contextlib import nullcontext
 
 import click
 from click.core import ParameterSource
@@ -318,9 +319,9 @@ def serve_predict(name, table, url, model_uri, host_header, label_column, batch_
     target = resolve_target(name, url, model_uri, host_header)
     frame = load_table(table, label_column=label_column)
     show = sys.stderr.isatty() and len(frame) > batch_size
-    with click.progressbar(length=len(frame), label="predicting", file=sys.stderr) if show else _NoBar() as bar:
+    with click.progressbar(length=len(frame), label="predicting", file=sys.stderr) if show else nullcontext() as bar:
         preds, accuracy = predict_table(target, frame, label_column, source=table, batch_size=batch_size,
-                                        on_batch=bar.update)
+                                        on_batch=bar.update if bar is not None else None)
     if output:
         preds.to_csv(output, index=False)
     else:
@@ -329,17 +330,6 @@ def serve_predict(name, table, url, model_uri, host_header, label_column, batch_
     if accuracy is not None:
         note += f"; accuracy against {label_column!r}: {accuracy:.4f}"
     click.echo(note + (f"; written to {output}" if output else ""), err=True)
-
-
-class _NoBar:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def update(self, n):
-        pass
 
 
 @cli.group("storage")
