@@ -147,13 +147,18 @@ class KfpApi:
         return run.run_id
 
     def follow(self, run_id: str, timeout_s: float = 24 * 3600, interval: float = 2.0, out=None,
-               outage_s: float = 300.0) -> str:
+               outage_s: float = 300.0, request_timeout_s: float = 30.0) -> str:
         """Show the run's state as it changes, until it ends; returns the final state (the last
         run read is kept in :attr:`last_run`).
 
         The run goes on on the server whatever happens here, so an API that stops answering (a
         port-forward that drops, an API server pod that restarts) is waited for, with backoff, for
-        up to ``outage_s``; only then does following stop, with the run's URL to go on with."""
+        up to ``outage_s``; only then does following stop, with the run's URL to go on with.
+
+        Each read of the run has ``request_timeout_s`` to be answered. kfp.Client sets no timeout,
+        so a port-forward whose tunnel died (the local port still accepts, nothing answers) hung
+        following for ever; a read that times out now counts as an outage like a refused one.
+        The generated API that kfp.Client exposes (``client.runs``) takes ``_request_timeout``."""
         out = out or sys.stderr
         t0, last, down_since, tries = time.monotonic(), None, None, 0
 
@@ -162,7 +167,8 @@ class KfpApi:
 
         while True:
             try:
-                run = self._call("get run", self.client.get_run, run_id)
+                run = self._call("get run", self.client.runs.run_service_get_run, run_id=run_id,
+                                 _request_timeout=(min(10.0, request_timeout_s), request_timeout_s))
             except KfpApiUnavailable as e:
                 now = time.monotonic()
                 if down_since is None:

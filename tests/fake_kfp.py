@@ -72,6 +72,12 @@ class FakeKfp:
         self.gateway_down: set[int] = set()
         """Which GETs of a run (numbered from 1) the gateway in front answers 503 "no healthy
         upstream", as Istio's does while the API server pod restarts."""
+        self.stalled: set[int] = set()
+        """Which GETs of a run (numbered from 1) get no answer at all for ``stall_s``: a
+        port-forward whose tunnel died keeps the local port open but never answers."""
+        self.stall_s = 5.0
+        self.unstall = threading.Event()
+        """Set to end every stall at once (reset and stop set it)."""
         self.run_gets = 0
         self.faults: list[tuple[str, str, int, str]] = []
         """(verb, path regex, HTTP code, message): requests the server fails, as a sick one would."""
@@ -90,6 +96,7 @@ class FakeKfp:
 
     def stop(self) -> None:
         self.stopped = True  # a connection kept alive across the stop is dropped, as a dead port-forward drops it
+        self.unstall.set()
         stop_http(self.server)
 
     def reset(self) -> None:
@@ -101,6 +108,9 @@ class FakeKfp:
             self.run_states = ["PENDING", "RUNNING", "SUCCEEDED"]
             self.failure = None
             self.gateway_down = set()
+            self.stalled = set()
+            self.unstall.set()
+            self.unstall = threading.Event()
             self.run_gets = 0
             self.faults = []
 
@@ -263,6 +273,11 @@ class _Handler(BaseHTTPRequestHandler):
             with k.lock:
                 k.run_gets += 1
                 down = k.run_gets in k.gateway_down
+                stall = k.run_gets in k.stalled
+            if stall:
+                k.unstall.wait(k.stall_s)
+                self.close_connection = True
+                return
             if down:
                 return reply(self, 503, b"no healthy upstream", "text/plain")
         try:

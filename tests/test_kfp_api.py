@@ -85,6 +85,35 @@ def test_following_stops_with_the_run_url_when_the_api_stays_away(kfp_server):
         api.follow(run_id, interval=0.05, outage_s=0.3, out=io.StringIO())
 
 
+def test_following_does_not_hang_on_an_api_that_accepts_but_never_answers(kfp_server):
+    # A port-forward whose tunnel died keeps the local port open and never answers. kfp.Client
+    # sets no request timeout, so following hung there for ever; now a read that times out is
+    # an outage like a refused one, ridden out the same way.
+    import io
+    import threading
+
+    from kfp_pytorch.pipelines import get_pipeline
+    from kfp_pytorch.pipelines.kfp_api import KfpApi
+
+    fake, url = kfp_server
+    api = KfpApi(url)
+    run_id = api.submit(get_pipeline("train_and_serve"), {}, "stall")
+    fake.run_states = ["PENDING", "RUNNING", "SUCCEEDED"]
+    fake.stall_s, fake.stalled = 600.0, set(range(2, 8))
+    out, result = io.StringIO(), {}
+    t = threading.Thread(target=lambda: result.update(state=api.follow(
+        run_id, interval=0.05, request_timeout_s=0.3, outage_s=60, out=out)), daemon=True)
+    t.start()
+    t.join(120)
+    hung = t.is_alive()
+    fake.unstall.set()
+    assert not hung, "following hung on an API that never answers:\n" + out.getvalue()
+    assert result["state"] == "SUCCEEDED", out.getvalue()
+    log = out.getvalue()
+    assert "lost the KFP API: get run: the KFP API at" in log and "did not answer (ReadTimeoutError)" in log, log
+    assert "the KFP API answers again after" in log and fake.run_gets >= 8
+
+
 def test_ctrl_c_stops_following_not_the_run(kfp_server):
     import signal
 
