@@ -376,10 +376,6 @@ def to_inference_service(spec: ClusterServeSpec) -> dict:
     uri = "s3://" + spec.model_uri[len("minio://"):] if spec.model_uri.startswith("minio://") else spec.model_uri
     predictor: dict = {
         "serviceAccountName": spec.service_account,
-        # KServe's storage initializer copies the model from MinIO (credentials: the service
-        # account's annotated Secret) to /mnt/models before the predictor starts. On KServe older
-        # than storageUris, set STORAGE_URI on the container instead.
-        "storageUris": [{"uri": uri, "mountPath": "/mnt/models"}],
         "minReplicas": spec.min_replicas,
         "maxReplicas": spec.max_replicas,
         "containers": [{
@@ -388,7 +384,14 @@ def to_inference_service(spec: ClusterServeSpec) -> dict:
             "command": ["python", "-m", "kfp_pytorch.components.kserve_predictor"],
             "args": ["--model_name", spec.model_name, "--model_uri", "/mnt/models", "--http_port", "8080",
                      "--enable_grpc", "false"],
-            "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+            # KServe's storage initializer copies the model from MinIO (credentials: the service
+            # account's annotated Secret) to /mnt/models before the predictor starts. A custom
+            # predictor names the model with STORAGE_URI on the kserve-container: every KServe
+            # release reads it. spec.predictor.storageUris is newer (0.16): older releases prune
+            # the unknown field, so the predictor started without its model, and 0.16.0 failed to
+            # reconcile it for s3:// (kserve/kserve#4819). PROTOCOL tells KServe we speak OIP v2.
+            "env": [{"name": "STORAGE_URI", "value": uri}, {"name": "PROTOCOL", "value": "v2"},
+                    {"name": "PYTHONUNBUFFERED", "value": "1"}],
             "ports": [{"containerPort": 8080, "protocol": "TCP"}],
             "resources": {"requests": dict(resources), "limits": dict(resources)},
         }],

@@ -121,6 +121,7 @@ def k8s(_fake_k8s_server):
         fake.missing_groups.clear()
         fake.requests.clear()
         fake.operator.isvc_ready = True
+        fake.operator.kserve_storage_uris = True
     cfg = client.Configuration()
     cfg.host = url
     api = client.ApiClient(cfg)

@@ -398,6 +398,9 @@ class Operator:
         """status.address.url, the in-cluster URL; None: http://NAME.NS.svc.cluster.local, as KServe writes it."""
         self.installed = True
         """False: no operator runs in this cluster (its CRDs are there, nothing acts on them)."""
+        self.kserve_storage_uris = True
+        """False: a KServe before 0.16, which has no ``spec.predictor.storageUris`` (its CRD prunes
+        the field), so a model named only there is never downloaded."""
 
     def on_event(self, plural: str, kind: str, obj: dict) -> None:
         if not self.installed:
@@ -429,19 +432,38 @@ class Operator:
         elif (plural == "inferenceservices" and kind in ("ADDED", "MODIFIED") and self.isvc_ready
               and (obj.get("status") or {}).get("observedGeneration") != obj["metadata"]["generation"]):
             # KServe rolls the new generation out, then reports it: until then the status is the last one's
-            threading.Timer(0.05, self._isvc_ready, args=(ns, name, obj["metadata"]["generation"])).start()
+            ready = self._storage_uri(obj["spec"]["predictor"]) is not None
+            threading.Timer(0.05, self._isvc_ready, args=(ns, name, obj["metadata"]["generation"], ready)).start()
 
-    def _isvc_ready(self, ns, name, generation) -> None:
+    def _storage_uri(self, predictor: dict) -> str | None:
+        """Where KServe's storage initializer fetches the model from, found as KServe finds it:
+        the model spec's storageUri, storageUris (0.16 on), or a custom predictor's STORAGE_URI
+        env on its kserve-container."""
+        if uri := (predictor.get("model") or {}).get("storageUri"):
+            return uri
+        if self.kserve_storage_uris and predictor.get("storageUris"):
+            return predictor["storageUris"][0]["uri"]
+        for c in predictor.get("containers") or []:
+            if c.get("name") == "kserve-container":
+                return next((e.get("value") for e in c.get("env") or [] if e["name"] == "STORAGE_URI"), None)
+        return None
+
+    def _isvc_ready(self, ns, name, generation, ready: bool = True) -> None:
         f = self.fake
         try:
             isvc = f.get("inferenceservices", ns, name)
         except ApiError:
             return
+        if ready:
+            conditions = [{"type": "Ready", "status": "True", "lastTransitionTime": now_iso()},
+                          {"type": "PredictorReady", "status": "True", "lastTransitionTime": now_iso()}]
+        else:  # no model was fetched: the predictor finds /mnt/models empty and crash-loops
+            why = {"status": "False", "reason": "CrashLoopBackOff", "lastTransitionTime": now_iso(),
+                   "message": "back-off restarting failed container kserve-container"}
+            conditions = [{"type": "Ready", **why}, {"type": "PredictorReady", **why}]
         isvc["status"] = {"url": f"http://{name}.{ns}.{self.isvc_domain}",
                           "address": {"url": self.isvc_address or f"http://{name}.{ns}.svc.cluster.local"},
-                          "observedGeneration": generation,
-                          "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now_iso()},
-                                         {"type": "PredictorReady", "status": "True", "lastTransitionTime": now_iso()}]}
+                          "observedGeneration": generation, "conditions": conditions}
         f.replace("inferenceservices", ns, name, isvc, status_only=True, check_rv=False)
 
     def _set_job(self, ns, name, ctype, reason, message) -> None:

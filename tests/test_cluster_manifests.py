@@ -88,7 +88,10 @@ def test_inference_service_is_valid():
     p = isvc["spec"]["predictor"]
     assert p["canaryTrafficPercent"] == 10 and p["serviceAccountName"] == "kfp-pytorch-s3"
     c = p["containers"][0]
-    assert p["storageUris"] == [{"uri": "s3://models/run1/model", "mountPath": "/mnt/models"}]
+    # the model is named the way every KServe release reads it for a custom predictor
+    assert "storageUris" not in p and "storageUri" not in p
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["STORAGE_URI"] == "s3://models/run1/model" and env["PROTOCOL"] == "v2"
     assert "--model_uri" in c["args"] and "/mnt/models" in c["args"]
     assert c["command"][-1] == "kfp_pytorch.components.kserve_predictor"
 

@@ -199,7 +199,19 @@ def test_inference_service_ready_and_canary_update(k8s):
     # ready means the new version is rolled out, not the old one's Ready still standing in the status
     assert isvc["metadata"]["generation"] == isvc["status"]["observedGeneration"] == 2
     assert second["updated"] and isvc["spec"]["predictor"]["canaryTrafficPercent"] == 20
-    assert isvc["spec"]["predictor"]["storageUris"][0]["uri"] == "s3://models/run2/model"
+    env = {e["name"]: e["value"] for e in isvc["spec"]["predictor"]["containers"][0]["env"]}
+    assert env["STORAGE_URI"] == "s3://models/run2/model"
+
+
+def test_inference_service_is_ready_on_a_kserve_before_storage_uris(k8s):
+    # KServe before 0.16 has no spec.predictor.storageUris: its CRD pruned the field we wrote,
+    # the storage initializer never ran, and the predictor crash-looped on an empty /mnt/models.
+    fake, api = k8s
+    fake.operator.kserve_storage_uris = False
+    out = io.StringIO()
+    served = ClusterServer(Kube(api), out=out).run(
+        ClusterServeSpec("s3://models/run1/model", "older", "reg/kfp-pytorch:0.1.0", namespace=NS), 10)
+    assert served["url"] == f"http://older.{NS}.example.com", out.getvalue()
 
 
 def test_inference_service_not_ready_times_out(k8s):
