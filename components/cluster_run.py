@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from .cluster import LABEL_PREFIX, ClusterServeSpec, ClusterTrainSpec, to_inference_service, to_pytorchjob, to_trainjob
-from .errors import ConfigError, ServingError, TrainingError
+from .errors import ConfigError, KubernetesUnavailable, ServingError, TrainingError
 from .k8s import Expired, Kube
 
 TERMINAL = {"Succeeded", "Failed"}
@@ -48,6 +48,37 @@ def _pending(pods: list) -> tuple[list, list[str]]:
     return pending, reasons
 
 
+class _Outage:
+    """Rides out an API server that stops answering while we follow an object: a control-plane
+    upgrade, a watch connection that broke or went silent. The object goes on without us, so
+    we re-watch from the last resourceVersion we saw, with backoff, for up to ``limit_s``; only
+    then do we give up, leaving the object as it is."""
+
+    def __init__(self, say, limit_s: float, what: str, hint: str):
+        self.say, self.limit_s, self.what, self.hint = say, limit_s, what, hint
+        self.since: float | None = None
+        self.tries = 0
+
+    def lost(self, e: KubernetesUnavailable) -> None:
+        """Called on each failed watch: say so once, wait, or give up past the limit."""
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+            self.say(f"[kfp-pytorch] lost the Kubernetes API while following {self.what} ({e.message}); "
+                     f"re-watching for up to {_span(self.limit_s)} (the job goes on without us)")
+        if now - self.since >= self.limit_s:
+            raise KubernetesUnavailable(
+                f"the Kubernetes API has not answered for {_span(now - self.since)} while following {self.what} "
+                f"({e.message})", self.hint) from e
+        self.tries += 1
+        time.sleep(min(0.5 * 2 ** min(self.tries - 1, 6), 30.0, max(self.limit_s - (now - self.since), 0.05)))
+
+    def back(self) -> None:
+        if self.since is not None:
+            self.say(f"[kfp-pytorch] the Kubernetes API answers again after {_span(time.monotonic() - self.since)}")
+            self.since, self.tries = None, 0
+
+
 @dataclass
 class ClusterRunResult:
     name: str
@@ -67,6 +98,9 @@ class ClusterTrainer:
     """A job not Running after this long gets its pods' scheduling reasons in the step's log ..."""
     pending_report_every_s = 300.0
     """... and again this often while it waits (each report is one pod list)."""
+    api_outage_s = 600.0
+    """How long an API server that stops answering is waited for (a control-plane upgrade) before
+    the step gives up; the job is left running, and a retry of the step adopts it."""
 
     def __init__(self, kube: Kube, kind: str = "PyTorchJob", delete_policy: str = "on-success",
                  out=None, poll_pods: bool = True):
@@ -109,6 +143,9 @@ class ClusterTrainer:
                 raise KeyboardInterrupt("run terminated")
             prev = signal.signal(signal.SIGTERM, _on_term)
         deleted = False
+        outage = _Outage(self._say, self.api_outage_s, f"{self.kind} {ns}/{name}",
+                         f"the {self.kind} was left as it is: `kubectl -n {ns} get {self.kind.lower()} {name}` shows it; "
+                         "a retry of this step adopts it and follows it on")
         try:
             deadline = t0 + timeout_s
             next_report = t0 + self.pending_report_after_s
@@ -121,6 +158,7 @@ class ClusterTrainer:
                     continue
                 try:
                     for event, o in kube.watch(group, version, plural, ns, name, rv, horizon - time.monotonic()):
+                        outage.back()
                         if event == "DELETED":  # nothing left to follow: the wait would run to the timeout
                             raise TrainingError(f"{self.kind} {ns}/{name} was deleted while {state} (by kubectl or "
                                                 "another controller), before it ended",
@@ -140,9 +178,16 @@ class ClusterTrainer:
                             break
                         if running_at is None and time.monotonic() >= horizon:
                             break  # time to say why it still waits
+                    outage.back()  # the watch ended as the server ends it: the API answers
                 except Expired:  # our RV fell out of the server's history: re-read, re-watch
-                    current = kube.get(group, version, plural, ns, name)
+                    try:
+                        current = kube.get(group, version, plural, ns, name)
+                    except KubernetesUnavailable as e:
+                        outage.lost(e)
+                        continue
                     rv, state = current["metadata"]["resourceVersion"], job_state(current)
+                except KubernetesUnavailable as e:
+                    outage.lost(e)
             if state == "Succeeded":
                 if self.delete_policy in ("on-success", "always"):
                     kube.delete(group, version, plural, ns, name)
@@ -243,6 +288,9 @@ class ClusterTrainer:
 class ClusterServer:
     """Creates (or updates, for a canary) a KServe InferenceService and waits until it is Ready."""
 
+    api_outage_s = 600.0
+    """As ClusterTrainer's: how long an API server that stops answering is waited for."""
+
     def __init__(self, kube: Kube, out=None):
         self.kube = kube
         self.out = out or sys.stdout
@@ -258,6 +306,14 @@ class ClusterServer:
         rv = current["metadata"]["resourceVersion"]
         deadline = time.monotonic() + timeout_s
         said: list[str] = []
+
+        def say(text: str) -> None:
+            self.out.write(text + "\n")
+            self.out.flush()
+
+        outage = _Outage(say, self.api_outage_s, f"InferenceService {ns}/{name}",
+                         f"the InferenceService was left as it is: `kubectl -n {ns} get inferenceservice {name}` "
+                         "shows it; run the serve step again to follow it on")
         while time.monotonic() < deadline:
             if _isvc_ready(current):
                 status = current.get("status") or {}
@@ -271,6 +327,7 @@ class ClusterServer:
                         "infer_url": f"{url}/v2/models/{spec.model_name}/infer", "updated": existed}
             try:
                 for event, o in kube.watch(group, version, plural, ns, name, rv, deadline - time.monotonic()):
+                    outage.back()
                     if event == "DELETED":
                         raise ServingError(f"InferenceService {ns}/{name} was deleted (by kubectl or another "
                                            "controller) before it was Ready", "run the serve step again")
@@ -281,9 +338,16 @@ class ClusterServer:
                         said = why
                         self.out.write(f"[kfp-pytorch] InferenceService {ns}/{name} not ready yet: {'; '.join(why)}\n")
                         self.out.flush()
+                outage.back()
             except Expired:
-                current = kube.get(group, version, plural, ns, name)
+                try:
+                    current = kube.get(group, version, plural, ns, name)
+                except KubernetesUnavailable as e:
+                    outage.lost(e)
+                    continue
                 rv = current["metadata"]["resourceVersion"]
+            except KubernetesUnavailable as e:
+                outage.lost(e)
         reasons = _not_ready(current)
         raise ServingError(f"InferenceService {ns}/{name} not Ready within {timeout_s:g}s"
                            + (f" ({'; '.join(reasons)})" if reasons else ""),

@@ -87,6 +87,11 @@ class KubernetesError(KfpPytorchError):
     """The Kubernetes API refused or failed a request."""
 
 
+class KubernetesUnavailable(KubernetesError, TemporaryError):
+    """The API server did not answer, or a watch's connection broke or went silent (a control-plane
+    upgrade, a load balancer that dropped an idle connection). The jobs go on without us."""
+
+
 class KubernetesForbidden(KubernetesError):
     """RBAC denied a verb on a resource; the message names both."""
 

@@ -9,7 +9,7 @@ Everything else about jobs (what to build, what a condition means) lives in pure
 import json
 import threading
 
-from .errors import CrdNotInstalled, KubernetesError, KubernetesForbidden
+from .errors import CrdNotInstalled, KubernetesError, KubernetesForbidden, KubernetesUnavailable
 
 INSTALL_HINTS = {
     "kubeflow.org": ("the Kubeflow Training Operator (PyTorchJob, kubeflow.org/v1)",
@@ -48,10 +48,24 @@ def map_api_error(e, verb: str, resource: str, group: str = "", namespace: str |
     return KubernetesError(f"Kubernetes API error on {verb} {resource}{where}: {status} {_message(e)}")
 
 
-class Kube:
-    """Thin facade over the official client; counts API calls (for the watcher benchmark)."""
+def unavailable(e: Exception, verb: str, resource: str, namespace: str | None = None) -> KubernetesUnavailable:
+    """A connection-level failure (urllib3: refused, reset, broken mid-stream, timed out) -> our error."""
+    reason = getattr(e, "reason", None) or e
+    where = f" in namespace {namespace!r}" if namespace else ""
+    return KubernetesUnavailable(f"the Kubernetes API did not answer: {verb} {resource}{where} ({type(reason).__name__})",
+                                 "check that the API server is up and reachable from here")
 
-    def __init__(self, api_client=None):
+
+class Kube:
+    """Thin facade over the official client; counts API calls (for the watcher benchmark).
+
+    A watch asks the server to end it within ``watch_window_s`` and reads it with a client-side
+    timeout ``watch_slack_s`` longer. Without one, a connection that went silent (a load
+    balancer dropping an idle connection, a half-open socket after an API server restart) blocks
+    the read for ever: the server-side ``timeoutSeconds`` alone cannot end a stream that no
+    longer reaches us (kubernetes-client/python's known hanging watch)."""
+
+    def __init__(self, api_client=None, watch_window_s: float = 300.0, watch_slack_s: float = 30.0):
         from kubernetes import client, config
 
         if api_client is None:
@@ -72,12 +86,14 @@ class Kube:
         self.custom = client.CustomObjectsApi(api_client)
         self.calls = 0
         self._lock = threading.Lock()
+        self.watch_window_s, self.watch_slack_s = watch_window_s, watch_slack_s
 
     def _count(self) -> None:
         with self._lock:
             self.calls += 1
 
     def _call(self, verb, resource, group, namespace, fn, *args, **kw):
+        import urllib3
         from kubernetes.client.rest import ApiException
 
         self._count()
@@ -85,6 +101,8 @@ class Kube:
             return fn(*args, **kw)
         except ApiException as e:
             raise map_api_error(e, verb, resource, group, namespace) from e
+        except urllib3.exceptions.HTTPError as e:
+            raise unavailable(e, verb, resource, namespace) from e
 
     # -- custom objects --------------------------------------------------------------------------
     @staticmethod
@@ -94,6 +112,7 @@ class Kube:
 
     def create_or_adopt(self, obj: dict, match_labels: dict) -> tuple[dict, bool]:
         """Create; if it exists and carries ``match_labels``, adopt it (a retried task), else refuse."""
+        import urllib3
         from kubernetes.client.rest import ApiException
 
         group, version, plural = self.gvp(obj)
@@ -104,6 +123,8 @@ class Kube:
         except ApiException as e:
             if e.status != 409:
                 raise map_api_error(e, "create", plural, group, ns) from e
+        except urllib3.exceptions.HTTPError as e:
+            raise unavailable(e, "create", plural, ns) from e
         existing = self.get(group, version, plural, ns, name)
         labels = existing["metadata"].get("labels") or {}
         if any(labels.get(k) != v for k, v in match_labels.items()):
@@ -115,6 +136,7 @@ class Kube:
         return self._call("get", plural, group, ns, self.custom.get_namespaced_custom_object, group, version, ns, plural, name)
 
     def delete(self, group, version, plural, ns, name) -> None:
+        import urllib3
         from kubernetes.client.rest import ApiException
 
         self._count()
@@ -123,27 +145,35 @@ class Kube:
         except ApiException as e:
             if e.status != 404:
                 raise map_api_error(e, "delete", plural, group, ns) from e
+        except urllib3.exceptions.HTTPError as e:
+            raise unavailable(e, "delete", plural, ns) from e
 
     def patch(self, group, version, plural, ns, name, body: dict) -> dict:
         return self._call("patch", plural, group, ns, self.custom.patch_namespaced_custom_object,
                           group, version, ns, plural, name, body)
 
     def watch(self, group, version, plural, ns, name, resource_version: str, timeout: float):
-        """Yield (type, object) for one object from ``resource_version``; raises 410 as ``Expired``."""
+        """Yield (type, object) for one object from ``resource_version``, for at most ``timeout``
+        (and the watch window); raises 410 as ``Expired``, a broken or silent connection as
+        ``KubernetesUnavailable``. Callers re-watch from the last resourceVersion they saw."""
+        import urllib3
         from kubernetes import watch
         from kubernetes.client.rest import ApiException
 
         self._count()
         w = watch.Watch()
+        window = max(1, int(min(timeout, self.watch_window_s)))
         try:
             for ev in w.stream(self.custom.list_namespaced_custom_object, group, version, ns, plural,
                                field_selector=f"metadata.name={name}", resource_version=resource_version,
-                               timeout_seconds=max(1, int(timeout))):
+                               timeout_seconds=window, _request_timeout=(10, window + self.watch_slack_s)):
                 yield ev["type"], ev["object"]
         except ApiException as e:
             if e.status == 410:
                 raise Expired() from e
             raise map_api_error(e, "watch", plural, group, ns) from e
+        except urllib3.exceptions.HTTPError as e:
+            raise unavailable(e, "watch", plural, ns) from e
         finally:
             w.stop()
 

@@ -1,5 +1,6 @@
 """Shared fixtures: real servers (session scope, 127.0.0.1, stopped by PID) and prepared data."""
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,9 @@ def k8s(_fake_k8s_server):
         fake.missing_groups.clear()
         fake.requests.clear()
         fake.operator.isvc_ready = True
+        fake.watch_faults.clear()
+        fake.unstall.set()
+        fake.unstall = threading.Event()
         fake.operator.kserve_storage_uris = True
     cfg = client.Configuration()
     cfg.host = url

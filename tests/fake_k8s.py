@@ -203,6 +203,11 @@ class FakeCluster:
         self.missing_groups: set[str] = set()
         """API groups whose CRDs are 'not installed' (404)."""
         self.requests: list[tuple[str, str]] = []
+        self.watch_faults: list[str] = []
+        """What the next watches meet, one entry each: "drop" (the connection breaks mid-stream,
+        as when the API server restarts) or "stall" (the stream goes silent and never ends, as a
+        connection a load balancer dropped without telling us)."""
+        self.unstall = threading.Event()
         self.operator = Operator(self)
         self.server = None
 
@@ -217,6 +222,7 @@ class FakeCluster:
         return url
 
     def stop(self) -> None:
+        self.unstall.set()
         stop_http(self.server)
         with self.cond:
             self.cond.notify_all()
@@ -598,6 +604,17 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
+        with f.lock:
+            fault = f.watch_faults.pop(0) if f.watch_faults else None
+        if fault == "drop":
+            self.wfile.write(b"40\r\n{\"type\": \"MODIFIED\"")  # a chunk cut short, then the socket closes
+            self.wfile.flush()
+            self.close_connection = True
+            return
+        if fault == "stall":
+            f.unstall.wait(600)
+            self.close_connection = True
+            return
         deadline = time.monotonic() + timeout
         with f.cond:
             if since and f.events and since < f.events[0][0] - 1:

@@ -9,7 +9,8 @@ import pytest
 
 from kfp_pytorch.components.cluster import ClusterServeSpec, ClusterTrainSpec
 from kfp_pytorch.components.cluster_run import ClusterServer, ClusterTrainer
-from kfp_pytorch.components.errors import CrdNotInstalled, KubernetesForbidden, ServingError, TrainingError
+from kfp_pytorch.components.errors import (CrdNotInstalled, KubernetesForbidden, KubernetesUnavailable, ServingError,
+                                           TrainingError)
 from kfp_pytorch.components.k8s import Kube
 from kfp_pytorch.components.train import TrainSpec
 
@@ -55,6 +56,37 @@ def test_job_runs_streams_master_log_and_is_cleaned_up(k8s):
     assert "epoch 2/2 loss=0.2" in text and "Running" in text
     assert res.api_calls <= 8  # create, one watch, pod list, log follow, delete: O(status changes)
     assert fake.list("pytorchjobs", NS) == []
+
+
+def test_following_a_job_rides_out_a_broken_and_a_silent_watch(k8s):
+    # An API server restart breaks the watch mid-stream, and a load balancer that drops an idle
+    # connection leaves it silent for ever. The first ended the step with a bare urllib3
+    # traceback although the job ran on; the second hung the step until KFP's own timeout.
+    fake, api = k8s
+    s = spec(nodes=1)
+    fake.watch_faults = ["drop", "stall"]
+    out = io.StringIO()
+    names = [f"{s.name}-master-0"]
+    drive(fake, s.name, 1, [[(names[0], "Running")], [(names[0], "Succeeded")]], delay=0.5)
+    res = ClusterTrainer(Kube(api, watch_window_s=2, watch_slack_s=1), out=out).run(s, timeout_s=60)
+    text = out.getvalue()
+    assert res.state == "Succeeded", text
+    assert f"lost the Kubernetes API while following PyTorchJob {NS}/{s.name}" in text, text
+    assert "(the job goes on without us)" in text and "the Kubernetes API answers again after" in text, text
+    assert fake.watch_faults == []  # both faults met, and followed past
+
+
+def test_an_api_that_stays_away_ends_the_step_and_leaves_the_job(k8s):
+    fake, api = k8s
+    s = spec(nodes=1)
+    trainer = ClusterTrainer(Kube(api, watch_window_s=1, watch_slack_s=0.5), out=io.StringIO())
+    trainer.api_outage_s = 1.5
+    fake.watch_faults = ["drop"] * 50
+    with pytest.raises(KubernetesUnavailable) as e:
+        trainer.run(s, timeout_s=60)
+    assert "has not answered for" in e.value.message and f"while following PyTorchJob {NS}/{s.name}" in e.value.message
+    assert f"kubectl -n {NS} get pytorchjob {s.name}" in e.value.hint and "adopts it" in e.value.hint
+    assert [o["metadata"]["name"] for o in fake.list("pytorchjobs", NS)] == [s.name]  # left running, not deleted
 
 
 def test_retried_task_adopts_its_job(k8s):
@@ -212,6 +244,16 @@ def test_inference_service_is_ready_on_a_kserve_before_storage_uris(k8s):
     served = ClusterServer(Kube(api), out=out).run(
         ClusterServeSpec("s3://models/run1/model", "older", "reg/kfp-pytorch:0.1.0", namespace=NS), 10)
     assert served["url"] == f"http://older.{NS}.example.com", out.getvalue()
+
+
+def test_waiting_for_an_inference_service_rides_out_a_silent_watch(k8s):
+    fake, api = k8s
+    fake.watch_faults = ["stall"]
+    out = io.StringIO()
+    served = ClusterServer(Kube(api, watch_window_s=2, watch_slack_s=1), out=out).run(
+        ClusterServeSpec("s3://models/run1/model", "quiet", "reg/kfp-pytorch:0.1.0", namespace=NS), 30)
+    assert served["url"] == f"http://quiet.{NS}.example.com"
+    assert f"lost the Kubernetes API while following InferenceService {NS}/quiet" in out.getvalue()
 
 
 def test_inference_service_not_ready_times_out(k8s):
