@@ -10,6 +10,8 @@ fairness labels (``add_pod_label``); GPU steps get node selectors and toleration
     labels: {kfp-pytorch.io/user: alice, kfp-pytorch.io/team: vision}
     gpu_node_selector: {nvidia.com/gpu.present: "true"}
     gpu_tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]
+    retries: 2             # each step, again after a failure (KFP's retry policy) ...
+    retry_backoff_s: 60    # ... after 60 s, then 120 s, ...
 """
 import re
 from dataclasses import dataclass, field, fields
@@ -33,6 +35,13 @@ class Platform:
     labels: dict = field(default_factory=dict)
     gpu_node_selector: dict = field(default_factory=dict)
     gpu_tolerations: list = field(default_factory=list)
+    retries: int = 0
+    """KFP retries each step this many times after a failure (an evicted pod, a preempted node, a
+    storage or API outage). The steps are safe to retry: a cluster step adopts the job or
+    InferenceService its failed attempt made (both named by run and task) and training resumes
+    from its last checkpoint."""
+    retry_backoff_s: int = 60
+    """The wait before the first retry; it doubles for each next one (KFP's backoff factor 2)."""
 
 
 _KNOWN = tuple(f.name for f in fields(Platform))
@@ -82,6 +91,10 @@ def load_platform(data: dict | None) -> Platform:
                 if not isinstance(v, str) or not _ENV_NAME.match(v):
                     problems.append(f"s3_keys.{k}: {v!r} is not a valid environment variable name")
             problems += s3_keys_problems(keys, "s3_keys")  # the storage client reads these two
+    for k, lo, hi in (("retries", 0, 10), ("retry_backoff_s", 0, 3600)):
+        v = data.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
+            problems.append(f"{k}: must be a whole number in [{lo}, {hi}], got {v!r}")
     for where in ("labels", "gpu_node_selector"):
         problems += label_problems(data.get(where) or {}, where)
     problems += toleration_problems(data.get("gpu_tolerations") or [], "gpu_tolerations")
@@ -123,6 +136,10 @@ def apply_platform(task, platform: Platform | None, gpu: bool = False):
         task.set_env_variable(k, v)
     for k, v in platform.labels.items():
         kubernetes.add_pod_label(task, k, v)
+    if platform.retries:
+        # KFP retries a failed step's pod; backoff_max_duration bounds all the retries together
+        task.set_retry(num_retries=platform.retries, backoff_duration=f"{platform.retry_backoff_s}s",
+                       backoff_factor=2.0, backoff_max_duration="3600s")
     if gpu:
         for k, v in platform.gpu_node_selector.items():
             kubernetes.add_node_selector(task, k, v)

@@ -412,6 +412,29 @@ def test_compile_with_platform_settings(tmp_path):
     assert env["KFP_PYTORCH_S3_SECRET"] == "minio-creds" and json.loads(env["KFP_PYTORCH_POD_LABELS"]) == {
         "kfp-pytorch.io/user": "alice"}
     assert json.loads(env["KFP_PYTORCH_GPU_TOLERATIONS"])[0]["key"] == "nvidia.com/gpu"
+    assert not any("retryPolicy" in t for t in _tasks(pipeline))  # no retries unless asked for
+
+
+def _tasks(pipeline: dict) -> list[dict]:
+    """Every task of a compiled pipeline, inside its condition branches too."""
+    return [t for comp in [pipeline["root"], *pipeline["components"].values()]
+            for t in ((comp.get("dag") or {}).get("tasks") or {}).values()]
+
+
+def test_a_platform_with_retries_sets_kfps_retry_policy_on_every_step(tmp_path):
+    plat = tmp_path / "platform.yaml"
+    plat.write_text("retries: 2\nretry_backoff_s: 30\n")
+    out = tmp_path / "p.yaml"
+    r = run_cli("compile", "train_and_serve", "-o", str(out), "--platform", str(plat))
+    assert r.returncode == 0, r.stderr
+    pipeline = list(yaml.safe_load_all(out.read_text()))[0]
+    json_format.ParseDict(pipeline, pipeline_spec_pb2.PipelineSpec())
+    policies = {t["componentRef"]["name"]: t.get("retryPolicy") for t in _tasks(pipeline)
+                if t["componentRef"]["name"].endswith("-op")}
+    assert set(policies) == {"comp-prepare-data-op", "comp-train-op", "comp-evaluate-op", "comp-register-op",
+                             "comp-serve-op"}, policies
+    for p in policies.values():
+        assert p["maxRetryCount"] == 2 and p["backoffDuration"] == "30s" and p["backoffFactor"] == 2.0
 
 
 def test_bad_platform_file_is_reported(tmp_path):
@@ -432,6 +455,8 @@ def test_bad_platform_file_is_reported(tmp_path):
     ("\x81\x00\xff", "platform.yaml: not UTF-8 text"),  # a binary file was a UnicodeDecodeError traceback
     ("s3_endpoint: ftp://minio:9000\n", "s3_endpoint: 'ftp://minio:9000' is not an S3 endpoint; write http(s)://HOST[:PORT]"),
     ("s3_endpoint: http://minio:9000/bucket\n", "s3_endpoint: 'http://minio:9000/bucket' is not an S3 endpoint"),
+    ("retries: -1\nretry_backoff_s: soon\n", "retries: must be a whole number in [0, 10], got -1"),
+    ("retry_backoff_s: 1.5\n", "retry_backoff_s: must be a whole number in [0, 3600], got 1.5"),
     ("mlflow_tracking_uri: sqlite:///mlflow.db\n",
      "mlflow_tracking_uri: 'sqlite:///mlflow.db' is not an MLflow server; write http(s)://HOST[:PORT]"),
 ])
