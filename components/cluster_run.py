@@ -134,6 +134,8 @@ class ClusterTrainer:
         t0 = time.monotonic()
         current, adopted = kube.create_or_adopt(obj, labels)
         self._say(f"[kfp-pytorch] {'adopted existing' if adopted else 'created'} {self.kind} {ns}/{name}")
+        if adopted and job_state(current) == "Failed":
+            current = self._start_again(obj, current, labels)
         state, running_at, log_thread = job_state(current), None, None
         rv = current["metadata"]["resourceVersion"]
         prev = None
@@ -209,6 +211,27 @@ class ClusterTrainer:
                 signal.signal(signal.SIGTERM, prev)
             if log_thread is not None:
                 log_thread.join(timeout=2)
+
+    def _start_again(self, obj: dict, failed: dict, labels: dict) -> dict:
+        """A job of this run and task that failed in an earlier attempt: the step is being retried
+        (KFP's retry policy, or a retried run), so it gets a new job rather than the old failure
+        again. Training resumes from the last checkpoint the failed job saved."""
+        kube = self.kube
+        group, version, plural = kube.gvp(obj)
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        why = _condition_message(failed, "Failed")
+        self._say(f"[kfp-pytorch] {self.kind} {ns}/{name} failed in an earlier attempt"
+                  + (f" ({why})" if why else "") + "; deleting it to start it again (training resumes from its "
+                  "last checkpoint)")
+        kube.delete(group, version, plural, ns, name, foreground=True)
+        if not kube.wait_gone(group, version, plural, ns, name, timeout=self.api_outage_s):
+            raise TrainingError(f"{self.kind} {ns}/{name} of an earlier, failed attempt is still being deleted after "
+                                f"{_span(self.api_outage_s)}",
+                                f"`kubectl -n {ns} get pods -l {self._selector(name)}` shows what holds it up; "
+                                "retry the step once it is gone")
+        current, _ = kube.create_or_adopt(obj, labels)
+        self._say(f"[kfp-pytorch] created {self.kind} {ns}/{name} anew")
+        return current
 
     def _operator(self) -> str:
         """What creates this kind's pods."""

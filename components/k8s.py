@@ -135,18 +135,40 @@ class Kube:
     def get(self, group, version, plural, ns, name) -> dict:
         return self._call("get", plural, group, ns, self.custom.get_namespaced_custom_object, group, version, ns, plural, name)
 
-    def delete(self, group, version, plural, ns, name) -> None:
+    def delete(self, group, version, plural, ns, name, foreground: bool = False) -> None:
+        """Delete (a 404 is fine). ``foreground``: the object stays, being deleted, until its pods are
+        gone, so that a job of the same name created after :meth:`wait_gone` meets no old pods."""
         import urllib3
         from kubernetes.client.rest import ApiException
 
         self._count()
         try:
-            self.custom.delete_namespaced_custom_object(group, version, ns, plural, name)
+            self.custom.delete_namespaced_custom_object(
+                group, version, ns, plural, name, propagation_policy="Foreground" if foreground else None)
         except ApiException as e:
             if e.status != 404:
                 raise map_api_error(e, "delete", plural, group, ns) from e
         except urllib3.exceptions.HTTPError as e:
             raise unavailable(e, "delete", plural, ns) from e
+
+    def wait_gone(self, group, version, plural, ns, name, timeout: float = 300.0) -> bool:
+        """Poll until the object is gone (404); False if it is still there after ``timeout``."""
+        import time
+
+        from kubernetes.client.rest import ApiException
+
+        deadline = time.monotonic() + timeout
+        while True:
+            self._count()
+            try:
+                self.custom.get_namespaced_custom_object(group, version, ns, plural, name)
+            except ApiException as e:
+                if e.status == 404:
+                    return True
+                raise map_api_error(e, "get", plural, group, ns) from e
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)
 
     def patch(self, group, version, plural, ns, name, body: dict) -> dict:
         return self._call("patch", plural, group, ns, self.custom.patch_namespaced_custom_object,

@@ -123,6 +123,40 @@ def test_failure_names_replica_reason_and_log(k8s):
     assert fake.list("pytorchjobs", NS)  # on-success policy keeps failed jobs for debugging
 
 
+def test_a_retried_step_starts_a_job_that_failed_in_its_earlier_attempt_again(k8s):
+    # With a retry policy (platform `retries`) the retried step adopted the failed job of its
+    # earlier attempt and failed again at once: no retry ever trained.
+    fake, api = k8s
+    s = spec(nodes=1)
+    kube = Kube(api)
+    old = kube.create_or_adopt(ClusterTrainer(kube).manifest(s), {})[0]
+    m = f"{s.name}-master-0"
+    drive(fake, s.name, 1, [[(m, "Running")], [(m, "Failed", "Evicted")]], delay=0.05)
+    deadline = time.monotonic() + 10
+    while "Failed" not in str(fake.get("pytorchjobs", NS, s.name).get("status")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    def recreated() -> bool:
+        jobs = fake.list("pytorchjobs", NS)
+        return bool(jobs) and jobs[0]["metadata"]["uid"] != old["metadata"]["uid"] and bool(pods_of(fake, s.name))
+
+    def second_attempt():  # the kubelet moves the new job's pod, once there is one
+        deadline = time.monotonic() + 20
+        while not recreated() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        drive(fake, s.name, 1, [[(m, "Running")], [(m, "Succeeded")]], delay=0.3)
+
+    seen = len(fake.requests)
+    threading.Thread(target=second_attempt, daemon=True).start()
+    out = io.StringIO()
+    res = ClusterTrainer(kube, out=out).run(s, timeout_s=30)
+    text = out.getvalue()
+    assert res.state == "Succeeded" and res.adopted, text
+    assert f"PyTorchJob {NS}/{s.name} failed in an earlier attempt (PyTorchJob {s.name} is failed" in text, text
+    assert "deleting it to start it again" in text and "created PyTorchJob" in text and "anew" in text, text
+    assert ("delete", "pytorchjobs") in fake.requests[seen:]
+    assert fake.list("pytorchjobs", NS) == []  # the new one succeeded and was cleaned up
+
+
 def test_unplaceable_gang_fails_at_timeout_with_reason(k8s):
     fake, api = k8s
     s = spec(nodes=4)
