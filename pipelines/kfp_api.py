@@ -29,7 +29,22 @@ class KfpApiUnavailable(KfpApiError, TemporaryError):
 GATEWAY_DOWN = (502, 503, 504)
 
 
-def _check_host(host: str, token: str | None) -> None:
+def projected_token() -> tuple[str | None, str]:
+    """The token kfp.Client uses by itself when none is given: the projected service-account token
+    a Kubeflow notebook gets (PodDefault "access-ml-pipeline"), at $KF_PIPELINES_SA_TOKEN_PATH or
+    /var/run/secrets/kubeflow/pipelines/token; (None, path) when there is none."""
+    import os
+
+    from kfp.client import KF_PIPELINES_SA_TOKEN_ENV, KF_PIPELINES_SA_TOKEN_PATH
+
+    path = os.environ.get(KF_PIPELINES_SA_TOKEN_ENV) or KF_PIPELINES_SA_TOKEN_PATH
+    try:
+        return Path(path).read_text().strip() or None, path
+    except OSError:  # not in a Kubeflow notebook: no such file
+        return None, path
+
+
+def _check_host(host: str, token: str | None, source: str = "--token / KF_PIPELINES_TOKEN") -> None:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         r = requests.get(f"{host.rstrip('/')}/apis/v2beta1/healthz", headers=headers, timeout=5, allow_redirects=False)
@@ -38,18 +53,33 @@ def _check_host(host: str, token: str | None) -> None:
                           "check --host (e.g. kubectl -n kubeflow port-forward svc/ml-pipeline-ui 8080:80, then "
                           "--host http://127.0.0.1:8080)") from e
     if r.status_code in (401, 403) or (300 <= r.status_code < 400 and "oauth" in r.headers.get("Location", "") + r.text):
-        raise KfpApiError(f"the KFP API at {host} requires authentication (HTTP {r.status_code})",
-                          "pass --token or set KF_PIPELINES_TOKEN (a service-account token with access to the namespace)")
+        sent = f"; it refused {source}" if token else ""
+        raise KfpApiError(f"the KFP API at {host} requires authentication (HTTP {r.status_code}){sent}",
+                          "pass --token or set KF_PIPELINES_TOKEN (a service-account token with access to the "
+                          "namespace); in a Kubeflow notebook, enable the PodDefault 'Allow access to Kubeflow "
+                          "Pipelines', which projects one")
 
 
 class KfpApi:
     def __init__(self, host: str, namespace: str | None = None, token: str | None = None):
         import kfp
 
-        _check_host(host, token)
+        if token:
+            _check_host(host, token)
+            self.client = kfp.Client(host=host, namespace=namespace or "", existing_token=token)
+        else:
+            # In a Kubeflow notebook the token is a projected file the kubelet rotates (about
+            # hourly). kfp.Client reads it by itself only when no host is given, so with --host
+            # it sent none; its credentials hook re-reads the file for each request, so a run
+            # followed for hours keeps a valid token.
+            from kfp.client.set_volume_credentials import ServiceAccountTokenVolumeCredentials
+
+            projected, path = projected_token()
+            _check_host(host, projected, f"the projected service-account token {path}")
+            self.client = kfp.Client(host=host, namespace=namespace or "", credentials=(
+                ServiceAccountTokenVolumeCredentials(path) if projected else None))
         self.host = host
         self.namespace = namespace
-        self.client = kfp.Client(host=host, namespace=namespace or "", existing_token=token)
 
     def _call(self, what: str, fn, *a, **kw):
         import kfp_server_api

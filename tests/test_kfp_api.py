@@ -383,6 +383,31 @@ def test_unreachable_host_and_auth(kfp_server):
     assert "s3cr3t-token" not in r.stdout + r.stderr
 
 
+def test_a_kubeflow_notebook_authenticates_with_its_projected_service_account_token(kfp_server, tmp_path, monkeypatch):
+    # In a Kubeflow notebook (PodDefault "access-ml-pipeline") the token is a projected file that
+    # kfp.Client reads by itself; our reachability check did not, and refused with "requires
+    # authentication" before kfp.Client could use it.
+    fake, url = kfp_server
+    fake.require_token = "projected-sa-token"
+    token = tmp_path / "token"
+    token.write_text("projected-sa-token\n")
+    r = cli("runs", "--host", url, "--json", env={"KF_PIPELINES_SA_TOKEN_PATH": str(token)})
+    assert r.returncode == 0, r.stderr
+    assert "projected-sa-token" not in r.stdout + r.stderr
+    # the kubelet rotates the file about hourly: a run followed for hours reads the new one
+    from kfp_pytorch.pipelines.kfp_api import KfpApi
+
+    token.write_text("projected-sa-token")
+    monkeypatch.setenv("KF_PIPELINES_SA_TOKEN_PATH", str(token))
+    api = KfpApi(url)
+    token.write_text("rotated-token")
+    fake.require_token = "rotated-token"
+    assert api.experiment_names() == []
+    token.write_text("expired-token")
+    r = cli("runs", "--host", url, env={"KF_PIPELINES_SA_TOKEN_PATH": str(token)})
+    assert r.returncode == 3 and "requires authentication" in r.stderr and str(token) in r.stderr, r.stderr
+
+
 def test_bad_parameters_are_rejected_before_any_request(kfp_server):
     fake, url = kfp_server
     r = cli("submit", "train_and_serve", "--host", url, "--param", "epochz=3")
