@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from .cluster import LABEL_PREFIX, ClusterServeSpec, ClusterTrainSpec, to_inference_service, to_pytorchjob, to_trainjob
-from .errors import ConfigError, KubernetesUnavailable, ServingError, TrainingError
+from .errors import ConfigError, KubernetesError, KubernetesUnavailable, ServingError, TrainingError
 from .k8s import Expired, Kube
 
 TERMINAL = {"Succeeded", "Failed"}
@@ -255,7 +255,11 @@ class ClusterTrainer:
                   + (f" ({'; '.join(reasons)})" if reasons else ""))
 
     def _start_log_stream(self, ns: str, name: str):
-        pods = self.kube.pods(ns, self._selector(name))
+        try:
+            pods = self.kube.pods(ns, self._selector(name))
+        except KubernetesError as e:  # best effort: the watch decides the outcome
+            self._say(f"[kfp-pytorch] the master's log is not streamed: its pod could not be found ({e.message})")
+            return None
         master = [p for p in pods if (p.metadata.labels or {}).get("training.kubeflow.org/replica-type") in ("master", None)]
         if not master:
             return None

@@ -89,6 +89,20 @@ def test_an_api_that_stays_away_ends_the_step_and_leaves_the_job(k8s):
     assert [o["metadata"]["name"] for o in fake.list("pytorchjobs", NS)] == [s.name]  # left running, not deleted
 
 
+def test_a_log_stream_that_cannot_start_does_not_fail_a_job_that_succeeds(k8s):
+    # Listing pods (to find the master's) is not granted by every namespace's Role: the step
+    # failed with 403 though the job itself went on and succeeded.
+    fake, api = k8s
+    s = spec(nodes=1)
+    fake.denied.add(("list", "pods"))
+    out = io.StringIO()
+    m = f"{s.name}-master-0"
+    drive(fake, s.name, 1, [[(m, "Running")], [(m, "Succeeded")]])
+    res = ClusterTrainer(Kube(api), out=out).run(s, timeout_s=20)
+    assert res.state == "Succeeded", out.getvalue()
+    assert "the master's log is not streamed: its pod could not be found (forbidden: cannot list pods" in out.getvalue()
+
+
 def test_retried_task_adopts_its_job(k8s):
     fake, api = k8s
     s = spec(nodes=1)
