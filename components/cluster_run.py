@@ -276,8 +276,17 @@ class ClusterTrainer:
         t.start()
         return t
 
+    def _pods_or_none(self, ns: str, name: str) -> list | None:
+        """The job's pods, or None when they cannot be listed (no right to, an API outage): what
+        went wrong with the job is said from its own conditions then, not lost to this error."""
+        try:
+            return self.kube.pods(ns, self._selector(name))
+        except KubernetesError as e:
+            self._say(f"[kfp-pytorch] the pods of {self.kind} {ns}/{name} could not be listed ({e.message})")
+            return None
+
     def _failure(self, ns: str, name: str, job: dict) -> TrainingError:
-        pods = self.kube.pods(ns, self._selector(name))
+        pods = self._pods_or_none(ns, name) or []
         failed = [p for p in pods if p.status and p.status.phase == "Failed"]
         detail = _condition_message(job, "Failed")
         if failed:
@@ -296,7 +305,10 @@ class ClusterTrainer:
         return TrainingError(f"{self.kind} {ns}/{name} failed: {detail}")
 
     def _timeout(self, ns: str, name: str, timeout_s: float) -> TrainingError:
-        pods = self.kube.pods(ns, self._selector(name))
+        pods = self._pods_or_none(ns, name)
+        if pods is None:
+            return TrainingError(f"{self.kind} {ns}/{name} did not finish within {timeout_s:g}s",
+                                 f"`kubectl -n {ns} describe {self.kind.lower()} {name}` and its pods show why")
         pending, reasons = _pending(pods)
         if pending:
             return TrainingError(

@@ -101,6 +101,12 @@ def test_a_log_stream_that_cannot_start_does_not_fail_a_job_that_succeeds(k8s):
     res = ClusterTrainer(Kube(api), out=out).run(s, timeout_s=20)
     assert res.state == "Succeeded", out.getvalue()
     assert "the master's log is not streamed: its pod could not be found (forbidden: cannot list pods" in out.getvalue()
+    # a failure is still reported from the job's own conditions
+    s2 = spec(nodes=1)  # the same run and task: the succeeded job was deleted
+    m2 = f"{s2.name}-master-0"
+    drive(fake, s2.name, 1, [[(m2, "Running")], [(m2, "Failed", "OOMKilled")]])
+    with pytest.raises(TrainingError, match=f"PyTorchJob {NS}/{s2.name} failed: PyTorchJob {s2.name} is failed"):
+        ClusterTrainer(Kube(api), out=io.StringIO()).run(s2, timeout_s=20)
 
 
 def test_retried_task_adopts_its_job(k8s):
