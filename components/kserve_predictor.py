@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import uuid
 
 import kserve
@@ -22,6 +23,7 @@ import numpy as np
 from kserve import InferOutput, InferRequest, InferResponse
 from kserve.errors import InvalidInput
 
+from .errors import KfpPytorchError
 from .predictor import ModelRunner, names_of
 
 
@@ -112,7 +114,15 @@ def main() -> None:
         parser.error(f"KFP_PYTORCH_SERVE_THREADS: must be an integer >= 1, got {threads!r}")
     torch.set_num_threads(int(threads))
     model = TorchPredictor(args.model_name, args.model_uri)
-    model.load()
+    try:
+        model.load()
+    except KfpPytorchError as e:  # the container's log says what and what to check, not a traceback
+        if os.path.abspath(args.model_uri) == "/mnt/models":
+            e.hint = ("KServe's storage initializer fills /mnt/models from STORAGE_URI on the kserve-container: check "
+                      "that it names the model/ directory train wrote, and the initializer's log "
+                      "(kubectl logs POD -c storage-initializer)")
+        print(f"Error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
     kserve.ModelServer(http_port=args.http_port, grpc_port=args.grpc_port, enable_grpc=args.enable_grpc,
                        workers=args.workers).start([model])
 

@@ -375,6 +375,19 @@ def test_a_bad_thread_count_stops_the_predictor_with_its_name(trained_model):
     assert "Traceback" not in r.stderr
 
 
+def test_a_predictor_without_its_model_says_so_in_its_log_not_a_traceback(tmp_path):
+    # an InferenceService whose storage initializer fetched nothing: the container log is what
+    # `kubectl logs` shows the user
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kfp_pytorch.components.kserve_predictor", "--model_name", "x",
+                        "--model_uri", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert f"Error: no trained model at {tmp_path} (metadata.json missing)" in r.stderr
+    assert "hint: point model_uri at the model/ directory written by train" in r.stderr
+
+
 def test_a_text_label_column_is_trained_evaluated_and_served_by_name(tmp_path):
     from kfp_pytorch.components.evaluate import EvaluateSpec, evaluate
     from kfp_pytorch.components.prepare_data import PrepareSpec, load_table, prepare_data
