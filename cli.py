@@ -305,18 +305,20 @@ def serve_stop(names, stop_all):
               help="The model directory, to match columns by feature name (a local server's record has it).")
 @click.option("--host-header", default=None,
               help="With --url pointing at the ingress gateway: the InferenceService's host (its status.url's).")
+@click.option("--token", envvar="KFP_PYTORCH_SERVE_TOKEN", default=None,
+              help="With --url: a bearer token for a gateway that authenticates (or KFP_PYTORCH_SERVE_TOKEN).")
 @click.option("--label-column", default="label", show_default=True,
               help="Compared with the predictions when present; never sent.")
 @click.option("--batch-size", default=256, show_default=True, type=click.IntRange(1, 65536))
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write the predictions as CSV here (default: stdout).")
-def serve_predict(name, table, url, model_uri, host_header, label_column, batch_size, output):
+def serve_predict(name, table, url, model_uri, host_header, token, label_column, batch_size, output):
     """Predict every row of TABLE (CSV or Parquet: a path, s3://..., or sample://digits) with the
     model server NAME, and write row, prediction, confidence (and the row's label) as CSV."""
     from kfp_pytorch.components.batch_predict import predict_table, resolve_target
     from kfp_pytorch.components.prepare_data import load_table
 
-    target = resolve_target(name, url, model_uri, host_header)
+    target = resolve_target(name, url, model_uri, host_header, token)
     frame = load_table(table, label_column=label_column)
     show = sys.stderr.isatty() and len(frame) > batch_size
     with click.progressbar(length=len(frame), label="predicting", file=sys.stderr) if show else nullcontext() as bar:

@@ -10,7 +10,7 @@ table missing one is refused with the names, never predicted on shifted inputs.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -30,13 +30,15 @@ class Target:
     model_uri: str | None = None
     host_header: str | None = None
     """The InferenceService's host, when ``url`` is the ingress gateway's address."""
+    token: str | None = field(default=None, repr=False)
+    """A bearer token for a gateway that authenticates (never shown)."""
 
 
 def resolve_target(name: str, url: str | None = None, model_uri: str | None = None,
-                   host_header: str | None = None) -> Target:
+                   host_header: str | None = None, token: str | None = None) -> Target:
     """A local server by name (its record holds URL and model), or any server by ``url``."""
     if url:
-        return Target(url, name, model_uri, host_header)
+        return Target(url, name, model_uri, host_header, token)
     if host_header:
         raise ServingError("--host-header goes with --url (the ingress gateway's address)",
                            "a local server is reached by its name alone")
@@ -105,7 +107,8 @@ def predict_rows(target: Target, x: np.ndarray, batch_size: int = 256,
     for start in range(0, len(x), batch_size):
         rows = x[start:start + batch_size]
         try:
-            resp = infer(target.url, target.name, rows.tolist(), timeout=60.0, host_header=target.host_header)
+            resp = infer(target.url, target.name, rows.tolist(), timeout=60.0, host_header=target.host_header,
+                         token=target.token)
         except ServingError as e:
             raise ServingError(f"rows {start + 1}-{start + len(rows)}: {e.message}", e.hint) from e
         out = {o["name"]: o for o in resp.get("outputs", [])}

@@ -144,11 +144,14 @@ def _connection(url: str) -> _Conn:
     return found
 
 
-def infer(url: str, name: str, rows, timeout: float = 10.0, host_header: str | None = None) -> dict:
+def infer(url: str, name: str, rows, timeout: float = 10.0, host_header: str | None = None,
+          token: str | None = None) -> dict:
     """One OIP v2 request with FP32 rows over a kept-alive connection; returns the parsed response.
 
     ``host_header``: the InferenceService's host (``status.url``'s) when ``url`` is the ingress
-    gateway's address, as KServe's docs call it (``curl -H "Host: ..."``): Istio routes by it."""
+    gateway's address, as KServe's docs call it (``curl -H "Host: ..."``): Istio routes by it.
+    ``token``: sent as ``Authorization: Bearer``, for a gateway that authenticates (Kubeflow's
+    oauth2-proxy in front of Istio)."""
     rows = [list(map(float, r)) for r in rows]
     if not rows or not rows[0]:
         raise ServingError("no rows to send: infer needs at least one row of features",
@@ -167,6 +170,8 @@ def infer(url: str, name: str, rows, timeout: float = 10.0, host_header: str | N
         headers = {"Content-Type": "application/json"}
         if host_header:
             headers["Host"] = host_header  # http.client then sends this one instead of its own
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
         conn.request("POST", path, json.dumps(body).encode(), headers)
         r = conn.getresponse()
         data = r.read()
@@ -174,6 +179,12 @@ def infer(url: str, name: str, rows, timeout: float = 10.0, host_header: str | N
         conn.close()
         raise ServingError(f"could not reach the model server at {c.origin}{path}: {e}",
                            "check that it runs (`kfp-pytorch serve list`) and that the URL is right") from None
+    location = r.getheader("Location") or ""
+    if r.status in (401, 403) or (300 <= r.status < 400 and any(k in location for k in ("oauth", "dex", "login"))):
+        raise ServingError(f"the gateway at {c.origin} {'refused the token' if token else 'requires authentication'} "
+                           f"(HTTP {r.status}{', to ' + location[:120] if location else ''})",
+                           "pass --token (or KFP_PYTORCH_SERVE_TOKEN) with a token it accepts; on Kubeflow, e.g. "
+                           "`kubectl -n NAMESPACE create token default-editor`")
     if r.status != 200:
         raise ServingError(f"inference request failed: HTTP {r.status}: {data[:300].decode(errors='replace')}")
     return json.loads(data)

@@ -260,6 +260,12 @@ def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_mod
             body = self.rfile.read(int(self.headers["Content-Length"]))
             if self.headers["Host"] != "digits.team-a.example.com":
                 return reply(self, 404, b"", "text/plain")
+            if self.headers.get("Authorization") != "Bearer t0ken":  # Kubeflow's oauth2-proxy
+                self.send_response(302)
+                self.send_header("Location", "/oauth2/start?rd=/v2/models/digits/infer")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             req = urllib.request.Request(endpoint.url + self.path, data=body, method="POST",
                                          headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=30) as up:
@@ -271,6 +277,10 @@ def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_mod
     gw, gw_url = serve_in_thread(Gateway)
     try:
         r = cli("digits", str(tmp_path / "plain.csv"), "--url", gw_url, "--host-header", "digits.team-a.example.com")
+        assert r.returncode == 1 and "requires authentication (HTTP 302, to /oauth2/start" in r.stderr, r.stderr
+        assert "pass --token (or KFP_PYTORCH_SERVE_TOKEN)" in r.stderr
+        r = cli("digits", str(tmp_path / "plain.csv"), "--url", gw_url, "--host-header", "digits.team-a.example.com",
+                "--token", "t0ken")
         assert r.returncode == 0, r.stderr
         assert (pd.read_csv(io.StringIO(r.stdout))["prediction"].to_numpy() == expected[:7]).all()
         r = cli("digits", str(tmp_path / "plain.csv"), "--url", gw_url)
