@@ -324,6 +324,21 @@ class ClusterTrainer:
                              "raise the timeout or reduce epochs")
 
 
+MANAGED_PREDICTOR_KEYS = ("canaryTrafficPercent", "storageUris", "labels")
+"""Predictor fields this tool writes or once wrote (storageUris, before STORAGE_URI)."""
+
+
+def _update(current: dict, new: dict) -> dict:
+    """The merge patch that makes ``current`` spec ``new``: a JSON merge patch keeps every key it
+    does not name, so the managed predictor fields the new version leaves out are named with
+    null (removed). Others' additions (a transformer, KServe's defaults) are kept."""
+    patch = dict(new, predictor=dict(new["predictor"]))
+    for key in MANAGED_PREDICTOR_KEYS:
+        if key in (current.get("predictor") or {}) and key not in new["predictor"]:
+            patch["predictor"][key] = None
+    return patch
+
+
 class ClusterServer:
     """Creates (or updates, for a canary) a KServe InferenceService and waits until it is Ready."""
 
@@ -341,7 +356,7 @@ class ClusterServer:
         ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
         current, existed = kube.create_or_adopt(obj, {"app.kubernetes.io/managed-by": "kfp-pytorch"})
         if existed:  # a new model version: update in place; canaryTrafficPercent splits traffic
-            current = kube.patch(group, version, plural, ns, name, {"spec": obj["spec"]})
+            current = kube.patch(group, version, plural, ns, name, {"spec": _update(current["spec"], obj["spec"])})
         rv = current["metadata"]["resourceVersion"]
         deadline = time.monotonic() + timeout_s
         said: list[str] = []

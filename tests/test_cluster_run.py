@@ -289,6 +289,26 @@ def test_inference_service_ready_and_canary_update(k8s):
     assert env["STORAGE_URI"] == "s3://models/run2/model"
 
 
+def test_an_update_drops_what_the_new_version_no_longer_sets(k8s):
+    # A JSON merge patch keeps every key it does not name: a canary share of the previous rollout
+    # stayed on a version meant to take all traffic, and an InferenceService made by an earlier
+    # release (storageUris) kept that beside STORAGE_URI.
+    from kubernetes import client
+
+    fake, api = k8s
+    server = ClusterServer(Kube(api), out=io.StringIO())
+    server.run(ClusterServeSpec("s3://models/run1/model", "digits", "reg/kfp-pytorch:0.1.0", namespace=NS,
+                                canary_traffic_percent=20), 10)
+    custom = client.CustomObjectsApi(api)
+    custom.patch_namespaced_custom_object("serving.kserve.io", "v1beta1", NS, "inferenceservices", "digits", {
+        "spec": {"predictor": {"storageUris": [{"uri": "s3://models/run1/model", "mountPath": "/mnt/models"}]}}})
+    server.run(ClusterServeSpec("s3://models/run2/model", "digits", "reg/kfp-pytorch:0.1.0", namespace=NS), 10)
+    predictor = fake.get("inferenceservices", NS, "digits")["spec"]["predictor"]
+    assert "canaryTrafficPercent" not in predictor and "storageUris" not in predictor, predictor
+    env = {e["name"]: e["value"] for e in predictor["containers"][0]["env"]}
+    assert env["STORAGE_URI"] == "s3://models/run2/model"
+
+
 def test_inference_service_is_ready_on_a_kserve_before_storage_uris(k8s):
     # KServe before 0.16 has no spec.predictor.storageUris: its CRD pruned the field we wrote,
     # the storage initializer never ran, and the predictor crash-looped on an empty /mnt/models.
