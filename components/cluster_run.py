@@ -349,6 +349,8 @@ class ClusterServer:
         self.kube = kube
         self.out = out or sys.stdout
 
+    _say = ClusterTrainer._say
+
     def run(self, spec: ClusterServeSpec, timeout_s: float = 600.0) -> dict:
         kube = self.kube
         obj = to_inference_service(spec)
@@ -360,12 +362,7 @@ class ClusterServer:
         rv = current["metadata"]["resourceVersion"]
         deadline = time.monotonic() + timeout_s
         said: list[str] = []
-
-        def say(text: str) -> None:
-            self.out.write(text + "\n")
-            self.out.flush()
-
-        outage = _Outage(say, self.api_outage_s, f"InferenceService {ns}/{name}",
+        outage = _Outage(self._say, self.api_outage_s, f"InferenceService {ns}/{name}",
                          f"the InferenceService was left as it is: `kubectl -n {ns} get inferenceservice {name}` "
                          "shows it; run the serve step again to follow it on")
         while time.monotonic() < deadline:
