@@ -92,7 +92,8 @@ class Kube:
         with self._lock:
             self.calls += 1
 
-    def _call(self, verb, resource, group, namespace, fn, *args, **kw):
+    def _call(self, verb, resource, group, namespace, fn, *args, ok: tuple[int, ...] = (), **kw):
+        """One counted API call with our typed errors; a status in ``ok`` returns None instead."""
         import urllib3
         from kubernetes.client.rest import ApiException
 
@@ -100,6 +101,8 @@ class Kube:
         try:
             return fn(*args, **kw)
         except ApiException as e:
+            if e.status in ok:
+                return None
             raise map_api_error(e, verb, resource, group, namespace) from e
         except urllib3.exceptions.HTTPError as e:
             raise unavailable(e, verb, resource, namespace) from e
@@ -112,19 +115,12 @@ class Kube:
 
     def create_or_adopt(self, obj: dict, match_labels: dict) -> tuple[dict, bool]:
         """Create; if it exists and carries ``match_labels``, adopt it (a retried task), else refuse."""
-        import urllib3
-        from kubernetes.client.rest import ApiException
-
         group, version, plural = self.gvp(obj)
         ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
-        self._count()
-        try:
-            return self.custom.create_namespaced_custom_object(group, version, ns, plural, obj), False
-        except ApiException as e:
-            if e.status != 409:
-                raise map_api_error(e, "create", plural, group, ns) from e
-        except urllib3.exceptions.HTTPError as e:
-            raise unavailable(e, "create", plural, ns) from e
+        created = self._call("create", plural, group, ns, self.custom.create_namespaced_custom_object,
+                             group, version, ns, plural, obj, ok=(409,))
+        if created is not None:
+            return created, False
         existing = self.get(group, version, plural, ns, name)
         labels = existing["metadata"].get("labels") or {}
         if any(labels.get(k) != v for k, v in match_labels.items()):
@@ -138,34 +134,18 @@ class Kube:
     def delete(self, group, version, plural, ns, name, foreground: bool = False) -> None:
         """Delete (a 404 is fine). ``foreground``: the object stays, being deleted, until its pods are
         gone, so that a job of the same name created after :meth:`wait_gone` meets no old pods."""
-        import urllib3
-        from kubernetes.client.rest import ApiException
-
-        self._count()
-        try:
-            self.custom.delete_namespaced_custom_object(
-                group, version, ns, plural, name, propagation_policy="Foreground" if foreground else None)
-        except ApiException as e:
-            if e.status != 404:
-                raise map_api_error(e, "delete", plural, group, ns) from e
-        except urllib3.exceptions.HTTPError as e:
-            raise unavailable(e, "delete", plural, ns) from e
+        self._call("delete", plural, group, ns, self.custom.delete_namespaced_custom_object, group, version, ns,
+                   plural, name, propagation_policy="Foreground" if foreground else None, ok=(404,))
 
     def wait_gone(self, group, version, plural, ns, name, timeout: float = 300.0) -> bool:
         """Poll until the object is gone (404); False if it is still there after ``timeout``."""
         import time
 
-        from kubernetes.client.rest import ApiException
-
         deadline = time.monotonic() + timeout
         while True:
-            self._count()
-            try:
-                self.custom.get_namespaced_custom_object(group, version, ns, plural, name)
-            except ApiException as e:
-                if e.status == 404:
-                    return True
-                raise map_api_error(e, "get", plural, group, ns) from e
+            if self._call("get", plural, group, ns, self.custom.get_namespaced_custom_object,
+                          group, version, ns, plural, name, ok=(404,)) is None:
+                return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.5)
