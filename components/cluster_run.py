@@ -192,25 +192,37 @@ class ClusterTrainer:
                     outage.lost(e)
             if state == "Succeeded":
                 if self.delete_policy in ("on-success", "always"):
-                    kube.delete(group, version, plural, ns, name)
-                    deleted = True
+                    deleted = self._clean_up((group, version, plural), ns, name, "it succeeded")
                 return ClusterRunResult(name, ns, self.kind, state, adopted, kube.calls - calls0, running_at, deleted)
             if state == "Failed":
                 error = self._failure(ns, name, current)
             else:
                 error = self._timeout(ns, name, timeout_s)
             if self.delete_policy == "always" or (state != "Failed" and self.delete_policy != "never"):
-                kube.delete(group, version, plural, ns, name)
+                self._clean_up((group, version, plural), ns, name, "it failed" if state == "Failed" else "its timeout")
             raise error
         except KeyboardInterrupt:  # SIGTERM (run terminated in KFP) or Ctrl-C: take the job down too
-            kube.delete(group, version, plural, ns, name)
-            self._say(f"[kfp-pytorch] run terminated: deleted {self.kind} {ns}/{name}")
+            if self._clean_up((group, version, plural), ns, name, "the run was terminated"):
+                self._say(f"[kfp-pytorch] run terminated: deleted {self.kind} {ns}/{name}")
             raise
         finally:
             if in_main and prev is not None:
                 signal.signal(signal.SIGTERM, prev)
             if log_thread is not None:
                 log_thread.join(timeout=2)
+
+    def _clean_up(self, gvp: tuple[str, str, str], ns: str, name: str, after: str) -> bool:
+        """Delete the job once it is over for this step; True when it is gone. Best effort: the
+        outcome is already known, so a delete the API refuses (no right to delete, an API server
+        that is down) must not turn a success into a failure, hide why the job failed, or replace
+        a terminated run's interrupt. The job is left, and we say how to delete it."""
+        try:
+            self.kube.delete(*gvp, ns, name)
+            return True
+        except KubernetesError as e:
+            self._say(f"[kfp-pytorch] could not delete {self.kind} {ns}/{name} after {after} ({e.message}); it is "
+                      f"left as it is: `kubectl -n {ns} delete {self.kind.lower()} {name}` deletes it")
+            return False
 
     def _start_again(self, obj: dict, failed: dict, labels: dict) -> dict:
         """A job of this run and task that failed in an earlier attempt: the step is being retried

@@ -226,6 +226,33 @@ def test_sigterm_deletes_the_job(k8s):
     assert fake.list("pytorchjobs", NS) == []
 
 
+def test_a_delete_the_api_refuses_leaves_the_job_and_keeps_the_outcome(k8s):
+    # Deleting the finished job is cleanup: a Role without "delete" (or an API server down at
+    # that moment) failed a step whose training had succeeded, and replaced a terminated run's
+    # interrupt with a 403.
+    fake, api = k8s
+    fake.denied.add(("delete", "pytorchjobs"))
+    s = spec(nodes=1)
+    out = io.StringIO()
+    m = f"{s.name}-master-0"
+    drive(fake, s.name, 1, [[(m, "Running")], [(m, "Succeeded")]])
+    res = ClusterTrainer(Kube(api), out=out).run(s, timeout_s=20)
+    assert res.state == "Succeeded" and not res.deleted, out.getvalue()
+    assert (f"could not delete PyTorchJob {NS}/{s.name} after it succeeded (forbidden: cannot delete pytorchjobs"
+            in out.getvalue()), out.getvalue()
+    assert f"`kubectl -n {NS} delete pytorchjob {s.name}` deletes it" in out.getvalue()
+    assert [o["metadata"]["name"] for o in fake.list("pytorchjobs", NS)] == [s.name]
+
+    fake.delete("pytorchjobs", NS, s.name)  # as an admin would, with kubectl
+    s2 = spec(nodes=1)
+    out = io.StringIO()
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    with pytest.raises(KeyboardInterrupt):
+        ClusterTrainer(Kube(api), out=out).run(s2, timeout_s=20)
+    assert f"could not delete PyTorchJob {NS}/{s2.name} after the run was terminated" in out.getvalue()
+    assert "run terminated: deleted" not in out.getvalue()
+
+
 def test_a_job_deleted_by_someone_else_ends_the_wait_at_once(k8s):
     # the DELETED event was read as one more update: the step waited for the job to the timeout
     from kubernetes import client
