@@ -396,6 +396,17 @@ def test_a_predictor_without_its_model_says_so_in_its_log_not_a_traceback(tmp_pa
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     assert f"Error: no trained model at {tmp_path} (metadata.json missing)" in r.stderr
     assert "hint: point model_uri at the model/ directory written by train" in r.stderr
+    # KServe's own layout: no --model_uri and no STORAGE_URI, so /mnt/models, which the storage
+    # initializer was to fill; the hint points at it rather than at train
+    import os
+    if not os.path.exists("/mnt/models/metadata.json"):
+        env = {k: v for k, v in os.environ.items() if k != "STORAGE_URI"}
+        r = subprocess.run([sys.executable, "-m", "kfp_pytorch.components.kserve_predictor", "--model_name", "x"],
+                           capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+        assert "Error: no trained model at /mnt/models" in r.stderr, r.stderr
+        assert "KServe's storage initializer fills /mnt/models from STORAGE_URI" in r.stderr
+        assert "kubectl logs POD -c storage-initializer" in r.stderr
 
 
 def test_a_text_label_column_is_trained_evaluated_and_served_by_name(tmp_path):
