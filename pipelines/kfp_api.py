@@ -60,8 +60,26 @@ def _check_host(host: str, token: str | None, source: str = "--token / KF_PIPELI
                           "Pipelines', which projects one")
 
 
+def _bound_requests(api_client, timeout: tuple[float, float]) -> None:
+    """Give every request of ``api_client`` (the one kfp.Client's APIs share) a default timeout.
+
+    kfp.Client sets none and its methods take none, so a KFP API that accepts the connection and
+    never answers (a port-forward whose tunnel died, an API server stuck on its database) hung
+    ``runs``, ``schedule`` or an upload for ever. The generated client builds its REST client from
+    its Configuration; this one is the same but for a default ``_request_timeout`` (a call that
+    passes its own, as following a run does, keeps it)."""
+    from kfp_server_api.rest import RESTClientObject
+
+    class _Bounded(RESTClientObject):
+        def request(self, *a, _request_timeout=None, **kw):
+            return super().request(*a, _request_timeout=_request_timeout or timeout, **kw)
+
+    api_client.rest_client = _Bounded(api_client.configuration)
+
+
 class KfpApi:
-    def __init__(self, host: str, namespace: str | None = None, token: str | None = None):
+    def __init__(self, host: str, namespace: str | None = None, token: str | None = None,
+                 request_timeout_s: float = 60.0):
         import kfp
 
         if token:
@@ -78,6 +96,7 @@ class KfpApi:
             _check_host(host, projected, f"the projected service-account token {path}")
             self.client = kfp.Client(host=host, namespace=namespace or "", credentials=(
                 ServiceAccountTokenVolumeCredentials(path) if projected else None))
+        _bound_requests(self.client.runs.api_client, (min(10.0, request_timeout_s), request_timeout_s))
         self.host = host
         self.namespace = namespace
 

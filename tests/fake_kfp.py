@@ -75,6 +75,8 @@ class FakeKfp:
         self.stalled: set[int] = set()
         """Which GETs of a run (numbered from 1) get no answer at all for ``stall_s``: a
         port-forward whose tunnel died keeps the local port open but never answers."""
+        self.stalls: list[tuple[str, str]] = []
+        """(verb, path regex): requests of any kind that get no answer for ``stall_s``."""
         self.stall_s = 5.0
         self.unstall = threading.Event()
         """Set to end every stall at once (reset and stop set it)."""
@@ -109,6 +111,7 @@ class FakeKfp:
             self.failure = None
             self.gateway_down = set()
             self.stalled = set()
+            self.stalls = []
             self.unstall.set()
             self.unstall = threading.Event()
             self.run_gets = 0
@@ -266,6 +269,10 @@ class _Handler(BaseHTTPRequestHandler):
         k.requests.append((verb, path))
         if k.require_token and self.headers.get("Authorization") != f"Bearer {k.require_token}":
             return self._error(401, "Unauthenticated: request is missing a valid bearer token")
+        if any(verb == s_verb and re.fullmatch(s_path, path) for s_verb, s_path in k.stalls):
+            k.unstall.wait(k.stall_s)
+            self.close_connection = True
+            return
         for f_verb, f_path, code, message in k.faults:
             if verb == f_verb and re.fullmatch(f_path, path):
                 return self._error(code, message)

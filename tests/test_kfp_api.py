@@ -114,6 +114,40 @@ def test_following_does_not_hang_on_an_api_that_accepts_but_never_answers(kfp_se
     assert "the KFP API answers again after" in log and fake.run_gets >= 8
 
 
+def test_a_kfp_api_that_never_answers_fails_a_one_shot_call_not_hangs_it(kfp_server):
+    # kfp.Client sets no timeout on any request: `runs`, `schedule` or an upload against an API
+    # that accepts the connection and never answers (a dead port-forward tunnel) hung for ever.
+    import threading
+
+    from kfp_pytorch.pipelines.kfp_api import KfpApi, KfpApiUnavailable
+
+    fake, url = kfp_server
+    api = KfpApi(url, request_timeout_s=0.3)
+    fake.stall_s, fake.stalls = 600.0, [("GET", r"/apis/v2beta1/runs"), ("POST", r"/apis/v2beta1/experiments")]
+    result = {}
+
+    def call(what, fn):
+        try:
+            fn()
+        except KfpApiUnavailable as e:
+            result[what] = e
+    threads = [threading.Thread(target=call, args=a, daemon=True) for a in
+               (("list", lambda: api.runs()), ("create", lambda: api.experiment_id("new-one")))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    hung = any(t.is_alive() for t in threads)
+    fake.unstall.set()
+    assert not hung, "a call hung on an API that never answers"
+    assert set(result) == {"list", "create"}, result
+    assert result["list"].message == f"list runs: the KFP API at {url} did not answer (ReadTimeoutError)"
+    assert result["create"].message.startswith("create experiment: the KFP API at")
+    assert "a port-forward to it still runs" in result["list"].hint
+    fake.stalls = []
+    assert api.runs() == ([], 0)  # the same client answers again once the API does
+
+
 def test_ctrl_c_stops_following_not_the_run(kfp_server):
     import signal
 
