@@ -63,9 +63,14 @@ class Kube:
     timeout ``watch_slack_s`` longer. Without one, a connection that went silent (a load
     balancer dropping an idle connection, a half-open socket after an API server restart) blocks
     the read for ever: the server-side ``timeoutSeconds`` alone cannot end a stream that no
-    longer reaches us (kubernetes-client/python's known hanging watch)."""
+    longer reaches us (kubernetes-client/python's known hanging watch).
 
-    def __init__(self, api_client=None, watch_window_s: float = 300.0, watch_slack_s: float = 30.0):
+    Every other call has ``request_timeout_s`` to be answered (the client sets no timeout of its
+    own, so a create or get sent to an API server that accepts and never answers hung the step);
+    one that times out is a :class:`KubernetesUnavailable`, as a refused connection is."""
+
+    def __init__(self, api_client=None, watch_window_s: float = 300.0, watch_slack_s: float = 30.0,
+                 request_timeout_s: float = 60.0):
         from kubernetes import client, config
 
         if api_client is None:
@@ -87,6 +92,7 @@ class Kube:
         self.calls = 0
         self._lock = threading.Lock()
         self.watch_window_s, self.watch_slack_s = watch_window_s, watch_slack_s
+        self.request_timeout = (min(10.0, request_timeout_s), request_timeout_s)
 
     def _count(self) -> None:
         with self._lock:
@@ -98,6 +104,7 @@ class Kube:
         from kubernetes.client.rest import ApiException
 
         self._count()
+        kw.setdefault("_request_timeout", self.request_timeout)
         try:
             return fn(*args, **kw)
         except ApiException as e:

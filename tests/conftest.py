@@ -119,6 +119,7 @@ def k8s(_fake_k8s_server):
         fake.objects.clear()
         fake.logs.clear()
         fake.denied.clear()
+        fake.stalled.clear()
         fake.missing_groups.clear()
         fake.requests.clear()
         fake.operator.isvc_ready = True

@@ -200,6 +200,9 @@ class FakeCluster:
         self.logs: dict[tuple, list[str]] = {}
         self.denied: set[tuple[str, str]] = set()
         """(verb, plural) pairs that return 403."""
+        self.stalled: set[tuple[str, str]] = set()
+        """(verb, plural) pairs that get no answer until :attr:`unstall` is set, as from an API
+        server that accepts the connection and never answers."""
         self.missing_groups: set[str] = set()
         """API groups whose CRDs are 'not installed' (404)."""
         self.requests: list[tuple[str, str]] = []
@@ -558,6 +561,10 @@ class _Handler(BaseHTTPRequestHandler):
                  "PATCH": "patch", "DELETE": "delete"}[verb]
         resource = f"{plural}/{sub}" if sub else plural
         f.requests.append((kverb, resource))
+        if (kverb, resource) in f.stalled or (kverb, plural) in f.stalled:
+            f.unstall.wait(600)
+            self.close_connection = True
+            return
         if (kverb, resource) in f.denied or (kverb, plural) in f.denied:
             msg = (f'{resource} is forbidden: User "system:serviceaccount:{ns or "default"}:pipeline-runner" cannot '
                    f'{kverb} resource "{plural}" in API group "{group}"'

@@ -89,6 +89,29 @@ def test_an_api_that_stays_away_ends_the_step_and_leaves_the_job(k8s):
     assert [o["metadata"]["name"] for o in fake.list("pytorchjobs", NS)] == [s.name]  # left running, not deleted
 
 
+def test_an_api_that_accepts_and_never_answers_fails_the_step_not_hangs_it(k8s):
+    # The client sets no timeout: a create sent to an API server that accepts the connection
+    # and never answers (a stuck apiserver, a dead tunnel) hung the step until KFP's own timeout.
+    fake, api = k8s
+    fake.stalled.add(("create", "pytorchjobs"))
+    s, result = spec(nodes=1), {}
+
+    def run():
+        try:
+            ClusterTrainer(Kube(api, request_timeout_s=0.5), out=io.StringIO()).run(s, timeout_s=60)
+        except KubernetesUnavailable as e:
+            result["error"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(30)
+    hung = t.is_alive()
+    fake.unstall.set()
+    assert not hung, "the step hung on an API that never answers"
+    e = result["error"]
+    assert e.message == f"the Kubernetes API did not answer: create pytorchjobs in namespace '{NS}' (ReadTimeoutError)"
+    assert "check that the API server is up" in e.hint
+
+
 def test_a_log_stream_that_cannot_start_does_not_fail_a_job_that_succeeds(k8s):
     # Listing pods (to find the master's) is not granted by every namespace's Role: the step
     # failed with 403 though the job itself went on and succeeded.
