@@ -16,6 +16,7 @@ from .errors import ConfigError, KubernetesError, KubernetesUnavailable, Serving
 from .k8s import Expired, Kube
 
 TERMINAL = {"Succeeded", "Failed"}
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 CONDITION_STATE = {"Created": "Created", "Running": "Running", "Restarting": "Restarting", "Succeeded": "Succeeded",
                    "Failed": "Failed", "Complete": "Succeeded", "Suspended": "Suspended"}
 
@@ -155,7 +156,7 @@ class ClusterTrainer:
                 waiting = self.poll_pods and running_at is None
                 horizon = min(deadline, next_report) if waiting else deadline
                 if waiting and time.monotonic() >= next_report:
-                    self._report_pending(ns, name, time.monotonic() - t0)
+                    self._report_pending(ns, name, time.monotonic() - t0, current if state == "Suspended" else None)
                     next_report = time.monotonic() + self.pending_report_every_s
                     continue
                 try:
@@ -197,7 +198,7 @@ class ClusterTrainer:
             if state == "Failed":
                 error = self._failure(ns, name, current)
             else:
-                error = self._timeout(ns, name, timeout_s)
+                error = self._timeout(ns, name, timeout_s, current)
             if self.delete_policy == "always" or (state != "Failed" and self.delete_policy != "never"):
                 self._clean_up((group, version, plural), ns, name, "it failed" if state == "Failed" else "its timeout")
             raise error
@@ -249,9 +250,29 @@ class ClusterTrainer:
         """What creates this kind's pods."""
         return "the Kubeflow training operator" if self.kind == "PyTorchJob" else "the Trainer and JobSet controllers"
 
-    def _report_pending(self, ns: str, name: str, waited: float) -> None:
+    def _suspended(self, job: dict) -> tuple[str, str]:
+        """Why a suspended job waits, and what to look at. No pods exist while a job is suspended,
+        so "no pods: check the operator" would send the user the wrong way. Kueue suspends every
+        job labelled with a queue (its webhook) and resumes it when the queue admits it."""
+        ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+        why = _condition_message(job, "Suspended")
+        queue = (job["metadata"].get("labels") or {}).get(KUEUE_QUEUE_LABEL)
+        text = "suspended" + (f" ({why})" if why else "")
+        if queue:
+            return (f"{text}: Kueue starts it when its LocalQueue {queue!r} admits it",
+                    f"`kubectl -n {ns} get workloads` shows whether it is admitted, and `kubectl -n {ns} describe "
+                    f"workload` why not (quota, flavors); `kubectl -n {ns} get localqueue {queue}` its queue")
+        return (f"{text}: no pods are created until it is resumed",
+                f"something set spec.runPolicy.suspend (a queueing controller, or kubectl): `kubectl -n {ns} "
+                f"describe {self.kind.lower()} {name}` shows its events")
+
+    def _report_pending(self, ns: str, name: str, waited: float, suspended: dict | None = None) -> None:
         """Say in the step's log why the job is not running yet: what a user would otherwise
         learn only from `kubectl describe pod`, or at the timeout."""
+        if suspended is not None:
+            text, hint = self._suspended(suspended)
+            self._say(f"[kfp-pytorch] {self.kind} {name}: not running after {_span(waited)}: {text} ({hint})")
+            return
         try:
             pods = self.kube.pods(ns, self._selector(name))
         except Exception as e:  # best effort, as the log stream: the watch decides the outcome
@@ -316,7 +337,11 @@ class ClusterTrainer:
                                  "from the last checkpoint")
         return TrainingError(f"{self.kind} {ns}/{name} failed: {detail}")
 
-    def _timeout(self, ns: str, name: str, timeout_s: float) -> TrainingError:
+    def _timeout(self, ns: str, name: str, timeout_s: float, job: dict | None = None) -> TrainingError:
+        if job is not None and job_state(job) == "Suspended":
+            text, hint = self._suspended(job)
+            return TrainingError(f"{self.kind} {ns}/{name} did not start within {timeout_s:g}s: {text}",
+                                 f"{hint}; or raise the timeout")
         pods = self._pods_or_none(ns, name)
         if pods is None:
             return TrainingError(f"{self.kind} {ns}/{name} did not finish within {timeout_s:g}s",

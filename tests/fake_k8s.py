@@ -263,6 +263,8 @@ class FakeCluster:
                 spec = obj.setdefault("spec", {})
                 if "priority" not in spec:
                     spec["priority"] = 0
+            if plural == "pytorchjobs" and self.operator.kueue and "kueue.x-k8s.io/queue-name" in meta["labels"]:
+                obj["spec"].setdefault("runPolicy", {})["suspend"] = True  # Kueue's mutating webhook
             store[(ns, name)] = obj
             self._emit(plural, "ADDED", obj)
             self.operator.on_event(plural, "ADDED", obj)
@@ -410,14 +412,25 @@ class Operator:
         self.kserve_storage_uris = True
         """False: a KServe before 0.16, which has no ``spec.predictor.storageUris`` (its CRD prunes
         the field), so a model named only there is never downloaded."""
+        self.kueue = False
+        """True: Kueue's job webhook runs, and suspends (``runPolicy.suspend``) every PyTorchJob
+        created with a ``kueue.x-k8s.io/queue-name`` label until a test admits it by resuming it."""
 
     def on_event(self, plural: str, kind: str, obj: dict) -> None:
         if not self.installed:
             return
         f = self.fake
         ns, name = obj["metadata"].get("namespace"), obj["metadata"]["name"]
-        if plural == "pytorchjobs" and kind == "ADDED":
+        if plural == "pytorchjobs" and kind in ("ADDED", "MODIFIED"):
             job = obj
+            conds = (job.get("status") or {}).get("conditions") or []
+            suspended = bool((job["spec"].get("runPolicy") or {}).get("suspend"))
+            was_suspended = bool(conds) and conds[-1]["type"] == "Suspended"
+            if suspended:  # the training operator creates no pods for a suspended job
+                self._set_job(ns, name, "Suspended", "PyTorchJobSuspended", f"PyTorchJob {name} is suspended.")
+                return
+            if kind == "MODIFIED" and not was_suspended:
+                return
             for rtype, rs in job["spec"]["pytorchReplicaSpecs"].items():
                 for i in range(rs.get("replicas", 1)):
                     tmpl = copy.deepcopy(rs["template"])

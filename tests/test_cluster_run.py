@@ -17,9 +17,9 @@ from kfp_pytorch.components.train import TrainSpec
 NS = "team-a"
 
 
-def spec(nodes=4, **kw):
+def spec(nodes=4, run_id="run-123", **kw):
     return ClusterTrainSpec(TrainSpec("s3://data/x", "s3://models/x", workers=nodes), image="reg/kfp-pytorch:0.1.0",
-                            namespace=NS, run_id="run-123", task="train-op", user="alice", nodes=nodes, **kw)
+                            namespace=NS, run_id=run_id, task="train-op", user="alice", nodes=nodes, **kw)
 
 
 def pods_of(fake, name):
@@ -238,6 +238,44 @@ def test_a_waiting_job_says_why_in_the_step_log_before_the_timeout(k8s, monkeypa
     assert "no pods yet (the Kubeflow training operator creates them: check that it is installed and running)" \
         in out.getvalue()
     assert "no pods were created within 2.5s" in str(e.value) and "training operator" in str(e.value)
+
+
+def test_a_job_kueue_holds_says_so_and_runs_once_admitted(k8s, monkeypatch):
+    # Kueue suspends a job labelled with a queue until the queue admits it: no pods exist
+    # meanwhile, and the step's log said "no pods yet: check that the training operator is
+    # installed", sending the user the wrong way.
+    fake, api = k8s
+    fake.operator.kueue = True
+    monkeypatch.setattr(ClusterTrainer, "pending_report_after_s", 0.5)
+    monkeypatch.setattr(ClusterTrainer, "pending_report_every_s", 60)
+    s = spec(nodes=1, pod_labels={"kueue.x-k8s.io/queue-name": "team-a-gpu"})
+    m = f"{s.name}-master-0"
+    out = io.StringIO()
+
+    def admit():  # as Kueue does once the queue has room: resume the job
+        deadline = time.monotonic() + 10
+        while "not running after" not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        job = fake.get("pytorchjobs", NS, s.name)
+        job["spec"]["runPolicy"]["suspend"] = False
+        fake.replace("pytorchjobs", NS, s.name, job)
+    threading.Thread(target=admit, daemon=True).start()
+    drive(fake, s.name, 1, [[(m, "Running")], [(m, "Succeeded")]])
+    res = ClusterTrainer(Kube(api), out=out).run(s, timeout_s=20)
+    text = out.getvalue()
+    assert res.state == "Succeeded", text
+    assert (f"s: suspended (PyTorchJob {s.name} is suspended.): Kueue starts it when its LocalQueue 'team-a-gpu' "
+            "admits it" in text), text
+    assert f"PyTorchJob {s.name}: not running after " in text
+    assert f"`kubectl -n {NS} get workloads` shows whether it is admitted" in text
+    assert "no pods yet" not in text
+
+    # never admitted: the timeout says it never started, and why
+    s2 = spec(nodes=1, pod_labels={"kueue.x-k8s.io/queue-name": "team-a-gpu"}, run_id="run-456")
+    with pytest.raises(TrainingError) as e:
+        ClusterTrainer(Kube(api), out=io.StringIO()).run(s2, timeout_s=1.5)
+    assert e.value.message.startswith(f"PyTorchJob {NS}/{s2.name} did not start within 1.5s: suspended")
+    assert "`kubectl -n team-a get localqueue team-a-gpu`" in e.value.hint
 
 
 def test_sigterm_deletes_the_job(k8s):
