@@ -17,6 +17,7 @@ from .k8s import Expired, Kube
 
 TERMINAL = {"Succeeded", "Failed"}
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+SUSPEND_FIELD = {"PyTorchJob": "spec.runPolicy.suspend", "TrainJob": "spec.suspend"}
 CONDITION_STATE = {"Created": "Created", "Running": "Running", "Restarting": "Restarting", "Succeeded": "Succeeded",
                    "Failed": "Failed", "Complete": "Succeeded", "Suspended": "Suspended"}
 
@@ -263,7 +264,7 @@ class ClusterTrainer:
                     f"`kubectl -n {ns} get workloads` shows whether it is admitted, and `kubectl -n {ns} describe "
                     f"workload` why not (quota, flavors); `kubectl -n {ns} get localqueue {queue}` its queue")
         return (f"{text}: no pods are created until it is resumed",
-                f"something set spec.runPolicy.suspend (a queueing controller, or kubectl): `kubectl -n {ns} "
+                f"something set {SUSPEND_FIELD[self.kind]} (a queueing controller, or kubectl): `kubectl -n {ns} "
                 f"describe {self.kind.lower()} {name}` shows its events")
 
     def _report_pending(self, ns: str, name: str, waited: float, suspended: dict | None = None) -> None:
@@ -340,7 +341,7 @@ class ClusterTrainer:
     def _timeout(self, ns: str, name: str, timeout_s: float, job: dict | None = None) -> TrainingError:
         if job is not None and job_state(job) == "Suspended":
             text, hint = self._suspended(job)
-            return TrainingError(f"{self.kind} {ns}/{name} did not start within {timeout_s:g}s: {text}",
+            return TrainingError(f"{self.kind} {ns}/{name} did not finish within {timeout_s:g}s: {text}",
                                  f"{hint}; or raise the timeout")
         pods = self._pods_or_none(ns, name)
         if pods is None:

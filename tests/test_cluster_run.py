@@ -274,7 +274,8 @@ def test_a_job_kueue_holds_says_so_and_runs_once_admitted(k8s, monkeypatch):
     s2 = spec(nodes=1, pod_labels={"kueue.x-k8s.io/queue-name": "team-a-gpu"}, run_id="run-456")
     with pytest.raises(TrainingError) as e:
         ClusterTrainer(Kube(api), out=io.StringIO()).run(s2, timeout_s=1.5)
-    assert e.value.message.startswith(f"PyTorchJob {NS}/{s2.name} did not start within 1.5s: suspended")
+    assert e.value.message.startswith(f"PyTorchJob {NS}/{s2.name} did not finish within 1.5s: suspended (PyTorchJob "
+                                      f"{s2.name} is suspended.): Kueue starts it")
     assert "`kubectl -n team-a get localqueue team-a-gpu`" in e.value.hint
 
 
