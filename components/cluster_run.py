@@ -204,7 +204,8 @@ class ClusterTrainer:
                 self._clean_up((group, version, plural), ns, name, "it failed" if state == "Failed" else "its timeout")
             raise error
         except KeyboardInterrupt:  # SIGTERM (run terminated in KFP) or Ctrl-C: take the job down too
-            if self._clean_up((group, version, plural), ns, name, "the run was terminated"):
+            # within the pod's grace period (30 s by default) before the kubelet's SIGKILL
+            if self._clean_up((group, version, plural), ns, name, "the run was terminated", within_s=10.0):
                 self._say(f"[kfp-pytorch] run terminated: deleted {self.kind} {ns}/{name}")
             raise
         finally:
@@ -213,18 +214,38 @@ class ClusterTrainer:
             if log_thread is not None:
                 log_thread.join(timeout=2)
 
-    def _clean_up(self, gvp: tuple[str, str, str], ns: str, name: str, after: str) -> bool:
+    def _clean_up(self, gvp: tuple[str, str, str], ns: str, name: str, after: str,
+                  within_s: float | None = None) -> bool:
         """Delete the job once it is over for this step; True when it is gone. Best effort: the
         outcome is already known, so a delete the API refuses (no right to delete, an API server
         that is down) must not turn a success into a failure, hide why the job failed, or replace
-        a terminated run's interrupt. The job is left, and we say how to delete it."""
-        try:
-            self.kube.delete(*gvp, ns, name)
+        a terminated run's interrupt. The job is left, and we say how to delete it.
+
+        ``within_s`` bounds the whole delete, retries included (urllib3 retries an idempotent
+        request that timed out, so a request timeout alone does not): a terminated step has the
+        pod's grace period before the kubelet kills it, and must say what it left before that."""
+        result: dict = {}
+
+        def delete() -> None:
+            try:
+                self.kube.delete(*gvp, ns, name)
+                result["ok"] = True
+            except KubernetesError as e:
+                result["error"] = e.message
+
+        if within_s is None:
+            delete()
+        else:
+            worker = threading.Thread(target=delete, daemon=True, name="kfp-pytorch-delete")
+            worker.start()
+            worker.join(within_s)
+            if worker.is_alive():
+                result["error"] = f"the Kubernetes API did not answer the delete within {within_s:g} s"
+        if result.get("ok"):
             return True
-        except KubernetesError as e:
-            self._say(f"[kfp-pytorch] could not delete {self.kind} {ns}/{name} after {after} ({e.message}); it is "
-                      f"left as it is: `kubectl -n {ns} delete {self.kind.lower()} {name}` deletes it")
-            return False
+        self._say(f"[kfp-pytorch] could not delete {self.kind} {ns}/{name} after {after} ({result['error']}); it is "
+                  f"left as it is: `kubectl -n {ns} delete {self.kind.lower()} {name}` deletes it")
+        return False
 
     def _start_again(self, obj: dict, failed: dict, labels: dict) -> dict:
         """A job of this run and task that failed in an earlier attempt: the step is being retried

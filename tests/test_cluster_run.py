@@ -315,6 +315,25 @@ def test_a_delete_the_api_refuses_leaves_the_job_and_keeps_the_outcome(k8s):
     assert "run terminated: deleted" not in out.getvalue()
 
 
+def test_a_terminated_run_whose_delete_gets_no_answer_ends_within_the_grace_period(k8s):
+    # KFP's SIGTERM is followed by the kubelet's SIGKILL 30 s later: a delete sent to an API
+    # server that never answers waited for the whole request timeout, and the step was killed
+    # without saying that its job was left.
+    fake, api = k8s
+    fake.stalled.add(("delete", "pytorchjobs"))
+    s = spec(nodes=1)
+    out = io.StringIO()
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        ClusterTrainer(Kube(api), out=out).run(s, timeout_s=60)
+    took = time.monotonic() - t0
+    fake.unstall.set()
+    assert took < 28, f"the step needed {took:.0f} s to end after SIGTERM"
+    assert (f"could not delete PyTorchJob {NS}/{s.name} after the run was terminated (the Kubernetes API did not "
+            "answer the delete within 10 s); it is left as it is" in out.getvalue()), out.getvalue()
+
+
 def test_a_job_deleted_by_someone_else_ends_the_wait_at_once(k8s):
     # the DELETED event was read as one more update: the step waited for the job to the timeout
     from kubernetes import client
