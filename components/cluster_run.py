@@ -17,6 +17,9 @@ from .k8s import Expired, Kube
 
 TERMINAL = {"Succeeded", "Failed"}
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+"""On the Workload Kueue makes for a job: the job's uid."""
+KUEUE_GROUP, KUEUE_VERSIONS = "kueue.x-k8s.io", ("v1beta2", "v1beta1")
 SUSPEND_FIELD = {"PyTorchJob": "spec.runPolicy.suspend", "TrainJob": "spec.suspend"}
 CONDITION_STATE = {"Created": "Created", "Running": "Running", "Restarting": "Restarting", "Succeeded": "Succeeded",
                    "Failed": "Failed", "Complete": "Succeeded", "Suspended": "Suspended"}
@@ -281,12 +284,32 @@ class ClusterTrainer:
         queue = (job["metadata"].get("labels") or {}).get(KUEUE_QUEUE_LABEL)
         text = "suspended" + (f" ({why})" if why else "")
         if queue:
-            return (f"{text}: Kueue starts it when its LocalQueue {queue!r} admits it",
+            why = self._kueue_why(job)
+            return (f"{text}: Kueue starts it when its LocalQueue {queue!r} admits it"
+                    + (f"; its Workload is not admitted: {why}" if why else ""),
                     f"`kubectl -n {ns} get workloads` shows whether it is admitted, and `kubectl -n {ns} describe "
                     f"workload` why not (quota, flavors); `kubectl -n {ns} get localqueue {queue}` its queue")
         return (f"{text}: no pods are created until it is resumed",
                 f"something set {SUSPEND_FIELD[self.kind]} (a queueing controller, or kubectl): `kubectl -n {ns} "
                 f"describe {self.kind.lower()} {name}` shows its events")
+
+    def _kueue_why(self, job: dict) -> str | None:
+        """Why Kueue has not admitted the job, from its Workload (labelled with the job's uid):
+        the message of its QuotaReserved or Admitted condition that is False, e.g. "insufficient
+        unused quota for nvidia.com/gpu ... 4 more needed". Best effort: None when the Workload
+        cannot be read (no right to list workloads, or no such API)."""
+        ns, uid = job["metadata"]["namespace"], job["metadata"].get("uid")
+        for version in KUEUE_VERSIONS:
+            try:
+                workloads = self.kube.list(KUEUE_GROUP, version, "workloads", ns, f"{KUEUE_JOB_UID_LABEL}={uid}")
+            except KubernetesError:  # this version not served, or not ours to read: try the next
+                continue
+            for w in workloads:
+                for c in (w.get("status") or {}).get("conditions") or []:
+                    if c.get("type") in ("QuotaReserved", "Admitted") and c.get("status") == "False" and c.get("message"):
+                        return c["message"]
+            return None
+        return None
 
     def _report_pending(self, ns: str, name: str, waited: float, suspended: dict | None = None) -> None:
         """Say in the step's log why the job is not running yet: what a user would otherwise

@@ -138,6 +138,10 @@ class Kube:
     def get(self, group, version, plural, ns, name) -> dict:
         return self._call("get", plural, group, ns, self.custom.get_namespaced_custom_object, group, version, ns, plural, name)
 
+    def list(self, group, version, plural, ns, label_selector: str = "") -> list[dict]:
+        return self._call("list", plural, group, ns, self.custom.list_namespaced_custom_object, group, version, ns,
+                          plural, label_selector=label_selector)["items"]
+
     def delete(self, group, version, plural, ns, name, foreground: bool = False) -> None:
         """Delete (a 404 is fine). ``foreground``: the object stays, being deleted, until its pods are
         gone, so that a job of the same name created after :meth:`wait_gone` meets no old pods."""

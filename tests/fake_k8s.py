@@ -38,11 +38,13 @@ CORE = {"pods": True, "events": True, "secrets": True, "configmaps": True, "serv
         "nodes": False, "namespaces": False}  # plural -> namespaced
 KINDS = {"pods": "Pod", "events": "Event", "secrets": "Secret", "configmaps": "ConfigMap",
          "serviceaccounts": "ServiceAccount", "nodes": "Node", "namespaces": "Namespace", "leases": "Lease",
-         "pytorchjobs": "PyTorchJob", "trainjobs": "TrainJob", "inferenceservices": "InferenceService"}
+         "pytorchjobs": "PyTorchJob", "trainjobs": "TrainJob", "inferenceservices": "InferenceService",
+         "workloads": "Workload"}
 GROUPS = {("coordination.k8s.io", "v1"): {"leases"},
           ("kubeflow.org", "v1"): {"pytorchjobs"},
           ("trainer.kubeflow.org", "v1alpha1"): {"trainjobs"},
-          ("serving.kserve.io", "v1beta1"): {"inferenceservices"}}
+          ("serving.kserve.io", "v1beta1"): {"inferenceservices"},
+          ("kueue.x-k8s.io", "v1beta1"): {"workloads"}}
 WITH_STATUS = {"pods", "pytorchjobs", "trainjobs", "inferenceservices", "nodes", "namespaces"}
 
 
@@ -414,7 +416,10 @@ class Operator:
         the field), so a model named only there is never downloaded."""
         self.kueue = False
         """True: Kueue's job webhook runs, and suspends (``runPolicy.suspend``) every PyTorchJob
-        created with a ``kueue.x-k8s.io/queue-name`` label until a test admits it by resuming it."""
+        created with a ``kueue.x-k8s.io/queue-name`` label until a test admits it by resuming it;
+        Kueue's controller makes the job's Workload, not admitted, saying why."""
+        self.kueue_pending = ("couldn't assign flavors to pod set master: insufficient unused quota for "
+                              "nvidia.com/gpu in flavor default-flavor, 4 more needed")
 
     def on_event(self, plural: str, kind: str, obj: dict) -> None:
         if not self.installed:
@@ -426,6 +431,17 @@ class Operator:
             conds = (job.get("status") or {}).get("conditions") or []
             suspended = bool((job["spec"].get("runPolicy") or {}).get("suspend"))
             was_suspended = bool(conds) and conds[-1]["type"] == "Suspended"
+            queue = (job["metadata"].get("labels") or {}).get("kueue.x-k8s.io/queue-name")
+            if kind == "ADDED" and self.kueue and queue:  # Kueue's job controller: the job's Workload
+                uid = job["metadata"]["uid"]
+                f.create("workloads", ns, {
+                    "metadata": {"name": f"pytorchjob-{name}-{uid[:5]}", "labels": {"kueue.x-k8s.io/job-uid": uid},
+                                 "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+                                                      "name": name, "uid": uid, "controller": True}]},
+                    "spec": {"queueName": queue, "podSets": []},
+                    "status": {"conditions": [{"type": "QuotaReserved", "status": "False", "reason": "Pending",
+                                               "message": self.kueue_pending, "lastTransitionTime": now_iso()}]}},
+                    "kueue.x-k8s.io/v1beta1")
             if suspended:  # the training operator creates no pods for a suspended job
                 self._set_job(ns, name, "Suspended", "PyTorchJobSuspended", f"PyTorchJob {name} is suspended.")
                 return

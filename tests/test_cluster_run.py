@@ -267,6 +267,8 @@ def test_a_job_kueue_holds_says_so_and_runs_once_admitted(k8s, monkeypatch):
     assert (f"s: suspended (PyTorchJob {s.name} is suspended.): Kueue starts it when its LocalQueue 'team-a-gpu' "
             "admits it" in text), text
     assert f"PyTorchJob {s.name}: not running after " in text
+    assert ("its Workload is not admitted: couldn't assign flavors to pod set master: insufficient unused quota "
+            "for nvidia.com/gpu in flavor default-flavor, 4 more needed" in text), text
     assert f"`kubectl -n {NS} get workloads` shows whether it is admitted" in text
     assert "no pods yet" not in text
 
@@ -277,6 +279,14 @@ def test_a_job_kueue_holds_says_so_and_runs_once_admitted(k8s, monkeypatch):
     assert e.value.message.startswith(f"PyTorchJob {NS}/{s2.name} did not finish within 1.5s: suspended (PyTorchJob "
                                       f"{s2.name} is suspended.): Kueue starts it")
     assert "`kubectl -n team-a get localqueue team-a-gpu`" in e.value.hint
+    assert "4 more needed" in e.value.message
+    # without the right to read Workloads, the rest is still said
+    fake.denied.add(("list", "workloads"))
+    s3 = spec(nodes=1, pod_labels={"kueue.x-k8s.io/queue-name": "team-a-gpu"}, run_id="run-789")
+    with pytest.raises(TrainingError) as e:
+        ClusterTrainer(Kube(api), out=io.StringIO()).run(s3, timeout_s=1.5)
+    assert "Kueue starts it when its LocalQueue 'team-a-gpu' admits it" in e.value.message
+    assert "Workload" not in e.value.message
 
 
 def test_sigterm_deletes_the_job(k8s):
