@@ -86,6 +86,19 @@ def label_problems(labels, where: str) -> list[str]:
     return problems
 
 
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+_QUEUE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+
+
+def kueue_queue_problems(queue, where: str) -> list[str]:
+    """A LocalQueue name (DNS-1123 subdomain) that fits a label value (63 characters)."""
+    if queue in ("", None):
+        return []
+    if not isinstance(queue, str) or not _QUEUE_NAME.match(queue) or len(queue) > 63:
+        return [f"{where}: {queue!r} is not a LocalQueue name (lowercase letters, digits, '-' and '.'; at most 63)"]
+    return []
+
+
 def toleration_problems(tolerations, where: str) -> list[str]:
     """The API server's rules for pod tolerations (ValidateTolerations), as ``where[i].field: why``."""
     if not isinstance(tolerations, list):
@@ -214,6 +227,9 @@ class ClusterTrainSpec:
     tolerations: list = field(default_factory=list)
     pod_labels: dict = field(default_factory=dict)
     """The platform's labels (team, cost centre...): on the job and its pods, beside ours."""
+    kueue_queue: str = ""
+    """The Kueue LocalQueue the job goes to (label ``kueue.x-k8s.io/queue-name`` on the job only:
+    Kueue admits the job as a whole, and suspends it until then)."""
     runtime: str = "torch-distributed"
     """ClusterTrainingRuntime of a TrainJob."""
 
@@ -235,6 +251,7 @@ class ClusterTrainSpec:
             problems.append(f"clean_pod_policy: must be None, Running or All, got {self.clean_pod_policy!r}")
         if self.backoff_limit < 0:
             problems.append(f"backoff_limit: must be >= 0, got {self.backoff_limit}")
+        problems += kueue_queue_problems(self.kueue_queue, "kueue_queue")
         if self.elastic_min_nodes is not None and not 1 <= self.elastic_min_nodes <= self.nodes:
             problems.append(f"elastic_min_nodes: must be in [1, nodes], got {self.elastic_min_nodes}")
         gpus = self.resources.get("gpu", self.resources.get("nvidia.com/gpu"))
@@ -248,6 +265,10 @@ class ClusterTrainSpec:
         if self.user:
             out[f"{LABEL_PREFIX}/user"] = dns1123_name(self.user)
         return out
+
+    def job_labels(self) -> dict:
+        """The job's own labels: its pods' and, with a Kueue queue, the queue's."""
+        return {**self.labels(), KUEUE_QUEUE_LABEL: self.kueue_queue} if self.kueue_queue else self.labels()
 
 
 def _pod_template(spec: ClusterTrainSpec, resources: dict) -> dict:
@@ -298,7 +319,7 @@ def to_pytorchjob(spec: ClusterTrainSpec) -> dict:
         body["elasticPolicy"] = {"minReplicas": spec.elastic_min_nodes, "maxReplicas": spec.nodes,
                                  "rdzvBackend": "c10d", "maxRestarts": spec.train.max_restarts}
     return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
-            "metadata": {"name": spec.name, "namespace": spec.namespace, "labels": spec.labels()},
+            "metadata": {"name": spec.name, "namespace": spec.namespace, "labels": spec.job_labels()},
             "spec": body}
 
 
@@ -333,7 +354,7 @@ def to_trainjob(spec: ClusterTrainSpec) -> dict:
         "replicatedJobs": [{"name": "node", "template": {"spec": {"template": {
             "metadata": {"labels": spec.labels()}, **({"spec": pod} if pod else {})}}}}]}}}}]
     return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
-            "metadata": {"name": spec.name, "namespace": spec.namespace, "labels": spec.labels()},
+            "metadata": {"name": spec.name, "namespace": spec.namespace, "labels": spec.job_labels()},
             "spec": body}
 
 
@@ -471,6 +492,7 @@ class ClusterConfig:
     pod_labels: dict = field(default_factory=dict)
     gpu_node_selector: dict = field(default_factory=dict)
     gpu_tolerations: list = field(default_factory=list)
+    kueue_queue: str = ""
 
     @classmethod
     def from_env(cls, env: dict | None = None) -> "ClusterConfig":
@@ -510,6 +532,7 @@ class ClusterConfig:
                     problems.append(f"{key}: must be JSON, got {env[key]!r}")
                     continue
                 problems += check(loaded[key], key)
+        problems += kueue_queue_problems(env.get("KFP_PYTORCH_KUEUE_QUEUE"), "KFP_PYTORCH_KUEUE_QUEUE")
         if problems:
             raise ConfigError(problems, "fix the step's environment (a PodDefault, the platform file or the "
                                         "kfp-launcher settings)", title="invalid cluster settings")
@@ -536,6 +559,7 @@ class ClusterConfig:
             pod_labels=loaded["KFP_PYTORCH_POD_LABELS"],
             gpu_node_selector=loaded["KFP_PYTORCH_GPU_NODE_SELECTOR"],
             gpu_tolerations=loaded["KFP_PYTORCH_GPU_TOLERATIONS"],
+            kueue_queue=env.get("KFP_PYTORCH_KUEUE_QUEUE") or "",
         )
 
     def train_spec(self, train: "TrainSpec") -> ClusterTrainSpec:
@@ -549,7 +573,7 @@ class ClusterConfig:
         gpu = train.gpus_per_node > 0  # GPU placement for GPU pods only (CPU jobs stay off GPU nodes)
         return ClusterTrainSpec(train=train, image=self.image, namespace=self.namespace, run_id=train.run_id or "run",
                                 task=train.task, user=self.user, nodes=train.nodes, resources=resources, s3=self.s3,
-                                fairness=self.fairness, pod_labels=self.pod_labels,
+                                fairness=self.fairness, pod_labels=self.pod_labels, kueue_queue=self.kueue_queue,
                                 node_selector=self.gpu_node_selector if gpu else {},
                                 tolerations=self.gpu_tolerations if gpu else [])
 

@@ -11,12 +11,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .cluster import LABEL_PREFIX, ClusterServeSpec, ClusterTrainSpec, to_inference_service, to_pytorchjob, to_trainjob
+from .cluster import KUEUE_QUEUE_LABEL, LABEL_PREFIX, ClusterServeSpec, ClusterTrainSpec, to_inference_service, to_pytorchjob, to_trainjob
 from .errors import ConfigError, KubernetesError, KubernetesUnavailable, ServingError, TrainingError
 from .k8s import Expired, Kube
 
 TERMINAL = {"Succeeded", "Failed"}
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 """On the Workload Kueue makes for a job: the job's uid."""
 KUEUE_GROUP, KUEUE_VERSIONS = "kueue.x-k8s.io", ("v1beta2", "v1beta1")

@@ -237,6 +237,37 @@ def test_the_platform_reaches_the_pods_a_step_creates():
     assert "nodeSelector" not in cpu["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
 
 
+def test_a_kueue_queue_labels_the_training_job_only():
+    # Kueue admits a job by the queue label on the job itself; on the step pods or the pods of
+    # the job (the platform's labels go there) it would queue those as well, where Kueue's pod
+    # integration is on.
+    from kfp_pytorch.components.cluster import ClusterConfig
+    from kfp_pytorch.pipelines.platform import load_platform, platform_env
+
+    platform = load_platform({"kueue_queue": "team-a-gpu", "labels": {"team": "vision"}})
+    cfg = ClusterConfig.from_env({"KFP_PYTORCH_IMAGE": IMAGE, "KFP_PYTORCH_NAMESPACE": "team-a",
+                                  **platform_env(platform, gpu=True)})
+    train = TrainSpec("s3://data/d", "s3://models/m", workers=2, nodes=2, backend="cluster", device="cpu")
+    for job in (to_pytorchjob(cfg.train_spec(train)), to_trainjob(cfg.train_spec(train))):
+        validate_manifest(job)
+        assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a-gpu"
+        assert "kueue.x-k8s.io/queue-name" not in json.dumps(job["spec"])  # not on its pods
+    isvc = to_inference_service(cfg.serve_spec("s3://models/m/model", "digits"))
+    assert "kueue.x-k8s.io/queue-name" not in json.dumps(isvc)
+    assert "kueue.x-k8s.io/queue-name" not in to_pytorchjob(ClusterConfig.from_env(
+        {"KFP_PYTORCH_IMAGE": IMAGE}).train_spec(train))["metadata"]["labels"]  # no queue: no label
+    with pytest.raises(ConfigError) as e:
+        load_platform({"kueue_queue": "Team_A", "labels": {"kueue.x-k8s.io/queue-name": "team-a-gpu"}})
+    assert e.value.problems == [
+        "kueue_queue: 'Team_A' is not a LocalQueue name (lowercase letters, digits, '-' and '.'; at most 63)",
+        "labels.kueue.x-k8s.io/queue-name: would put every step pod and the InferenceService in Kueue's queue too; "
+        "write kueue_queue: team-a-gpu instead (it labels only the training job)"]
+    with pytest.raises(ConfigError) as e:
+        ClusterConfig.from_env({"KFP_PYTORCH_KUEUE_QUEUE": "a b"})
+    assert e.value.problems == ["KFP_PYTORCH_KUEUE_QUEUE: 'a b' is not a LocalQueue name (lowercase letters, digits, "
+                                "'-' and '.'; at most 63)"]
+
+
 def test_the_platform_settings_in_a_steps_environment_are_checked():
     from kfp_pytorch.components.cluster import ClusterConfig
 

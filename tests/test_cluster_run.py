@@ -248,7 +248,7 @@ def test_a_job_kueue_holds_says_so_and_runs_once_admitted(k8s, monkeypatch):
     fake.operator.kueue = True
     monkeypatch.setattr(ClusterTrainer, "pending_report_after_s", 0.5)
     monkeypatch.setattr(ClusterTrainer, "pending_report_every_s", 60)
-    s = spec(nodes=1, pod_labels={"kueue.x-k8s.io/queue-name": "team-a-gpu"})
+    s = spec(nodes=1, kueue_queue="team-a-gpu")
     m = f"{s.name}-master-0"
     out = io.StringIO()
 
@@ -273,7 +273,7 @@ def test_a_job_kueue_holds_says_so_and_runs_once_admitted(k8s, monkeypatch):
     assert "no pods yet" not in text
 
     # never admitted: the timeout says it never started, and why
-    s2 = spec(nodes=1, pod_labels={"kueue.x-k8s.io/queue-name": "team-a-gpu"}, run_id="run-456")
+    s2 = spec(nodes=1, kueue_queue="team-a-gpu", run_id="run-456")
     with pytest.raises(TrainingError) as e:
         ClusterTrainer(Kube(api), out=io.StringIO()).run(s2, timeout_s=1.5)
     assert e.value.message.startswith(f"PyTorchJob {NS}/{s2.name} did not finish within 1.5s: suspended (PyTorchJob "
@@ -282,7 +282,7 @@ def test_a_job_kueue_holds_says_so_and_runs_once_admitted(k8s, monkeypatch):
     assert "4 more needed" in e.value.message
     # without the right to read Workloads, the rest is still said
     fake.denied.add(("list", "workloads"))
-    s3 = spec(nodes=1, pod_labels={"kueue.x-k8s.io/queue-name": "team-a-gpu"}, run_id="run-789")
+    s3 = spec(nodes=1, kueue_queue="team-a-gpu", run_id="run-789")
     with pytest.raises(TrainingError) as e:
         ClusterTrainer(Kube(api), out=io.StringIO()).run(s3, timeout_s=1.5)
     assert "Kueue starts it when its LocalQueue 'team-a-gpu' admits it" in e.value.message
