@@ -21,6 +21,8 @@ FAIRNESS_GATE = "fairness.kfp-pytorch.io/admission"
 LABEL_PREFIX = "kfp-pytorch.io"
 QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+"""Names of most objects: Secrets, LocalQueues..."""
 # The image reference grammar of distribution/reference (what containerd and the kubelet parse):
 # [domain[:port]/]path[:tag][@digest], path components lower-case. The API server stores any
 # string, and a bad one surfaces only as the pod's InvalidImageName after the job was created,
@@ -87,14 +89,13 @@ def label_problems(labels, where: str) -> list[str]:
 
 
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-_QUEUE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 
 
 def kueue_queue_problems(queue, where: str) -> list[str]:
     """A LocalQueue name (DNS-1123 subdomain) that fits a label value (63 characters)."""
     if queue in ("", None):
         return []
-    if not isinstance(queue, str) or not _QUEUE_NAME.match(queue) or len(queue) > 63:
+    if not isinstance(queue, str) or not DNS1123_SUBDOMAIN.match(queue) or len(queue) > 63:
         return [f"{where}: {queue!r} is not a LocalQueue name (lowercase letters, digits, '-' and '.'; at most 63)"]
     return []
 

@@ -18,8 +18,8 @@ import re
 from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
-from kfp_pytorch.components.cluster import (KUEUE_QUEUE_LABEL, kueue_queue_problems, label_problems, s3_keys_problems,
-                                            toleration_problems)
+from kfp_pytorch.components.cluster import (DNS1123_SUBDOMAIN, KUEUE_QUEUE_LABEL, kueue_queue_problems,
+                                            label_problems, s3_keys_problems, toleration_problems)
 from kfp_pytorch.components.errors import ConfigError
 from kfp_pytorch.components.storage import StorageError, parse_endpoint
 
@@ -53,7 +53,6 @@ class Platform:
 _KNOWN = tuple(f.name for f in fields(Platform))
 
 
-_SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")  # DNS-1123 subdomain
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")  # what the API server accepts for an env var name
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 
@@ -84,7 +83,7 @@ def load_platform(data: dict | None) -> Platform:
             # a pod's own sqlite or file store would go with the pod
             problems.append(f"mlflow_tracking_uri: {uri!r} is not an MLflow server; write http(s)://HOST[:PORT], "
                             "e.g. http://mlflow.kubeflow:5000")
-    if isinstance(data.get("s3_secret"), str) and not _SECRET_NAME.match(data["s3_secret"]):
+    if isinstance(data.get("s3_secret"), str) and not DNS1123_SUBDOMAIN.match(data["s3_secret"]):
         problems.append(f"s3_secret: {data['s3_secret']!r} is not a valid Secret name (lowercase DNS-1123)")
     keys = data.get("s3_keys")
     if keys is not None:
