@@ -89,15 +89,22 @@ def label_problems(labels, where: str) -> list[str]:
 
 
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+"""Names the job's WorkloadPriorityClass: its Workload's priority in the queue and for preemption."""
 
 
-def kueue_queue_problems(queue, where: str) -> list[str]:
-    """A LocalQueue name (DNS-1123 subdomain) that fits a label value (63 characters)."""
+def kueue_queue_problems(queue, where: str, what: str = "LocalQueue") -> list[str]:
+    """A Kueue object's name (DNS-1123 subdomain) that fits a label value (63 characters)."""
     if queue in ("", None):
         return []
     if not isinstance(queue, str) or not DNS1123_SUBDOMAIN.match(queue) or len(queue) > 63:
-        return [f"{where}: {queue!r} is not a LocalQueue name (lowercase letters, digits, '-' and '.'; at most 63)"]
+        return [f"{where}: {queue!r} is not a {what} name (lowercase letters, digits, '-' and '.'; at most 63)"]
     return []
+
+
+def kueue_labels(queue: str, priority_class: str) -> dict:
+    """The labels that put a job in a Kueue LocalQueue, with a WorkloadPriorityClass."""
+    return {k: v for k, v in ((KUEUE_QUEUE_LABEL, queue), (KUEUE_PRIORITY_LABEL, priority_class)) if v}
 
 
 def toleration_problems(tolerations, where: str) -> list[str]:
@@ -231,6 +238,9 @@ class ClusterTrainSpec:
     kueue_queue: str = ""
     """The Kueue LocalQueue the job goes to (label ``kueue.x-k8s.io/queue-name`` on the job only:
     Kueue admits the job as a whole, and suspends it until then)."""
+    kueue_priority_class: str = ""
+    """The job's Kueue WorkloadPriorityClass (label ``kueue.x-k8s.io/priority-class``, on the job only):
+    its order in the queue, and which jobs it may preempt or be preempted by."""
     runtime: str = "torch-distributed"
     """ClusterTrainingRuntime of a TrainJob."""
 
@@ -253,6 +263,7 @@ class ClusterTrainSpec:
         if self.backoff_limit < 0:
             problems.append(f"backoff_limit: must be >= 0, got {self.backoff_limit}")
         problems += kueue_queue_problems(self.kueue_queue, "kueue_queue")
+        problems += kueue_queue_problems(self.kueue_priority_class, "kueue_priority_class", "WorkloadPriorityClass")
         if self.elastic_min_nodes is not None and not 1 <= self.elastic_min_nodes <= self.nodes:
             problems.append(f"elastic_min_nodes: must be in [1, nodes], got {self.elastic_min_nodes}")
         gpus = self.resources.get("gpu", self.resources.get("nvidia.com/gpu"))
@@ -268,8 +279,8 @@ class ClusterTrainSpec:
         return out
 
     def job_labels(self) -> dict:
-        """The job's own labels: its pods' and, with a Kueue queue, the queue's."""
-        return {**self.labels(), KUEUE_QUEUE_LABEL: self.kueue_queue} if self.kueue_queue else self.labels()
+        """The job's own labels: its pods' and Kueue's (queue, priority class), which go on the job only."""
+        return {**self.labels(), **kueue_labels(self.kueue_queue, self.kueue_priority_class)}
 
 
 def _pod_template(spec: ClusterTrainSpec, resources: dict) -> dict:
@@ -494,6 +505,7 @@ class ClusterConfig:
     gpu_node_selector: dict = field(default_factory=dict)
     gpu_tolerations: list = field(default_factory=list)
     kueue_queue: str = ""
+    kueue_priority_class: str = ""
 
     @classmethod
     def from_env(cls, env: dict | None = None) -> "ClusterConfig":
@@ -534,6 +546,8 @@ class ClusterConfig:
                     continue
                 problems += check(loaded[key], key)
         problems += kueue_queue_problems(env.get("KFP_PYTORCH_KUEUE_QUEUE"), "KFP_PYTORCH_KUEUE_QUEUE")
+        problems += kueue_queue_problems(env.get("KFP_PYTORCH_KUEUE_PRIORITY_CLASS"), "KFP_PYTORCH_KUEUE_PRIORITY_CLASS",
+                                         "WorkloadPriorityClass")
         if problems:
             raise ConfigError(problems, "fix the step's environment (a PodDefault, the platform file or the "
                                         "kfp-launcher settings)", title="invalid cluster settings")
@@ -561,6 +575,7 @@ class ClusterConfig:
             gpu_node_selector=loaded["KFP_PYTORCH_GPU_NODE_SELECTOR"],
             gpu_tolerations=loaded["KFP_PYTORCH_GPU_TOLERATIONS"],
             kueue_queue=env.get("KFP_PYTORCH_KUEUE_QUEUE") or "",
+            kueue_priority_class=env.get("KFP_PYTORCH_KUEUE_PRIORITY_CLASS") or "",
         )
 
     def train_spec(self, train: "TrainSpec") -> ClusterTrainSpec:
@@ -575,6 +590,7 @@ class ClusterConfig:
         return ClusterTrainSpec(train=train, image=self.image, namespace=self.namespace, run_id=train.run_id or "run",
                                 task=train.task, user=self.user, nodes=train.nodes, resources=resources, s3=self.s3,
                                 fairness=self.fairness, pod_labels=self.pod_labels, kueue_queue=self.kueue_queue,
+                                kueue_priority_class=self.kueue_priority_class,
                                 node_selector=self.gpu_node_selector if gpu else {},
                                 tolerations=self.gpu_tolerations if gpu else [])
 

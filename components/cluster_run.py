@@ -11,7 +11,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .cluster import KUEUE_QUEUE_LABEL, LABEL_PREFIX, ClusterServeSpec, ClusterTrainSpec, to_inference_service, to_pytorchjob, to_trainjob
+from .cluster import (KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL, LABEL_PREFIX, ClusterServeSpec, ClusterTrainSpec,
+                      to_inference_service, to_pytorchjob, to_trainjob)
 from .errors import ConfigError, KubernetesError, KubernetesUnavailable, ServingError, TrainingError
 from .k8s import Expired, Kube
 
@@ -31,6 +32,16 @@ def job_state(obj: dict) -> str:
         if c.get("status") == "True" and c.get("type") in CONDITION_STATE:
             state = CONDITION_STATE[c["type"]]
     return state
+
+
+def _kueue_not_admitted(workloads: list[dict]) -> str | None:
+    """Why Kueue has not admitted a Workload: the message of its QuotaReserved or Admitted condition
+    that is False, e.g. "insufficient unused quota for nvidia.com/gpu ... 4 more needed"."""
+    for w in workloads:
+        for c in (w.get("status") or {}).get("conditions") or []:
+            if c.get("type") in ("QuotaReserved", "Admitted") and c.get("status") == "False" and c.get("message"):
+                return c["message"]
+    return None
 
 
 def _condition_message(obj: dict, state: str) -> str:
@@ -280,34 +291,39 @@ class ClusterTrainer:
         job labelled with a queue (its webhook) and resumes it when the queue admits it."""
         ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
         why = _condition_message(job, "Suspended")
-        queue = (job["metadata"].get("labels") or {}).get(KUEUE_QUEUE_LABEL)
+        labels = job["metadata"].get("labels") or {}
+        queue, priority = labels.get(KUEUE_QUEUE_LABEL), labels.get(KUEUE_PRIORITY_LABEL)
         text = "suspended" + (f" ({why})" if why else "")
         if queue:
-            why = self._kueue_why(job)
-            return (f"{text}: Kueue starts it when its LocalQueue {queue!r} admits it"
-                    + (f"; its Workload is not admitted: {why}" if why else ""),
-                    f"`kubectl -n {ns} get workloads` shows whether it is admitted, and `kubectl -n {ns} describe "
+            text = f"{text}: Kueue starts it when its LocalQueue {queue!r} admits it"
+            hint = (f"`kubectl -n {ns} get workloads` shows whether it is admitted, and `kubectl -n {ns} describe "
                     f"workload` why not (quota, flavors); `kubectl -n {ns} get localqueue {queue}` its queue")
+            workloads = self._kueue_workloads(job)
+            if workloads == []:
+                # Kueue makes a Workload for each job it manages; without one, the job waits for nothing.
+                # A WorkloadPriorityClass that does not exist stops Kueue there, and says so only in an
+                # event (WorkloadPriorityClassNotFound) and its own log.
+                text += "; Kueue has made no Workload for it, so no queue will admit it"
+                hint = ((f"check that WorkloadPriorityClass {priority!r} exists (`kubectl get workloadpriorityclass "
+                         f"{priority}`) and " if priority else "check that ")
+                        + f"Kueue manages {self.kind}s (its integrations); `kubectl -n {ns} describe "
+                        f"{self.kind.lower()} {name}` shows Kueue's events")
+            elif workloads and (why := _kueue_not_admitted(workloads)):
+                text += f"; its Workload is not admitted: {why}"
+            return text, hint
         return (f"{text}: no pods are created until it is resumed",
                 f"something set {SUSPEND_FIELD[self.kind]} (a queueing controller, or kubectl): `kubectl -n {ns} "
                 f"describe {self.kind.lower()} {name}` shows its events")
 
-    def _kueue_why(self, job: dict) -> str | None:
-        """Why Kueue has not admitted the job, from its Workload (labelled with the job's uid):
-        the message of its QuotaReserved or Admitted condition that is False, e.g. "insufficient
-        unused quota for nvidia.com/gpu ... 4 more needed". Best effort: None when the Workload
+    def _kueue_workloads(self, job: dict) -> list[dict] | None:
+        """The job's Kueue Workloads (labelled with the job's uid). Best effort: None when they
         cannot be read (no right to list workloads, or no such API)."""
         ns, uid = job["metadata"]["namespace"], job["metadata"].get("uid")
         for version in KUEUE_VERSIONS:
             try:
-                workloads = self.kube.list(KUEUE_GROUP, version, "workloads", ns, f"{KUEUE_JOB_UID_LABEL}={uid}")
+                return self.kube.list(KUEUE_GROUP, version, "workloads", ns, f"{KUEUE_JOB_UID_LABEL}={uid}")
             except KubernetesError:  # this version not served, or not ours to read: try the next
                 continue
-            for w in workloads:
-                for c in (w.get("status") or {}).get("conditions") or []:
-                    if c.get("type") in ("QuotaReserved", "Admitted") and c.get("status") == "False" and c.get("message"):
-                        return c["message"]
-            return None
         return None
 
     def _report_pending(self, ns: str, name: str, waited: float, suspended: dict | None = None) -> None:

@@ -11,6 +11,7 @@ fairness labels (``add_pod_label``); GPU steps get node selectors and toleration
     gpu_node_selector: {nvidia.com/gpu.present: "true"}
     gpu_tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]
     kueue_queue: team-a-gpu  # the Kueue LocalQueue of the training jobs (PyTorchJob / TrainJob)
+    kueue_priority_class: research  # ... and their Kueue WorkloadPriorityClass
     retries: 2             # each step, again after a failure (KFP's retry policy) ...
     retry_backoff_s: 60    # ... after 60 s, then 120 s, ...
 """
@@ -18,7 +19,7 @@ import re
 from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
-from kfp_pytorch.components.cluster import (DNS1123_SUBDOMAIN, KUEUE_QUEUE_LABEL, kueue_queue_problems,
+from kfp_pytorch.components.cluster import (DNS1123_SUBDOMAIN, KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL, kueue_queue_problems,
                                             label_problems, s3_keys_problems, toleration_problems)
 from kfp_pytorch.components.errors import ConfigError
 from kfp_pytorch.components.storage import StorageError, parse_endpoint
@@ -41,6 +42,10 @@ class Platform:
     """The Kueue LocalQueue the training jobs go to: Kueue admits a job as a whole when its queue
     has quota, and holds it suspended until then. Only the job is labelled, not the step pods or
     the InferenceService (a queue label in ``labels`` would put those in the queue too)."""
+    kueue_priority_class: str = ""
+    """The Kueue WorkloadPriorityClass of the training jobs: their order in the queue and which
+    jobs they may preempt. Kueue reads it from jobs it manages (with ``kueue_queue``, or a
+    namespace default queue)."""
     retries: int = 0
     """KFP retries each step this many times after a failure (an evicted pod, a preempted node, a
     storage or API outage). The steps are safe to retry: a cluster step adopts the job or
@@ -103,10 +108,14 @@ def load_platform(data: dict | None) -> Platform:
     for where in ("labels", "gpu_node_selector"):
         problems += label_problems(data.get(where) or {}, where)
     problems += kueue_queue_problems(data.get("kueue_queue"), "kueue_queue")
-    if isinstance(data.get("labels"), dict) and KUEUE_QUEUE_LABEL in data["labels"]:
-        problems.append(f"labels.{KUEUE_QUEUE_LABEL}: would put every step pod and the InferenceService in Kueue's "
-                        f"queue too; write kueue_queue: {data['labels'][KUEUE_QUEUE_LABEL]} instead (it labels only "
-                        "the training job)")
+    problems += kueue_queue_problems(data.get("kueue_priority_class"), "kueue_priority_class", "WorkloadPriorityClass")
+    for label, key, why in ((KUEUE_QUEUE_LABEL, "kueue_queue", "would put every step pod and the InferenceService "
+                                                               "in Kueue's queue too"),
+                            (KUEUE_PRIORITY_LABEL, "kueue_priority_class", "would reach every step pod and the "
+                                                                           "InferenceService too")):
+        if isinstance(data.get("labels"), dict) and label in data["labels"]:
+            problems.append(f"labels.{label}: {why}; write {key}: {data['labels'][label]} instead (it labels only "
+                            "the training job)")
     problems += toleration_problems(data.get("gpu_tolerations") or [], "gpu_tolerations")
     if problems:
         raise ConfigError(problems, "fix the platform file", title="invalid platform settings")
@@ -129,6 +138,8 @@ def platform_env(platform: Platform, gpu: bool = False) -> dict[str, str]:
         env["KFP_PYTORCH_POD_LABELS"] = json.dumps(platform.labels)
     if platform.kueue_queue:
         env["KFP_PYTORCH_KUEUE_QUEUE"] = platform.kueue_queue
+    if platform.kueue_priority_class:
+        env["KFP_PYTORCH_KUEUE_PRIORITY_CLASS"] = platform.kueue_priority_class
     if gpu and platform.gpu_node_selector:
         env["KFP_PYTORCH_GPU_NODE_SELECTOR"] = json.dumps(platform.gpu_node_selector)
     if gpu and platform.gpu_tolerations:

@@ -39,12 +39,12 @@ CORE = {"pods": True, "events": True, "secrets": True, "configmaps": True, "serv
 KINDS = {"pods": "Pod", "events": "Event", "secrets": "Secret", "configmaps": "ConfigMap",
          "serviceaccounts": "ServiceAccount", "nodes": "Node", "namespaces": "Namespace", "leases": "Lease",
          "pytorchjobs": "PyTorchJob", "trainjobs": "TrainJob", "inferenceservices": "InferenceService",
-         "workloads": "Workload"}
+         "workloads": "Workload", "workloadpriorityclasses": "WorkloadPriorityClass"}
 GROUPS = {("coordination.k8s.io", "v1"): {"leases"},
           ("kubeflow.org", "v1"): {"pytorchjobs"},
           ("trainer.kubeflow.org", "v1alpha1"): {"trainjobs"},
           ("serving.kserve.io", "v1beta1"): {"inferenceservices"},
-          ("kueue.x-k8s.io", "v1beta1"): {"workloads"}}
+          ("kueue.x-k8s.io", "v1beta1"): {"workloads", "workloadpriorityclasses"}}
 WITH_STATUS = {"pods", "pytorchjobs", "trainjobs", "inferenceservices", "nodes", "namespaces"}
 
 
@@ -433,15 +433,7 @@ class Operator:
             was_suspended = bool(conds) and conds[-1]["type"] == "Suspended"
             queue = (job["metadata"].get("labels") or {}).get("kueue.x-k8s.io/queue-name")
             if kind == "ADDED" and self.kueue and queue:  # Kueue's job controller: the job's Workload
-                uid = job["metadata"]["uid"]
-                f.create("workloads", ns, {
-                    "metadata": {"name": f"pytorchjob-{name}-{uid[:5]}", "labels": {"kueue.x-k8s.io/job-uid": uid},
-                                 "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
-                                                      "name": name, "uid": uid, "controller": True}]},
-                    "spec": {"queueName": queue, "podSets": []},
-                    "status": {"conditions": [{"type": "QuotaReserved", "status": "False", "reason": "Pending",
-                                               "message": self.kueue_pending, "lastTransitionTime": now_iso()}]}},
-                    "kueue.x-k8s.io/v1beta1")
+                self._kueue_workload(job, queue)
             if suspended:  # the training operator creates no pods for a suspended job
                 self._set_job(ns, name, "Suspended", "PyTorchJobSuspended", f"PyTorchJob {name} is suspended.")
                 return
@@ -472,6 +464,34 @@ class Operator:
             # KServe rolls the new generation out, then reports it: until then the status is the last one's
             ready = self._storage_uri(obj["spec"]["predictor"]) is not None
             threading.Timer(0.05, self._isvc_ready, args=(ns, name, obj["metadata"]["generation"], ready)).start()
+
+    def _kueue_workload(self, job: dict, queue: str) -> None:
+        """Kueue's job controller makes the job's Workload, with the priority of the job's
+        WorkloadPriorityClass (label ``kueue.x-k8s.io/priority-class``). A class that does not
+        exist stops it there: no Workload, an event on the job, and the job stays suspended."""
+        f = self.fake
+        ns, name, uid = job["metadata"]["namespace"], job["metadata"]["name"], job["metadata"]["uid"]
+        spec = {"queueName": queue, "podSets": []}
+        if pc := job["metadata"]["labels"].get("kueue.x-k8s.io/priority-class"):
+            try:
+                wpc = f.get("workloadpriorityclasses", None, pc)
+            except ApiError:
+                f.create("events", ns, {"metadata": {"name": f"{name}.{uuid.uuid4().hex[:16]}"}, "type": "Warning",
+                                        "reason": "WorkloadPriorityClassNotFound",
+                                        "message": f'WorkloadPriorityClass "{pc}" not found',
+                                        "involvedObject": {"kind": "PyTorchJob", "name": name, "namespace": ns,
+                                                           "uid": uid}}, "v1")
+                return
+            spec.update(priorityClassName=pc, priorityClassSource="kueue.x-k8s.io/workloadpriorityclass",
+                        priority=wpc["value"])
+        f.create("workloads", ns, {
+            "metadata": {"name": f"pytorchjob-{name}-{uid[:5]}", "labels": {"kueue.x-k8s.io/job-uid": uid},
+                         "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+                                              "name": name, "uid": uid, "controller": True}]},
+            "spec": spec,
+            "status": {"conditions": [{"type": "QuotaReserved", "status": "False", "reason": "Pending",
+                                       "message": self.kueue_pending, "lastTransitionTime": now_iso()}]}},
+            "kueue.x-k8s.io/v1beta1")
 
     def _storage_uri(self, predictor: dict) -> str | None:
         """Where KServe's storage initializer fetches the model from, found as KServe finds it:

@@ -268,6 +268,33 @@ def test_a_kueue_queue_labels_the_training_job_only():
                                 "'-' and '.'; at most 63)"]
 
 
+def test_a_kueue_priority_class_labels_the_training_job_only():
+    # Kueue orders and preempts a job's Workload by the WorkloadPriorityClass named on the job
+    from kfp_pytorch.components.cluster import ClusterConfig
+    from kfp_pytorch.pipelines.platform import load_platform, platform_env
+
+    platform = load_platform({"kueue_queue": "team-a-gpu", "kueue_priority_class": "research"})
+    cfg = ClusterConfig.from_env({"KFP_PYTORCH_IMAGE": IMAGE, **platform_env(platform, gpu=True)})
+    train = TrainSpec("s3://data/d", "s3://models/m", workers=2, nodes=2, backend="cluster", device="cpu")
+    for job in (to_pytorchjob(cfg.train_spec(train)), to_trainjob(cfg.train_spec(train))):
+        validate_manifest(job)
+        assert job["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "research"
+        assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a-gpu"
+        assert "kueue.x-k8s.io/priority-class" not in json.dumps(job["spec"])
+    assert "kueue.x-k8s.io" not in json.dumps(to_inference_service(cfg.serve_spec("s3://models/m/model", "digits")))
+    with pytest.raises(ConfigError) as e:
+        load_platform({"kueue_priority_class": "High_Priority", "labels": {"kueue.x-k8s.io/priority-class": "high"}})
+    assert e.value.problems == [
+        "kueue_priority_class: 'High_Priority' is not a WorkloadPriorityClass name (lowercase letters, digits, '-' "
+        "and '.'; at most 63)",
+        "labels.kueue.x-k8s.io/priority-class: would reach every step pod and the InferenceService too; write "
+        "kueue_priority_class: high instead (it labels only the training job)"]
+    with pytest.raises(ConfigError) as e:
+        ClusterConfig.from_env({"KFP_PYTORCH_KUEUE_PRIORITY_CLASS": "x" * 64})
+    assert e.value.problems == [f"KFP_PYTORCH_KUEUE_PRIORITY_CLASS: {'x' * 64!r} is not a WorkloadPriorityClass name "
+                                "(lowercase letters, digits, '-' and '.'; at most 63)"]
+
+
 def test_the_platform_settings_in_a_steps_environment_are_checked():
     from kfp_pytorch.components.cluster import ClusterConfig
 

@@ -289,6 +289,31 @@ def test_a_job_kueue_holds_says_so_and_runs_once_admitted(k8s, monkeypatch):
     assert "Workload" not in e.value.message
 
 
+def test_a_job_naming_a_missing_workload_priority_class_says_so(k8s):
+    # Kueue makes no Workload for a job whose WorkloadPriorityClass does not exist: the job stays
+    # suspended for ever, and only an event on it (and Kueue's log) says why.
+    fake, api = k8s
+    fake.operator.kueue = True
+    s = spec(nodes=1, kueue_queue="team-a-gpu", kueue_priority_class="research")
+    with pytest.raises(TrainingError) as e:
+        ClusterTrainer(Kube(api), out=io.StringIO()).run(s, timeout_s=1.5)
+    assert "Kueue has made no Workload for it, so no queue will admit it" in e.value.message, e.value.message
+    assert e.value.hint.startswith("check that WorkloadPriorityClass 'research' exists (`kubectl get "
+                                   "workloadpriorityclass research`) and Kueue manages PyTorchJobs"), e.value.hint
+    assert f"`kubectl -n {NS} describe pytorchjob {s.name}` shows Kueue's events" in e.value.hint
+    assert [ev["reason"] for ev in fake.list("events", NS)] == ["WorkloadPriorityClassNotFound"]
+
+    # once the class exists, the Workload carries its priority and the step says why it waits
+    fake.create("workloadpriorityclasses", None, {"metadata": {"name": "research"}, "value": 1000},
+                "kueue.x-k8s.io/v1beta1")
+    s2 = spec(nodes=1, kueue_queue="team-a-gpu", kueue_priority_class="research", run_id="run-456")
+    with pytest.raises(TrainingError) as e:
+        ClusterTrainer(Kube(api), out=io.StringIO()).run(s2, timeout_s=1.5)
+    assert "its Workload is not admitted: couldn't assign flavors" in e.value.message
+    [w] = [w for w in fake.list("workloads", NS) if w["spec"]["queueName"] == "team-a-gpu"]
+    assert (w["spec"]["priorityClassName"], w["spec"]["priority"]) == ("research", 1000)
+
+
 def test_sigterm_deletes_the_job(k8s):
     fake, api = k8s
     s = spec(nodes=1)

@@ -393,7 +393,7 @@ def test_compile_with_platform_settings(tmp_path):
     plat.write_text("s3_secret: minio-creds\nlabels: {kfp-pytorch.io/user: alice}\n"
                     "gpu_node_selector: {nvidia.com/gpu.present: 'true'}\n"
                     "gpu_tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]\n"
-                    "kueue_queue: team-a-gpu\n")
+                    "kueue_queue: team-a-gpu\nkueue_priority_class: research\n")
     out = tmp_path / "p.yaml"
     r = run_cli("compile", "train_and_serve", "-o", str(out), "--platform", str(plat))
     assert r.returncode == 0, r.stderr
@@ -414,6 +414,7 @@ def test_compile_with_platform_settings(tmp_path):
         "kfp-pytorch.io/user": "alice"}
     assert json.loads(env["KFP_PYTORCH_GPU_TOLERATIONS"])[0]["key"] == "nvidia.com/gpu"
     assert env["KFP_PYTORCH_KUEUE_QUEUE"] == "team-a-gpu"  # for the training job; the step pods are not queued
+    assert env["KFP_PYTORCH_KUEUE_PRIORITY_CLASS"] == "research"
     assert not any("retryPolicy" in t for t in _tasks(pipeline))  # no retries unless asked for
 
 
