@@ -26,12 +26,36 @@ CONDITION_STATE = {"Created": "Created", "Running": "Running", "Restarting": "Re
 
 
 def job_state(obj: dict) -> str:
-    """The job's state from its conditions: the last condition whose status is True."""
+    """The job's state from its conditions: the last condition whose status is True.
+
+    A TrainJob has no Running condition (only Created, Suspended, Complete and Failed): it runs
+    when each of its child Jobs (``status.jobsStatus``, from its JobSet) is ready or done, i.e.
+    every pod of the trainer's ``node`` Job is ready."""
     state = "Pending"
-    for c in (obj.get("status") or {}).get("conditions") or []:
+    status = obj.get("status") or {}
+    for c in status.get("conditions") or []:
         if c.get("status") == "True" and c.get("type") in CONDITION_STATE:
             state = CONDITION_STATE[c["type"]]
+    jobs = status.get("jobsStatus") or []
+    if (state in ("Pending", "Created") and jobs and any(j.get("ready", 0) for j in jobs)
+            and all(j.get("ready", 0) + j.get("succeeded", 0) >= 1 and not j.get("failed", 0) for j in jobs)):
+        state = "Running"
     return state
+
+
+JOBSET_REPLICATED_JOB = "jobset.sigs.k8s.io/replicatedjob-name"
+
+
+def _is_rank0(labels: dict) -> bool:
+    """The pod whose log the step streams: a PyTorchJob's master; a TrainJob's node 0 (the
+    trainer's ``node`` Job is an Indexed Job, one completion index per node), not an
+    initializer's pod."""
+    if "training.kubeflow.org/replica-type" in labels:
+        return labels["training.kubeflow.org/replica-type"] == "master"
+    if JOBSET_REPLICATED_JOB in labels:
+        return (labels[JOBSET_REPLICATED_JOB] == "node" and labels.get("jobset.sigs.k8s.io/job-index", "0") == "0"
+                and labels.get("batch.kubernetes.io/job-completion-index", "0") == "0")
+    return True
 
 
 def _kueue_not_admitted(workloads: list[dict]) -> str | None:
@@ -353,7 +377,7 @@ class ClusterTrainer:
         except KubernetesError as e:  # best effort: the watch decides the outcome
             self._say(f"[kfp-pytorch] the master's log is not streamed: its pod could not be found ({e.message})")
             return None
-        master = [p for p in pods if (p.metadata.labels or {}).get("training.kubeflow.org/replica-type") in ("master", None)]
+        master = [p for p in pods if _is_rank0(p.metadata.labels or {})]
         if not master:
             return None
         pod = master[0].metadata.name
@@ -388,7 +412,8 @@ class ClusterTrainer:
             for cs in p.status.container_statuses or []:
                 if cs.state and cs.state.terminated:
                     reason = cs.state.terminated.reason or reason
-            rtype = (p.metadata.labels or {}).get("training.kubeflow.org/replica-type", "replica")
+            labels = p.metadata.labels or {}
+            rtype = labels.get("training.kubeflow.org/replica-type", labels.get(JOBSET_REPLICATED_JOB, "replica"))
             tail = self.kube.log_tail(ns, p.metadata.name, 20)
             lines = "\n".join(f"    {line}" for line in tail.splitlines()[-20:])
             return TrainingError(f"{self.kind} {ns}/{name} failed: {rtype} replica {p.metadata.name} ended with "

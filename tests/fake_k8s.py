@@ -265,8 +265,11 @@ class FakeCluster:
                 spec = obj.setdefault("spec", {})
                 if "priority" not in spec:
                     spec["priority"] = 0
-            if plural == "pytorchjobs" and self.operator.kueue and "kueue.x-k8s.io/queue-name" in meta["labels"]:
-                obj["spec"].setdefault("runPolicy", {})["suspend"] = True  # Kueue's mutating webhook
+            if self.operator.kueue and "kueue.x-k8s.io/queue-name" in meta["labels"]:  # Kueue's mutating webhook
+                if plural == "pytorchjobs":
+                    obj["spec"].setdefault("runPolicy", {})["suspend"] = True
+                elif plural == "trainjobs":
+                    obj["spec"]["suspend"] = True
             store[(ns, name)] = obj
             self._emit(plural, "ADDED", obj)
             self.operator.on_event(plural, "ADDED", obj)
@@ -433,7 +436,7 @@ class Operator:
             was_suspended = bool(conds) and conds[-1]["type"] == "Suspended"
             queue = (job["metadata"].get("labels") or {}).get("kueue.x-k8s.io/queue-name")
             if kind == "ADDED" and self.kueue and queue:  # Kueue's job controller: the job's Workload
-                self._kueue_workload(job, queue)
+                self._kueue_workload(job, queue, "PyTorchJob", "kubeflow.org/v1")
             if suspended:  # the training operator creates no pods for a suspended job
                 self._set_job(ns, name, "Suspended", "PyTorchJobSuspended", f"PyTorchJob {name} is suspended.")
                 return
@@ -452,12 +455,17 @@ class Operator:
                            "spec": tmpl["spec"]}
                     f.create("pods", ns, pod, "v1")
             self._set_job(ns, name, "Created", "PyTorchJobCreated", f"PyTorchJob {name} is created.")
+        elif plural == "trainjobs" and kind in ("ADDED", "MODIFIED"):
+            self._trainer(obj, kind)
         elif plural == "pods" and kind in ("MODIFIED",):
-            job = (obj["metadata"].get("labels") or {}).get("training.kubeflow.org/job-name")
-            if job:
+            labels = obj["metadata"].get("labels") or {}
+            if job := labels.get("training.kubeflow.org/job-name"):
                 self._reconcile_job(ns, job)
-        elif plural == "pytorchjobs" and kind == "DELETED":
-            for pod in f.list("pods", ns, f"training.kubeflow.org/job-name={name}"):
+            elif job := labels.get("jobset.sigs.k8s.io/jobset-name"):
+                self._reconcile_trainjob(ns, job)
+        elif plural in ("pytorchjobs", "trainjobs") and kind == "DELETED":
+            selector = "training.kubeflow.org/job-name" if plural == "pytorchjobs" else "jobset.sigs.k8s.io/jobset-name"
+            for pod in f.list("pods", ns, f"{selector}={name}"):
                 f.delete("pods", ns, pod["metadata"]["name"])
         elif (plural == "inferenceservices" and kind in ("ADDED", "MODIFIED") and self.isvc_ready
               and (obj.get("status") or {}).get("observedGeneration") != obj["metadata"]["generation"]):
@@ -465,7 +473,73 @@ class Operator:
             ready = self._storage_uri(obj["spec"]["predictor"]) is not None
             threading.Timer(0.05, self._isvc_ready, args=(ns, name, obj["metadata"]["generation"], ready)).start()
 
-    def _kueue_workload(self, job: dict, queue: str) -> None:
+    def _trainer(self, job: dict, kind: str) -> None:
+        """Kubeflow Trainer v2 with the torch-distributed runtime: a JobSet whose ``node`` Job is
+        an Indexed Job of numNodes pods. A TrainJob has no Running condition: its
+        ``status.jobsStatus`` says when the node Job is ready."""
+        f = self.fake
+        ns, name, uid = job["metadata"]["namespace"], job["metadata"]["name"], job["metadata"]["uid"]
+        labels = job["metadata"].get("labels") or {}
+        if kind == "ADDED" and self.kueue and (queue := labels.get("kueue.x-k8s.io/queue-name")):
+            self._kueue_workload(job, queue, "TrainJob", "trainer.kubeflow.org/v1alpha1")
+        conds = (job.get("status") or {}).get("conditions") or []
+        was_suspended = any(c["type"] == "Suspended" and c["status"] == "True" for c in conds)
+        if job["spec"].get("suspend"):
+            self._set_trainjob(ns, name, "Suspended", "True", "Suspended", "TrainJob is suspended")
+            return
+        if kind == "MODIFIED" and not was_suspended:
+            return
+        if was_suspended:
+            self._set_trainjob(ns, name, "Suspended", "False", "Resumed", "TrainJob is resumed")
+        trainer = job["spec"]["trainer"]
+        patch = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+        tmpl = patch["template"]["spec"]["template"]
+        for i in range(trainer.get("numNodes", 1)):
+            pod_labels = {**tmpl.get("metadata", {}).get("labels", {}), "jobset.sigs.k8s.io/jobset-name": name,
+                          "jobset.sigs.k8s.io/replicatedjob-name": "node", "jobset.sigs.k8s.io/job-index": "0",
+                          "batch.kubernetes.io/job-completion-index": str(i)}
+            f.create("pods", ns, {
+                "metadata": {"name": f"{name}-node-0-{i}-{uuid.uuid4().hex[:5]}", "labels": pod_labels,
+                             "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": f"{name}-node-0",
+                                                  "uid": uid}]},
+                "spec": {**tmpl.get("spec", {}), "containers": [{
+                    "name": "node", "image": trainer["image"], "command": trainer["command"], "args": trainer["args"],
+                    "env": trainer.get("env", []), "resources": trainer.get("resourcesPerNode", {})}]}}, "v1")
+        self._set_trainjob(ns, name, "Created", "True", "JobsCreationSucceeded", "Succeeded to create Jobs",
+                           jobs_status={"active": 1})
+
+    def _reconcile_trainjob(self, ns: str, name: str) -> None:
+        pods = self.fake.list("pods", ns, f"jobset.sigs.k8s.io/jobset-name={name}")
+        phases = [p.get("status", {}).get("phase") for p in pods]
+        if "Failed" in phases:
+            self._set_trainjob(ns, name, "Failed", "True", "FailedJobs", "jobset failed due to one or more job failures",
+                               jobs_status={"failed": 1})
+        elif pods and all(ph == "Succeeded" for ph in phases):
+            self._set_trainjob(ns, name, "Complete", "True", "AllJobsCompleted", "jobset completed successfully",
+                               jobs_status={"succeeded": 1})
+        elif pods and all(ph == "Running" for ph in phases):
+            self._set_trainjob(ns, name, None, jobs_status={"active": 1, "ready": 1})
+
+    def _set_trainjob(self, ns, name, ctype, status="True", reason="", message="", jobs_status=None) -> None:
+        f = self.fake
+        try:
+            job = f.get("trainjobs", ns, name)
+        except ApiError:
+            return
+        st = job.setdefault("status", {})
+        if jobs_status is None and any((c["type"], c["status"], c["reason"]) == (ctype, status, reason)
+                                       for c in st.get("conditions") or []):
+            return  # no change: no event (the controller would loop on its own updates)
+        if ctype:
+            conds = [c for c in st.get("conditions") or [] if c["type"] != ctype]
+            st["conditions"] = conds + [{"type": ctype, "status": status, "reason": reason, "message": message,
+                                         "lastTransitionTime": now_iso()}]
+        if jobs_status is not None:
+            st["jobsStatus"] = [{"name": "node", "active": 0, "ready": 0, "succeeded": 0, "failed": 0, "suspended": 0,
+                                 **jobs_status}]
+        f.replace("trainjobs", ns, name, job, status_only=True, check_rv=False)
+
+    def _kueue_workload(self, job: dict, queue: str, kind: str, api_version: str) -> None:
         """Kueue's job controller makes the job's Workload, with the priority of the job's
         WorkloadPriorityClass (label ``kueue.x-k8s.io/priority-class``). A class that does not
         exist stops it there: no Workload, an event on the job, and the job stays suspended."""
@@ -479,14 +553,14 @@ class Operator:
                 f.create("events", ns, {"metadata": {"name": f"{name}.{uuid.uuid4().hex[:16]}"}, "type": "Warning",
                                         "reason": "WorkloadPriorityClassNotFound",
                                         "message": f'WorkloadPriorityClass "{pc}" not found',
-                                        "involvedObject": {"kind": "PyTorchJob", "name": name, "namespace": ns,
+                                        "involvedObject": {"kind": kind, "name": name, "namespace": ns,
                                                            "uid": uid}}, "v1")
                 return
             spec.update(priorityClassName=pc, priorityClassSource="kueue.x-k8s.io/workloadpriorityclass",
                         priority=wpc["value"])
         f.create("workloads", ns, {
-            "metadata": {"name": f"pytorchjob-{name}-{uid[:5]}", "labels": {"kueue.x-k8s.io/job-uid": uid},
-                         "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+            "metadata": {"name": f"{kind.lower()}-{name}-{uid[:5]}", "labels": {"kueue.x-k8s.io/job-uid": uid},
+                         "ownerReferences": [{"apiVersion": api_version, "kind": kind,
                                               "name": name, "uid": uid, "controller": True}]},
             "spec": spec,
             "status": {"conditions": [{"type": "QuotaReserved", "status": "False", "reason": "Pending",

@@ -314,6 +314,85 @@ def test_a_job_naming_a_missing_workload_priority_class_says_so(k8s):
     assert (w["spec"]["priorityClassName"], w["spec"]["priority"]) == ("research", 1000)
 
 
+def _drive_trainjob(fake, name, nodes, steps, logs=""):
+    """As the JobSet's Job controller and the kubelet would, for a TrainJob's node pods: ``steps``
+    are lists of (completion index, phase)."""
+    def run():
+        deadline = time.monotonic() + 10
+        while len(_trainjob_pods(fake, name)) < nodes and time.monotonic() < deadline:
+            time.sleep(0.02)
+        pods = _trainjob_pods(fake, name)
+        for step in steps:
+            time.sleep(0.2)
+            for index, phase, *reason in step:
+                if logs and phase == "Running" and index == 0:
+                    fake.append_log(NS, pods[index], logs)
+                fake.set_pod_phase(NS, pods[index], phase, *reason)
+    threading.Thread(target=run, daemon=True).start()
+
+
+def _trainjob_pods(fake, name):
+    """The node pods by completion index."""
+    pods = fake.list("pods", NS, f"jobset.sigs.k8s.io/jobset-name={name}")
+    return [p["metadata"]["name"] for p in sorted(
+        pods, key=lambda p: int(p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"]))]
+
+
+def test_a_trainjob_runs_streams_node_0s_log_and_is_cleaned_up(k8s):
+    # A TrainJob has no Running condition: it runs when its JobSet's node Job is ready
+    # (status.jobsStatus). Before, the step never saw it run: no log was streamed, and every
+    # 5 minutes the step's log said it was "not running".
+    fake, api = k8s
+    s = spec(nodes=3)
+    out = io.StringIO()
+    _drive_trainjob(fake, s.name, 3, [[(i, "Running") for i in (2, 1, 0)], [(i, "Succeeded") for i in (1, 2, 0)]],
+                    logs="epoch 1/2 loss=0.5\nepoch 2/2 loss=0.2\n")
+    res = ClusterTrainer(Kube(api), kind="TrainJob", out=out).run(s, timeout_s=20)
+    text = out.getvalue()
+    assert res.state == "Succeeded" and res.deleted, text
+    assert res.seconds_to_running is not None, text
+    assert f"TrainJob {s.name}: Running" in text
+    pod0 = [line for line in text.splitlines() if "epoch 2/2 loss=0.2" in line]
+    assert pod0 and pod0[0].startswith(f"[{s.name}-node-0-0-"), text  # node 0's log, not another node's
+    assert fake.list("trainjobs", NS) == [] and _trainjob_pods(fake, s.name) == []
+
+
+def test_a_failed_trainjob_names_its_node_pod_and_log(k8s):
+    fake, api = k8s
+    s = spec(nodes=2)
+    _drive_trainjob(fake, s.name, 2, [[(0, "Running"), (1, "Running")], [(1, "Failed", "OOMKilled")]])
+    with pytest.raises(TrainingError) as e:
+        ClusterTrainer(Kube(api), kind="TrainJob", out=io.StringIO()).run(s, timeout_s=20)
+    assert e.value.message.startswith(f"TrainJob {NS}/{s.name} failed: node replica {s.name}-node-0-1-"), e.value.message
+    assert "ended with OOMKilled. jobset failed due to one or more job failures" in e.value.message
+
+
+def test_a_trainjob_kueue_holds_says_so_and_runs_once_admitted(k8s, monkeypatch):
+    fake, api = k8s
+    fake.operator.kueue = True
+    monkeypatch.setattr(ClusterTrainer, "pending_report_after_s", 0.5)
+    monkeypatch.setattr(ClusterTrainer, "pending_report_every_s", 60)
+    s = spec(nodes=1, kueue_queue="team-a-gpu")
+    out = io.StringIO()
+
+    def admit():  # as Kueue does once the queue has room: resume the job
+        deadline = time.monotonic() + 10
+        while "not running after" not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        job = fake.get("trainjobs", NS, s.name)
+        job["spec"]["suspend"] = False
+        fake.replace("trainjobs", NS, s.name, job)
+    threading.Thread(target=admit, daemon=True).start()
+    _drive_trainjob(fake, s.name, 1, [[(0, "Running")], [(0, "Succeeded")]])
+    res = ClusterTrainer(Kube(api), kind="TrainJob", out=out).run(s, timeout_s=20)
+    text = out.getvalue()
+    assert res.state == "Succeeded", text
+    assert ("s: suspended (TrainJob is suspended): Kueue starts it when its LocalQueue "
+            "'team-a-gpu' admits it; its Workload is not admitted: couldn't assign flavors" in text), text
+    [w] = fake.list("workloads", NS)
+    assert w["metadata"]["ownerReferences"][0]["kind"] == "TrainJob"
+
+
 def test_sigterm_deletes_the_job(k8s):
     fake, api = k8s
     s = spec(nodes=1)
