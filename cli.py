@@ -100,7 +100,7 @@ def pipelines_cmd(as_json):
 def _platform_option(f):
     return click.option("--platform", "platform_file", type=click.Path(exists=True, dir_okay=False), default=None,
                         help="YAML of Kubernetes settings for every step (S3 Secret and endpoint, MLflow server, "
-                             "labels, GPU node selector/tolerations, Kueue queue).")(f)
+                             "labels, GPU node selector/tolerations, Kueue queue and priority class).")(f)
 
 
 def _with_platform(entry, platform_file: str | None):
