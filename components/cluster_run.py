@@ -60,11 +60,17 @@ def _is_rank0(labels: dict) -> bool:
 
 def _kueue_not_admitted(workloads: list[dict]) -> str | None:
     """Why Kueue has not admitted a Workload: the message of its QuotaReserved or Admitted condition
-    that is False, e.g. "insufficient unused quota for nvidia.com/gpu ... 4 more needed"."""
+    that is False, e.g. "insufficient unused quota for nvidia.com/gpu ... 4 more needed"; after
+    Kueue evicted it (preempted by a higher-priority Workload), why, first."""
     for w in workloads:
-        for c in (w.get("status") or {}).get("conditions") or []:
-            if c.get("type") in ("QuotaReserved", "Admitted") and c.get("status") == "False" and c.get("message"):
-                return c["message"]
+        conds = (w.get("status") or {}).get("conditions") or []
+        evicted = next((f"Kueue evicted it ({c.get('reason') or 'Evicted'}: {c['message']})" for c in conds
+                        if c.get("type") == "Evicted" and c.get("status") == "True" and c.get("message")), None)
+        pending = next((f"its Workload is not admitted: {c['message']}" for c in conds
+                        if c.get("type") in ("QuotaReserved", "Admitted") and c.get("status") == "False"
+                        and c.get("message")), None)
+        if evicted or pending:
+            return "; ".join(x for x in (evicted, pending) if x)
     return None
 
 
@@ -209,8 +215,19 @@ class ClusterTrainer:
                         new = job_state(o)
                         if new != state:
                             state = new
-                            self._say(f"[kfp-pytorch] {self.kind} {name}: {state}")
+                            if state == "Suspended" and running_at is not None:
+                                # preempted (Kueue evicts a running job by suspending it): its pods go
+                                text, hint = self._suspended(o)
+                                self._say(f"[kfp-pytorch] {self.kind} {name}: Suspended after it ran: {text}; its "
+                                          f"pods are deleted, and it goes on from its last checkpoint once resumed "
+                                          f"({hint})")
+                            else:
+                                self._say(f"[kfp-pytorch] {self.kind} {name}: {state}")
                             current = o
+                            if state == "Running" and running_at is not None and not (log_thread and
+                                                                                     log_thread.is_alive()):
+                                # running again (resumed, or restarted): new pods, a new log to stream
+                                log_thread = self._start_log_stream(ns, name)
                         if state == "Running" and running_at is None:
                             running_at = time.monotonic() - t0
                             log_thread = self._start_log_stream(ns, name)
@@ -333,7 +350,7 @@ class ClusterTrainer:
                         + f"Kueue manages {self.kind}s (its integrations); `kubectl -n {ns} describe "
                         f"{self.kind.lower()} {name}` shows Kueue's events")
             elif workloads and (why := _kueue_not_admitted(workloads)):
-                text += f"; its Workload is not admitted: {why}"
+                text += f"; {why}"
             return text, hint
         return (f"{text}: no pods are created until it is resumed",
                 f"something set {SUSPEND_FIELD[self.kind]} (a queueing controller, or kubectl): `kubectl -n {ns} "

@@ -360,6 +360,9 @@ class FakeCluster:
             if obj is None:
                 raise ApiError(404, "NotFound", f'{plural} "{name}" not found')
             obj["metadata"]["resourceVersion"] = self._next_rv()
+            if plural == "pods":  # its log goes with it: a new pod of the same name starts a new one
+                self.logs.pop((ns, name), None)
+                self.cond.notify_all()
             self._emit(plural, "DELETED", obj)
             self.operator.on_event(plural, "DELETED", obj)
             return obj
@@ -437,7 +440,9 @@ class Operator:
             queue = (job["metadata"].get("labels") or {}).get("kueue.x-k8s.io/queue-name")
             if kind == "ADDED" and self.kueue and queue:  # Kueue's job controller: the job's Workload
                 self._kueue_workload(job, queue, "PyTorchJob", "kubeflow.org/v1")
-            if suspended:  # the training operator creates no pods for a suspended job
+            if suspended:  # the training operator creates no pods for a suspended job, and deletes its pods
+                for pod in f.list("pods", ns, f"training.kubeflow.org/job-name={name}"):
+                    f.delete("pods", ns, pod["metadata"]["name"])
                 self._set_job(ns, name, "Suspended", "PyTorchJobSuspended", f"PyTorchJob {name} is suspended.")
                 return
             if kind == "MODIFIED" and not was_suspended:
@@ -484,7 +489,9 @@ class Operator:
             self._kueue_workload(job, queue, "TrainJob", "trainer.kubeflow.org/v1alpha1")
         conds = (job.get("status") or {}).get("conditions") or []
         was_suspended = any(c["type"] == "Suspended" and c["status"] == "True" for c in conds)
-        if job["spec"].get("suspend"):
+        if job["spec"].get("suspend"):  # the JobSet is suspended: its Jobs' pods are deleted
+            for pod in f.list("pods", ns, f"jobset.sigs.k8s.io/jobset-name={name}"):
+                f.delete("pods", ns, pod["metadata"]["name"])
             self._set_trainjob(ns, name, "Suspended", "True", "Suspended", "TrainJob is suspended")
             return
         if kind == "MODIFIED" and not was_suspended:
@@ -608,6 +615,7 @@ class Operator:
         conds = st.setdefault("conditions", [])
         if conds and conds[-1]["type"] == ctype:
             return
+        conds[:] = [c for c in conds if c["type"] != ctype]  # one condition per type, as the operator keeps them
         for c in conds:
             c["status"] = "False"
         conds.append({"type": ctype, "status": "True", "reason": reason, "message": message,

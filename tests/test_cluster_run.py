@@ -289,6 +289,64 @@ def test_a_job_kueue_holds_says_so_and_runs_once_admitted(k8s, monkeypatch):
     assert "Workload" not in e.value.message
 
 
+def test_a_job_kueue_preempts_says_why_and_streams_its_log_again_once_resumed(k8s):
+    # Kueue evicts a running job (a higher-priority Workload needs its quota) by suspending it:
+    # its pods are deleted. The step said only "Suspended", and once the job ran again its new
+    # master's log was not streamed.
+    fake, api = k8s
+    s = spec(nodes=1, kueue_queue="team-a-gpu")
+    m = f"{s.name}-master-0"
+    out = io.StringIO()
+
+    def set_suspend(value: bool) -> None:
+        job = fake.get("pytorchjobs", NS, s.name)
+        job["spec"].setdefault("runPolicy", {})["suspend"] = value
+        fake.replace("pytorchjobs", NS, s.name, job)
+
+    def wait_for(text: str) -> None:
+        deadline = time.monotonic() + 10
+        while text not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def kueue_and_kubelet():
+        wait_for(f"created PyTorchJob {NS}/{s.name}")
+        wait_for(f"{s.name}: Created")
+        fake.append_log(NS, m, "epoch 1/3 loss=0.9\n")
+        fake.set_pod_phase(NS, m, "Running")
+        wait_for("epoch 1/3")
+        fake.create("workloads", NS, {  # what Kueue says of the Workload it evicts, then holds
+            "metadata": {"name": "pytorchjob-x", "labels": {"kueue.x-k8s.io/job-uid": fake.get(
+                "pytorchjobs", NS, s.name)["metadata"]["uid"]}},
+            "spec": {"queueName": "team-a-gpu", "podSets": []},
+            "status": {"conditions": [
+                {"type": "Evicted", "status": "True", "reason": "Preempted", "lastTransitionTime": "2026-12-04T00:00:00Z",
+                 "message": "Preempted to accommodate a workload (UID: 42) due to prioritization in the ClusterQueue"},
+                {"type": "QuotaReserved", "status": "False", "reason": "Pending", "lastTransitionTime":
+                 "2026-12-04T00:00:00Z", "message": "couldn't assign flavors to pod set master: insufficient quota"}]}},
+            "kueue.x-k8s.io/v1beta1")
+        set_suspend(True)
+        wait_for("Suspended after it ran")
+        set_suspend(False)  # admitted again: the operator makes new pods
+        deadline = time.monotonic() + 10
+        while not fake.list("pods", NS) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        fake.append_log(NS, m, "resumed from epoch 1\nepoch 3/3 loss=0.2\n")
+        fake.set_pod_phase(NS, m, "Running")
+        wait_for("epoch 3/3")
+        fake.set_pod_phase(NS, m, "Succeeded")
+
+    threading.Thread(target=kueue_and_kubelet, daemon=True).start()
+    res = ClusterTrainer(Kube(api), out=out).run(s, timeout_s=20)
+    text = out.getvalue()
+    assert res.state == "Succeeded", text
+    assert (f"PyTorchJob {s.name}: Suspended after it ran: suspended (PyTorchJob {s.name} is suspended.): Kueue starts "
+            "it when its LocalQueue 'team-a-gpu' admits it; Kueue evicted it (Preempted: Preempted to accommodate a "
+            "workload (UID: 42) due to prioritization in the ClusterQueue); its Workload is not admitted: couldn't "
+            "assign flavors to pod set master: insufficient quota; its pods are deleted, and it goes on from its last "
+            "checkpoint once resumed" in text), text
+    assert f"[{m}] resumed from epoch 1" in text and f"[{m}] epoch 3/3 loss=0.2" in text, text
+
+
 def test_a_job_naming_a_missing_workload_priority_class_says_so(k8s):
     # Kueue makes no Workload for a job whose WorkloadPriorityClass does not exist: the job stays
     # suspended for ever, and only an event on it (and Kueue's log) says why.
