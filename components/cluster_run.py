@@ -20,6 +20,8 @@ TERMINAL = {"Succeeded", "Failed"}
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 """On the Workload Kueue makes for a job: the job's uid."""
 KUEUE_GROUP, KUEUE_VERSIONS = "kueue.x-k8s.io", ("v1beta2", "v1beta1")
+ADOPTED_LOG_LINES = 100
+"""How much of an adopted running job's log the step shows before following it (not hours of it)."""
 SUSPEND_FIELD = {"PyTorchJob": "spec.runPolicy.suspend", "TrainJob": "spec.suspend"}
 CONDITION_STATE = {"Created": "Created", "Running": "Running", "Restarting": "Restarting", "Succeeded": "Succeeded",
                    "Failed": "Failed", "Complete": "Succeeded", "Suspended": "Suspended"}
@@ -182,6 +184,10 @@ class ClusterTrainer:
         if adopted and job_state(current) == "Failed":
             current = self._start_again(obj, current, labels)
         state, running_at, log_thread = job_state(current), None, None
+        if state == "Running":  # adopted as it runs (a retried step): no event will say so
+            running_at = 0.0
+            self._say(f"[kfp-pytorch] {self.kind} {name} is running; its log from the last {ADOPTED_LOG_LINES} lines:")
+            log_thread = self._start_log_stream(ns, name, tail_lines=ADOPTED_LOG_LINES)
         rv = current["metadata"]["resourceVersion"]
         prev = None
         in_main = threading.current_thread() is threading.main_thread()
@@ -388,7 +394,7 @@ class ClusterTrainer:
         self._say(f"{head}: {len(pending)} of {len(pods)} pods pending"
                   + (f" ({'; '.join(reasons)})" if reasons else ""))
 
-    def _start_log_stream(self, ns: str, name: str):
+    def _start_log_stream(self, ns: str, name: str, tail_lines: int | None = None):
         try:
             pods = self.kube.pods(ns, self._selector(name))
         except KubernetesError as e:  # best effort: the watch decides the outcome
@@ -401,7 +407,7 @@ class ClusterTrainer:
 
         def pump():
             try:
-                for line in self.kube.follow_log(ns, pod):
+                for line in self.kube.follow_log(ns, pod, tail_lines):
                     self._say(f"[{pod}] {line}")
             except Exception as e:  # log streaming is best effort; the watch decides the outcome
                 self._say(f"[kfp-pytorch] log stream of {pod} ended: {type(e).__name__}")

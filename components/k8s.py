@@ -200,10 +200,12 @@ class Kube:
         except KubernetesError:
             return ""
 
-    def follow_log(self, ns: str, pod: str):
-        """Yield the pod's log lines as they come (until the container ends)."""
+    def follow_log(self, ns: str, pod: str, tail_lines: int | None = None):
+        """Yield the pod's log lines as they come (until the container ends); with ``tail_lines``,
+        from that many lines back, not from the start."""
         self._count()
-        resp = self.core.read_namespaced_pod_log(pod, ns, follow=True, _preload_content=False)
+        kw = {"tail_lines": tail_lines} if tail_lines is not None else {}
+        resp = self.core.read_namespaced_pod_log(pod, ns, follow=True, _preload_content=False, **kw)
         try:
             buf = b""
             for chunk in resp.stream(1024):

@@ -793,7 +793,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/plain")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        sent = 0
+        sent = max(0, len(f.logs.get((ns, name), [])) - tail) if tail is not None else 0
         try:
             with f.cond:
                 while f.server is not None:

@@ -144,6 +144,39 @@ def test_retried_task_adopts_its_job(k8s):
     assert [o["metadata"]["uid"] for o in fake.list("pytorchjobs", NS)] == [first["metadata"]["uid"]]
 
 
+def test_a_retried_task_that_adopts_a_running_job_follows_it(k8s, monkeypatch):
+    # A retried step (its pod evicted) adopts its job as it runs. No event says it runs, so the
+    # master's log was not streamed, and after a minute the step said it was "not running: 0 of
+    # 1 pods pending", every 5 minutes to the end.
+    fake, api = k8s
+    monkeypatch.setattr(ClusterTrainer, "pending_report_after_s", 0.3)
+    s = spec(nodes=1)
+    kube = Kube(api)
+    kube.create_or_adopt(ClusterTrainer(kube).manifest(s), {})
+    m = f"{s.name}-master-0"
+    deadline = time.monotonic() + 10
+    while not pods_of(fake, s.name) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    fake.append_log(NS, m, "".join(f"step {i}\n" for i in range(1, 301)))
+    fake.set_pod_phase(NS, m, "Running")
+    out = io.StringIO()
+
+    def later():
+        deadline = time.monotonic() + 10
+        while "step 300" not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.8)  # past the first pending report, had there been one
+        fake.append_log(NS, m, "step 301\n")
+        fake.set_pod_phase(NS, m, "Succeeded")
+    threading.Thread(target=later, daemon=True).start()
+    res = ClusterTrainer(kube, out=out).run(s, timeout_s=20)
+    text = out.getvalue()
+    assert res.adopted and res.state == "Succeeded" and res.seconds_to_running == 0.0, text
+    assert f"PyTorchJob {s.name} is running; its log from the last 100 lines:" in text
+    assert f"[{m}] step 201\n" in text and f"[{m}] step 301\n" in text and f"[{m}] step 200\n" not in text, text
+    assert "not running after" not in text, text
+
+
 def test_failure_names_replica_reason_and_log(k8s):
     fake, api = k8s
     s = spec(nodes=2)
