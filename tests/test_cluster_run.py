@@ -273,26 +273,47 @@ def test_a_waiting_job_says_why_in_the_step_log_before_the_timeout(k8s, monkeypa
     assert "no pods were created within 2.5s" in str(e.value) and "training operator" in str(e.value)
 
 
-def test_a_job_kueue_holds_says_so_and_runs_once_admitted(k8s, monkeypatch):
+@pytest.fixture
+def kueue(k8s, monkeypatch):
+    """The fake API server with Kueue, and a step that says after 0.5 s why its job waits."""
+    k8s[0].operator.kueue = True
+    monkeypatch.setattr(ClusterTrainer, "pending_report_after_s", 0.5)
+    monkeypatch.setattr(ClusterTrainer, "pending_report_every_s", 60)
+    return k8s
+
+
+def _wait_for(out: io.StringIO, text: str, within_s: float = 10) -> None:
+    deadline = time.monotonic() + within_s
+    while text not in out.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _set_suspend(fake, plural: str, name: str, value: bool) -> None:
+    """Suspend or resume a job, as Kueue does (a PyTorchJob's runPolicy.suspend, a TrainJob's suspend)."""
+    job = fake.get(plural, NS, name)
+    (job["spec"].setdefault("runPolicy", {}) if plural == "pytorchjobs" else job["spec"])["suspend"] = value
+    fake.replace(plural, NS, name, job)
+
+
+def _admit_once_reported(fake, plural: str, name: str, out: io.StringIO) -> None:
+    """In the background, as Kueue does once the queue has room: resume the job (once the step
+    has said why it waits)."""
+    def admit():
+        _wait_for(out, "not running after")
+        _set_suspend(fake, plural, name, False)
+    threading.Thread(target=admit, daemon=True).start()
+
+
+def test_a_job_kueue_holds_says_so_and_runs_once_admitted(kueue):
     # Kueue suspends a job labelled with a queue until the queue admits it: no pods exist
     # meanwhile, and the step's log said "no pods yet: check that the training operator is
     # installed", sending the user the wrong way.
-    fake, api = k8s
-    fake.operator.kueue = True
-    monkeypatch.setattr(ClusterTrainer, "pending_report_after_s", 0.5)
-    monkeypatch.setattr(ClusterTrainer, "pending_report_every_s", 60)
+    fake, api = kueue
     s = spec(nodes=1, kueue_queue="team-a-gpu")
     m = f"{s.name}-master-0"
     out = io.StringIO()
 
-    def admit():  # as Kueue does once the queue has room: resume the job
-        deadline = time.monotonic() + 10
-        while "not running after" not in out.getvalue() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        job = fake.get("pytorchjobs", NS, s.name)
-        job["spec"]["runPolicy"]["suspend"] = False
-        fake.replace("pytorchjobs", NS, s.name, job)
-    threading.Thread(target=admit, daemon=True).start()
+    _admit_once_reported(fake, "pytorchjobs", s.name, out)
     drive(fake, s.name, 1, [[(m, "Running")], [(m, "Succeeded")]])
     res = ClusterTrainer(Kube(api), out=out).run(s, timeout_s=20)
     text = out.getvalue()
@@ -332,14 +353,10 @@ def test_a_job_kueue_preempts_says_why_and_streams_its_log_again_once_resumed(k8
     out = io.StringIO()
 
     def set_suspend(value: bool) -> None:
-        job = fake.get("pytorchjobs", NS, s.name)
-        job["spec"].setdefault("runPolicy", {})["suspend"] = value
-        fake.replace("pytorchjobs", NS, s.name, job)
+        _set_suspend(fake, "pytorchjobs", s.name, value)
 
     def wait_for(text: str) -> None:
-        deadline = time.monotonic() + 10
-        while text not in out.getvalue() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_for(out, text)
 
     def kueue_and_kubelet():
         wait_for(f"created PyTorchJob {NS}/{s.name}")
@@ -458,22 +475,12 @@ def test_a_failed_trainjob_names_its_node_pod_and_log(k8s):
     assert "ended with OOMKilled. jobset failed due to one or more job failures" in e.value.message
 
 
-def test_a_trainjob_kueue_holds_says_so_and_runs_once_admitted(k8s, monkeypatch):
-    fake, api = k8s
-    fake.operator.kueue = True
-    monkeypatch.setattr(ClusterTrainer, "pending_report_after_s", 0.5)
-    monkeypatch.setattr(ClusterTrainer, "pending_report_every_s", 60)
+def test_a_trainjob_kueue_holds_says_so_and_runs_once_admitted(kueue):
+    fake, api = kueue
     s = spec(nodes=1, kueue_queue="team-a-gpu")
     out = io.StringIO()
 
-    def admit():  # as Kueue does once the queue has room: resume the job
-        deadline = time.monotonic() + 10
-        while "not running after" not in out.getvalue() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        job = fake.get("trainjobs", NS, s.name)
-        job["spec"]["suspend"] = False
-        fake.replace("trainjobs", NS, s.name, job)
-    threading.Thread(target=admit, daemon=True).start()
+    _admit_once_reported(fake, "trainjobs", s.name, out)
     _drive_trainjob(fake, s.name, 1, [[(0, "Running")], [(0, "Succeeded")]])
     res = ClusterTrainer(Kube(api), kind="TrainJob", out=out).run(s, timeout_s=20)
     text = out.getvalue()
