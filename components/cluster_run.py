@@ -76,6 +76,22 @@ def _kueue_not_admitted(workloads: list[dict]) -> str | None:
     return None
 
 
+def _not_created(job: dict) -> tuple[str, str] | None:
+    """Why a TrainJob has no pods when the Trainer could not build or create its JobSet (its
+    Created condition is False: a runtime that does not fit the TrainJob, a JobSet the API
+    refused), and what to look at; None otherwise. The job waits for ever then."""
+    for c in (job.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Created" and c.get("status") == "False" and c.get("reason") in (
+                "JobsBuildFailed", "JobsCreationFailed"):
+            ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+            runtime = ((job.get("spec") or {}).get("runtimeRef") or {}).get("name", "")
+            verb = "build" if c["reason"] == "JobsBuildFailed" else "create"
+            return (f"the Trainer could not {verb} its Jobs ({c.get('message') or c['reason']})",
+                    f"check its runtime (`kubectl get clustertrainingruntime {runtime} -o yaml`) and the Trainer "
+                    f"controller's log; `kubectl -n {ns} describe trainjob {name}` shows its events")
+    return None
+
+
 def _condition_message(obj: dict, state: str) -> str:
     for c in reversed((obj.get("status") or {}).get("conditions") or []):
         if CONDITION_STATE.get(c.get("type")) == state:
@@ -206,7 +222,7 @@ class ClusterTrainer:
                 waiting = self.poll_pods and running_at is None
                 horizon = min(deadline, next_report) if waiting else deadline
                 if waiting and time.monotonic() >= next_report:
-                    self._report_pending(ns, name, time.monotonic() - t0, current if state == "Suspended" else None)
+                    self._report_pending(ns, name, time.monotonic() - t0, current)
                     next_report = time.monotonic() + self.pending_report_every_s
                     continue
                 try:
@@ -217,7 +233,7 @@ class ClusterTrainer:
                                                 "another controller), before it ended",
                                                 "run the step again to create it anew (it resumes from the last "
                                                 "checkpoint)")
-                        rv = o["metadata"]["resourceVersion"]
+                        rv, current = o["metadata"]["resourceVersion"], o  # the latest, for what we say of it
                         new = job_state(o)
                         if new != state:
                             state = new
@@ -229,7 +245,6 @@ class ClusterTrainer:
                                           f"({hint})")
                             else:
                                 self._say(f"[kfp-pytorch] {self.kind} {name}: {state}")
-                            current = o
                             if state == "Running" and running_at is not None and not (log_thread and
                                                                                      log_thread.is_alive()):
                                 # running again (resumed, or restarted): new pods, a new log to stream
@@ -238,7 +253,6 @@ class ClusterTrainer:
                             running_at = time.monotonic() - t0
                             log_thread = self._start_log_stream(ns, name)
                         if state in TERMINAL or time.monotonic() >= deadline:
-                            current = o
                             break
                         if running_at is None and time.monotonic() >= horizon:
                             break  # time to say why it still waits
@@ -373,12 +387,12 @@ class ClusterTrainer:
                 continue
         return None
 
-    def _report_pending(self, ns: str, name: str, waited: float, suspended: dict | None = None) -> None:
+    def _report_pending(self, ns: str, name: str, waited: float, job: dict) -> None:
         """Say in the step's log why the job is not running yet: what a user would otherwise
         learn only from `kubectl describe pod`, or at the timeout."""
-        if suspended is not None:
-            text, hint = self._suspended(suspended)
-            self._say(f"[kfp-pytorch] {self.kind} {name}: not running after {_span(waited)}: {text} ({hint})")
+        why = self._suspended(job) if job_state(job) == "Suspended" else _not_created(job)
+        if why is not None:
+            self._say(f"[kfp-pytorch] {self.kind} {name}: not running after {_span(waited)}: {why[0]} ({why[1]})")
             return
         try:
             pods = self.kube.pods(ns, self._selector(name))
@@ -446,10 +460,9 @@ class ClusterTrainer:
         return TrainingError(f"{self.kind} {ns}/{name} failed: {detail}")
 
     def _timeout(self, ns: str, name: str, timeout_s: float, job: dict | None = None) -> TrainingError:
-        if job is not None and job_state(job) == "Suspended":
-            text, hint = self._suspended(job)
-            return TrainingError(f"{self.kind} {ns}/{name} did not finish within {timeout_s:g}s: {text}",
-                                 f"{hint}; or raise the timeout")
+        if job is not None and (why := self._suspended(job) if job_state(job) == "Suspended" else _not_created(job)):
+            return TrainingError(f"{self.kind} {ns}/{name} did not finish within {timeout_s:g}s: {why[0]}",
+                                 f"{why[1]}; or raise the timeout")
         pods = self._pods_or_none(ns, name)
         if pods is None:
             return TrainingError(f"{self.kind} {ns}/{name} did not finish within {timeout_s:g}s",

@@ -128,6 +128,7 @@ def k8s(_fake_k8s_server):
         fake.unstall = threading.Event()
         fake.operator.kserve_storage_uris = True
         fake.operator.kueue = False
+        fake.operator.trainer_build_fails = False
     cfg = client.Configuration()
     cfg.host = url
     api = client.ApiClient(cfg)

@@ -424,6 +424,9 @@ class Operator:
         """True: Kueue's job webhook runs, and suspends (``runPolicy.suspend``) every PyTorchJob
         created with a ``kueue.x-k8s.io/queue-name`` label until a test admits it by resuming it;
         Kueue's controller makes the job's Workload, not admitted, saying why."""
+        self.trainer_build_fails = False
+        """True: the Trainer cannot build a TrainJob's JobSet from its runtime (Created False,
+        JobsBuildFailed), so it makes no pods."""
         self.kueue_pending = ("couldn't assign flavors to pod set master: insufficient unused quota for "
                               "nvidia.com/gpu in flavor default-flavor, 4 more needed")
 
@@ -498,6 +501,9 @@ class Operator:
             return
         if was_suspended:
             self._set_trainjob(ns, name, "Suspended", "False", "Resumed", "TrainJob is resumed")
+        if self.trainer_build_fails:
+            self._set_trainjob(ns, name, "Created", "False", "JobsBuildFailed", "Failed to build Jobs")
+            return
         trainer = job["spec"]["trainer"]
         patch = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
         tmpl = patch["template"]["spec"]["template"]

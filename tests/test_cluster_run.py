@@ -475,6 +475,25 @@ def test_a_failed_trainjob_names_its_node_pod_and_log(k8s):
     assert "ended with OOMKilled. jobset failed due to one or more job failures" in e.value.message
 
 
+def test_a_trainjob_the_trainer_cannot_build_says_so(k8s, monkeypatch):
+    # The Trainer marks a TrainJob it cannot build a JobSet for (a runtime that does not fit it)
+    # Created=False and makes no pods: the step said "no pods yet: check that the Trainer is
+    # installed" every 5 minutes, and at the timeout.
+    fake, api = k8s
+    fake.operator.trainer_build_fails = True
+    monkeypatch.setattr(ClusterTrainer, "pending_report_after_s", 0.3)
+    s = spec(nodes=2)
+    out = io.StringIO()
+    with pytest.raises(TrainingError) as e:
+        ClusterTrainer(Kube(api), kind="TrainJob", out=out).run(s, timeout_s=1.5)
+    assert e.value.message == (f"TrainJob {NS}/{s.name} did not finish within 1.5s: the Trainer could not build its "
+                               "Jobs (Failed to build Jobs)")
+    assert e.value.hint.startswith("check its runtime (`kubectl get clustertrainingruntime torch-distributed -o yaml`) "
+                                   "and the Trainer controller's log"), e.value.hint
+    assert "s: the Trainer could not build its Jobs (Failed to build Jobs) (check its runtime" in out.getvalue()
+    assert "no pods yet" not in out.getvalue()
+
+
 def test_a_trainjob_kueue_holds_says_so_and_runs_once_admitted(kueue):
     fake, api = kueue
     s = spec(nodes=1, kueue_queue="team-a-gpu")
