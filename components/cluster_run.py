@@ -401,12 +401,14 @@ class ClusterTrainer:
                       f"(its pods could not be listed: {e})")
             return
         head = f"[kfp-pytorch] {self.kind} {name}: not running after {_span(waited)}"
-        if not pods:
-            self._say(f"{head}: no pods yet ({self._operator()} creates them: check that it is installed and running)")
-            return
         pending, reasons = _pending(pods)
+        warning = self._latest_warning(ns, name) if pending or not pods else None
+        if not pods:
+            self._say(f"{head}: no pods yet: {warning}" if warning else
+                      f"{head}: no pods yet ({self._operator()} creates them: check that it is installed and running)")
+            return
         self._say(f"{head}: {len(pending)} of {len(pods)} pods pending"
-                  + (f" ({'; '.join(reasons)})" if reasons else ""))
+                  + (f" ({'; '.join(reasons)})" if reasons else "") + (f"; {warning}" if warning else ""))
 
     def _start_log_stream(self, ns: str, name: str, tail_lines: int | None = None):
         try:
@@ -429,6 +431,26 @@ class ClusterTrainer:
         t = threading.Thread(target=pump, daemon=True)
         t.start()
         return t
+
+    def _latest_warning(self, ns: str, name: str) -> str | None:
+        """The latest Warning event on the job or the objects named after it (a TrainJob's child
+        Jobs): where the controller says why it made no pods, e.g. a namespace's ResourceQuota
+        (every Kubeflow profile can have one) refused them: "exceeded quota: kf-resource-quota,
+        requested: requests.nvidia.com/gpu=4 ...". Best effort: None without the right to read events."""
+        try:
+            events = self.kube.events(ns, "type=Warning")
+        except KubernetesError:
+            return None
+        mine = [e for e in events if e.involved_object and e.involved_object.kind != "Pod" and (
+            e.involved_object.name == name or (e.involved_object.name or "").startswith(name + "-"))]
+        if not mine:
+            return None
+
+        def when(e) -> float:
+            t = e.last_timestamp or e.event_time or e.metadata.creation_timestamp
+            return t.timestamp() if t else 0.0
+        e = max(mine, key=when)
+        return f"{e.reason} on {e.involved_object.kind} {e.involved_object.name}: {e.message}"
 
     def _pods_or_none(self, ns: str, name: str) -> list | None:
         """The job's pods, or None when they cannot be listed (no right to, an API outage): what
@@ -468,12 +490,19 @@ class ClusterTrainer:
             return TrainingError(f"{self.kind} {ns}/{name} did not finish within {timeout_s:g}s",
                                  f"`kubectl -n {ns} describe {self.kind.lower()} {name}` and its pods show why")
         pending, reasons = _pending(pods)
+        warning = self._latest_warning(ns, name) if pending or not pods else None
+        quota = (f"`kubectl -n {ns} describe quota` shows the namespace's quota, if that refused pods: ask for "
+                 "more, or request less (nodes, gpus_per_node)") if warning else ""
         if pending:
             return TrainingError(
                 f"{self.kind} {ns}/{name}: gang could not be placed within {timeout_s:g}s: {len(pending)} of "
-                f"{len(pods)} pods still pending" + (f" ({'; '.join(reasons)})" if reasons else ""),
+                f"{len(pods)} pods still pending" + (f" ({'; '.join(reasons)})" if reasons else "")
+                + (f"; {warning}" if warning else ""),
                 "reduce nodes/resources, or wait for capacity (raise the timeout); "
-                "`kubectl describe pod` shows the scheduler's reasons")
+                "`kubectl describe pod` shows the scheduler's reasons" + (f"; {quota}" if quota else ""))
+        if warning:
+            return TrainingError(f"{self.kind} {ns}/{name}: no pods were created within {timeout_s:g}s: {warning}",
+                                 quota)
         if not pods:
             return TrainingError(f"{self.kind} {ns}/{name}: no pods were created within {timeout_s:g}s",
                                  f"{self._operator()} creates them: check that it is installed and running, and its events "

@@ -194,6 +194,10 @@ class Kube:
     def pods(self, ns: str, selector: str) -> list:
         return self._call("list", "pods", "", ns, self.core.list_namespaced_pod, ns, label_selector=selector).items
 
+    def events(self, ns: str, field_selector: str = "") -> list:
+        return self._call("list", "events", "", ns, self.core.list_namespaced_event, ns,
+                          field_selector=field_selector).items
+
     def log_tail(self, ns: str, pod: str, lines: int = 20) -> str:
         try:
             return self._call("get", "pods/log", "", ns, self.core.read_namespaced_pod_log, pod, ns, tail_lines=lines)

@@ -34,9 +34,9 @@ from urllib.parse import parse_qs, urlparse
 
 from servers import reply, serve_in_thread, stop_http
 
-CORE = {"pods": True, "events": True, "secrets": True, "configmaps": True, "serviceaccounts": True,
+CORE = {"pods": True, "events": True, "secrets": True, "configmaps": True, "serviceaccounts": True, "resourcequotas": True,
         "nodes": False, "namespaces": False}  # plural -> namespaced
-KINDS = {"pods": "Pod", "events": "Event", "secrets": "Secret", "configmaps": "ConfigMap",
+KINDS = {"pods": "Pod", "events": "Event", "secrets": "Secret", "configmaps": "ConfigMap", "resourcequotas": "ResourceQuota",
          "serviceaccounts": "ServiceAccount", "nodes": "Node", "namespaces": "Namespace", "leases": "Lease",
          "pytorchjobs": "PyTorchJob", "trainjobs": "TrainJob", "inferenceservices": "InferenceService",
          "workloads": "Workload", "workloadpriorityclasses": "WorkloadPriorityClass"}
@@ -101,7 +101,16 @@ def _field(obj: dict, path: str):
     return cur
 
 
-def _match_fields(selector: str, obj: dict) -> bool:
+FIELD_LABELS = {
+    "pods": {"metadata.name", "metadata.namespace", "spec.nodeName", "status.phase", "spec.schedulerName"},
+    "events": {"metadata.name", "metadata.namespace", "involvedObject.kind", "involvedObject.namespace",
+               "involvedObject.name", "involvedObject.uid", "involvedObject.apiVersion", "reason", "type"},
+}
+"""The field selectors each resource supports (the API server refuses others); metadata.name and
+metadata.namespace for every resource."""
+
+
+def _match_fields(selector: str, obj: dict, plural: str) -> bool:
     if not selector:
         return True
     for term in selector.split(","):
@@ -109,7 +118,7 @@ def _match_fields(selector: str, obj: dict) -> bool:
         if not m:
             raise ApiError(400, "BadRequest", f"invalid field selector {term!r}")
         key, op, val = m.groups()
-        if key not in ("metadata.name", "metadata.namespace", "spec.nodeName", "status.phase", "spec.schedulerName"):
+        if key not in FIELD_LABELS.get(plural, {"metadata.name", "metadata.namespace"}):
             raise ApiError(400, "BadRequest", f'field label not supported: {key}')
         got = _field(obj, key) or ""
         if (op == "!=") == (got == val):
@@ -253,6 +262,8 @@ class FakeCluster:
             store = self.objects.setdefault(plural, {})
             if (ns, name) in store:
                 raise ApiError(409, "AlreadyExists", f'{plural} "{name}" already exists')
+            if plural == "pods":
+                self._admit_quota(ns, name, obj)
             if ns and plural != "namespaces":
                 meta["namespace"] = ns
             meta.update(uid=str(uuid.uuid4()), resourceVersion=self._next_rv(), creationTimestamp=now_iso(), generation=1)
@@ -275,6 +286,25 @@ class FakeCluster:
             self.operator.on_event(plural, "ADDED", obj)
             return copy.deepcopy(obj)
 
+    def _admit_quota(self, ns: str, name: str, pod: dict) -> None:
+        """The ResourceQuota admission plugin, for the GPU quota of a Kubeflow profile
+        (``requests.nvidia.com/gpu``, whole GPUs) and the pod count: a pod over either is refused."""
+        def gpus(p: dict) -> int:  # an extended resource's request defaults to its limit
+            return sum(int((c.get("resources") or {}).get("requests", {}).get(
+                "nvidia.com/gpu", (c.get("resources") or {}).get("limits", {}).get("nvidia.com/gpu", 0)))
+                for c in p.get("spec", {}).get("containers", []))
+        live = [p for (n, _), p in self.objects.get("pods", {}).items()
+                if n == ns and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+        for (n, qname), quota in sorted(self.objects.get("resourcequotas", {}).items(), key=lambda kv: str(kv[0])):
+            if n != ns:
+                continue
+            for res, (want, used) in {"requests.nvidia.com/gpu": (gpus(pod), sum(map(gpus, live))),
+                                      "pods": (1, len(live))}.items():
+                hard = quota["spec"].get("hard", {}).get(res)
+                if hard is not None and want and used + want > int(hard):
+                    raise ApiError(403, "Forbidden", f'pods "{name}" is forbidden: exceeded quota: {qname}, requested: '
+                                                     f"{res}={want}, used: {res}={used}, limited: {res}={hard}")
+
     def get(self, plural: str, ns: str | None, name: str) -> dict:
         with self.lock:
             obj = self.objects.get(plural, {}).get((ns, name))
@@ -286,7 +316,7 @@ class FakeCluster:
         with self.lock:
             out = [copy.deepcopy(o) for (n, _), o in sorted(self.objects.get(plural, {}).items(), key=lambda kv: str(kv[0]))
                    if (ns is None or n == ns) and _match_labels(label_selector, o["metadata"].get("labels") or {})
-                   and _match_fields(field_selector, o)]
+                   and _match_fields(field_selector, o, plural)]
             return out
 
     def _check_update(self, plural: str, old: dict, new: dict) -> None:
@@ -461,7 +491,11 @@ class Operator:
                                         "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
                                                              "name": name, "uid": job["metadata"]["uid"]}]},
                            "spec": tmpl["spec"]}
-                    f.create("pods", ns, pod, "v1")
+                    try:
+                        f.create("pods", ns, pod, "v1")
+                    except ApiError as e:  # the operator records it on the job, and tries again later
+                        self._warn(ns, "PyTorchJob", name, job["metadata"]["uid"], "FailedCreatePod",
+                                   f"Error creating: {e.message}")
             self._set_job(ns, name, "Created", "PyTorchJobCreated", f"PyTorchJob {name} is created.")
         elif plural == "trainjobs" and kind in ("ADDED", "MODIFIED"):
             self._trainer(obj, kind)
@@ -480,6 +514,13 @@ class Operator:
             # KServe rolls the new generation out, then reports it: until then the status is the last one's
             ready = self._storage_uri(obj["spec"]["predictor"]) is not None
             threading.Timer(0.05, self._isvc_ready, args=(ns, name, obj["metadata"]["generation"], ready)).start()
+
+    def _warn(self, ns: str, kind: str, name: str, uid: str, reason: str, message: str) -> None:
+        """A Warning event on an object, as a controller's event recorder writes it."""
+        self.fake.create("events", ns, {
+            "metadata": {"name": f"{name}.{uuid.uuid4().hex[:16]}"}, "type": "Warning", "reason": reason,
+            "message": message, "count": 1, "lastTimestamp": now_iso(),
+            "involvedObject": {"kind": kind, "name": name, "namespace": ns, "uid": uid}}, "v1")
 
     def _trainer(self, job: dict, kind: str) -> None:
         """Kubeflow Trainer v2 with the torch-distributed runtime: a JobSet whose ``node`` Job is
@@ -511,13 +552,17 @@ class Operator:
             pod_labels = {**tmpl.get("metadata", {}).get("labels", {}), "jobset.sigs.k8s.io/jobset-name": name,
                           "jobset.sigs.k8s.io/replicatedjob-name": "node", "jobset.sigs.k8s.io/job-index": "0",
                           "batch.kubernetes.io/job-completion-index": str(i)}
-            f.create("pods", ns, {
-                "metadata": {"name": f"{name}-node-0-{i}-{uuid.uuid4().hex[:5]}", "labels": pod_labels,
-                             "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": f"{name}-node-0",
-                                                  "uid": uid}]},
-                "spec": {**tmpl.get("spec", {}), "containers": [{
-                    "name": "node", "image": trainer["image"], "command": trainer["command"], "args": trainer["args"],
-                    "env": trainer.get("env", []), "resources": trainer.get("resourcesPerNode", {})}]}}, "v1")
+            try:
+                f.create("pods", ns, {
+                    "metadata": {"name": f"{name}-node-0-{i}-{uuid.uuid4().hex[:5]}", "labels": pod_labels,
+                                 "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": f"{name}-node-0",
+                                                      "uid": uid}]},
+                    "spec": {**tmpl.get("spec", {}), "containers": [{
+                        "name": "node", "image": trainer["image"], "command": trainer["command"],
+                        "args": trainer["args"], "env": trainer.get("env", []),
+                        "resources": trainer.get("resourcesPerNode", {})}]}}, "v1")
+            except ApiError as e:  # the Job controller records it on the child Job
+                self._warn(ns, "Job", f"{name}-node-0", uid, "FailedCreate", f"Error creating: {e.message}")
         self._set_trainjob(ns, name, "Created", "True", "JobsCreationSucceeded", "Succeeded to create Jobs",
                            jobs_status={"active": 1})
 
@@ -563,11 +608,7 @@ class Operator:
             try:
                 wpc = f.get("workloadpriorityclasses", None, pc)
             except ApiError:
-                f.create("events", ns, {"metadata": {"name": f"{name}.{uuid.uuid4().hex[:16]}"}, "type": "Warning",
-                                        "reason": "WorkloadPriorityClassNotFound",
-                                        "message": f'WorkloadPriorityClass "{pc}" not found',
-                                        "involvedObject": {"kind": kind, "name": name, "namespace": ns,
-                                                           "uid": uid}}, "v1")
+                self._warn(ns, kind, name, uid, "WorkloadPriorityClassNotFound", f'WorkloadPriorityClass "{pc}" not found')
                 return
             spec.update(priorityClassName=pc, priorityClassSource="kueue.x-k8s.io/workloadpriorityclass",
                         priority=wpc["value"])
@@ -777,7 +818,7 @@ class _Handler(BaseHTTPRequestHandler):
                         since = rv
                         if ns and obj["metadata"].get("namespace") != ns:
                             continue
-                        if not (_match_labels(sel, obj["metadata"].get("labels") or {}) and _match_fields(fsel, obj)):
+                        if not (_match_labels(sel, obj["metadata"].get("labels") or {}) and _match_fields(fsel, obj, plural)):
                             continue
                         self._chunk(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
                     if pending:

@@ -144,6 +144,44 @@ def test_retried_task_adopts_its_job(k8s):
     assert [o["metadata"]["uid"] for o in fake.list("pytorchjobs", NS)] == [first["metadata"]["uid"]]
 
 
+@pytest.mark.parametrize("kind", ["PyTorchJob", "TrainJob"])
+def test_pods_a_namespace_quota_refuses_are_named_with_the_quota(k8s, monkeypatch, kind):
+    # A Kubeflow profile's ResourceQuota refuses pods over its GPU quota: the operator (or the
+    # Job controller) records it in an event and makes no pods. The step said "no pods yet: check
+    # that the operator is installed", and "gang could not be placed" for a gang half made.
+    fake, api = k8s
+    monkeypatch.setattr(ClusterTrainer, "pending_report_after_s", 0.3)
+    fake.create("resourcequotas", NS, {"metadata": {"name": "kf-resource-quota"},
+                                       "spec": {"hard": {"requests.nvidia.com/gpu": "2"}}}, "v1")
+    s = spec(nodes=4, resources={"gpu": 1})
+    out = io.StringIO()
+    with pytest.raises(TrainingError) as e:
+        ClusterTrainer(Kube(api), kind=kind, out=out).run(s, timeout_s=1.5)
+    refused = ("exceeded quota: kf-resource-quota, requested: requests.nvidia.com/gpu=1, used: "
+               "requests.nvidia.com/gpu=2, limited: requests.nvidia.com/gpu=2")
+    on = f"FailedCreatePod on PyTorchJob {s.name}" if kind == "PyTorchJob" else f"FailedCreate on Job {s.name}-node-0"
+    assert e.value.message.startswith(f"{kind} {NS}/{s.name}: gang could not be placed within 1.5s: 2 of 2 pods still "
+                                      f"pending; {on}: Error creating: pods "), e.value.message
+    assert refused in e.value.message
+    assert f"`kubectl -n {NS} describe quota` shows the namespace's quota" in e.value.hint
+    assert f"2 of 2 pods pending; {on}" in out.getvalue(), out.getvalue()
+
+    # nothing fits: no pods at all, and the step says why rather than "check the operator"
+    fake.replace("resourcequotas", NS, "kf-resource-quota", {
+        "metadata": {"name": "kf-resource-quota"}, "spec": {"hard": {"requests.nvidia.com/gpu": "0"}}}, check_rv=False)
+    s2 = spec(nodes=4, resources={"gpu": 1}, run_id="run-456")
+    with pytest.raises(TrainingError) as e:
+        ClusterTrainer(Kube(api), kind=kind, out=io.StringIO()).run(s2, timeout_s=1.5)
+    assert e.value.message.startswith(f"{kind} {NS}/{s2.name}: no pods were created within 1.5s: "), e.value.message
+    assert "limited: requests.nvidia.com/gpu=0" in e.value.message and "describe quota" in e.value.hint
+    # without the right to read events, what the step said before
+    fake.denied.add(("list", "events"))
+    s3 = spec(nodes=4, resources={"gpu": 1}, run_id="run-789")
+    with pytest.raises(TrainingError) as e:
+        ClusterTrainer(Kube(api), kind=kind, out=io.StringIO()).run(s3, timeout_s=1.5)
+    assert "no pods were created within 1.5s" in e.value.message and "installed and running" in e.value.hint
+
+
 def test_a_retried_task_that_adopts_a_running_job_follows_it(k8s, monkeypatch):
     # A retried step (its pod evicted) adopts its job as it runs. No event says it runs, so the
     # master's log was not streamed, and after a minute the step said it was "not running: 0 of

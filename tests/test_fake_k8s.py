@@ -194,3 +194,34 @@ def test_cluster_scoped_resources_and_leases(k8s):
     core.create_namespaced_secret("team-a", {"metadata": {"name": "s"}, "stringData": {"k": "v"}})
     core.create_namespaced_service_account("team-a", {"metadata": {"name": "sa"}})
     assert core.read_namespaced_service_account("sa", "team-a").metadata.name == "sa"
+
+
+def test_a_resource_quota_refuses_pods_over_it_and_events_select_by_their_fields(k8s):
+    _, api = k8s
+    core = client.CoreV1Api(api)
+    core.create_namespaced_resource_quota("a", {"metadata": {"name": "q"}, "spec": {"hard": {
+        "requests.nvidia.com/gpu": "1", "pods": "2"}}})
+    gpu = pod("g1")
+    gpu["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "1"}}  # requests default to limits
+    core.create_namespaced_pod("a", gpu)
+    gpu["metadata"]["name"] = "g2"
+    with pytest.raises(ApiException) as e:
+        core.create_namespaced_pod("a", gpu)
+    assert e.value.status == 403 and "exceeded quota: q, requested: requests.nvidia.com/gpu=1, used: " \
+                                      "requests.nvidia.com/gpu=1, limited: requests.nvidia.com/gpu=1" in e.value.body
+    core.create_namespaced_pod("a", pod("c1"))  # no GPU: only the pod count
+    with pytest.raises(ApiException) as e:
+        core.create_namespaced_pod("a", pod("c2"))
+    assert e.value.status == 403 and "limited: pods=2" in e.value.body
+    core.create_namespaced_pod("b", pod("c2"))  # another namespace, no quota
+
+    core.create_namespaced_event("a", {"metadata": {"name": "e1"}, "type": "Warning", "reason": "FailedCreate",
+                                       "involvedObject": {"kind": "Job", "name": "j"}})
+    core.create_namespaced_event("a", {"metadata": {"name": "e2"}, "type": "Normal", "reason": "Created",
+                                       "involvedObject": {"kind": "Job", "name": "j"}})
+    assert [ev.metadata.name for ev in core.list_namespaced_event("a", field_selector="type=Warning").items] == ["e1"]
+    assert [ev.metadata.name for ev in core.list_namespaced_event(
+        "a", field_selector="involvedObject.name=j,reason=Created").items] == ["e2"]
+    with pytest.raises(ApiException) as e:
+        core.list_namespaced_event("a", field_selector="spec.nodeName=n1")  # a pod's field, not an event's
+    assert e.value.status == 400

@@ -24,5 +24,5 @@ def test_onprem_overlay_renders_and_grants_the_backends():
                for v in rule["verbs"]}
     needed = [("kubeflow.org", "pytorchjobs", v) for v in ("create", "get", "watch", "delete")] + \
              [("serving.kserve.io", "inferenceservices", v) for v in ("create", "get", "watch", "patch")] + \
-             [("", "pods", "list"), ("", "pods/log", "get")]
+             [("", "pods", "list"), ("", "pods/log", "get"), ("", "events", "list")]
     assert not [n for n in needed if n not in granted]
