@@ -111,6 +111,42 @@ def _pending(pods: list) -> tuple[list, list[str]]:
     return pending, reasons
 
 
+def _stuck_text(stuck: dict[str, str]) -> str:
+    """The reasons pods cannot start, each once, with the first pod that has it."""
+    first: dict[str, str] = {}
+    for pod, why in stuck.items():
+        first.setdefault(why, pod)
+    return "; ".join(f"{pod}: {why}" for why, pod in first.items())
+
+
+CANNOT_START = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
+                "CreateContainerConfigError", "CreateContainerError"}
+"""Why a placed pod's container does not start, that waiting will not mend: an image the node cannot
+pull, a Secret or ConfigMap (key) the pod reads that does not exist."""
+
+
+def _cannot_start(pods: list) -> dict[str, str]:
+    """Pod name -> "Reason: message" for pending pods placed on a node whose container cannot start."""
+    out = {}
+    for p in pods:
+        if p.status and p.status.phase == "Pending":
+            for cs in (p.status.init_container_statuses or []) + (p.status.container_statuses or []):
+                waiting = cs.state and cs.state.waiting
+                if waiting and waiting.reason in CANNOT_START:
+                    out[p.metadata.name] = f"{waiting.reason}: {waiting.message or ''}".rstrip(": ")
+                    break
+    return out
+
+
+def _cannot_start_hint(ns: str, why: dict[str, str]) -> str:
+    pod = next(iter(why))
+    fix = ("check the image name and tag, and that the nodes can pull it (imagePullSecrets for a private registry)"
+           if any("Image" in w for w in why.values()) else
+           "create the Secret or ConfigMap the pods read (the S3 credentials: `kfp-pytorch manifest s3-secret`), or fix "
+           "its name in the platform file")
+    return f"{fix}; `kubectl -n {ns} describe pod {pod}` shows the details"
+
+
 class _Outage:
     """Rides out an API server that stops answering while we follow an object: a control-plane
     upgrade, a watch connection that broke or went silent. The object goes on without us, so
@@ -402,6 +438,10 @@ class ClusterTrainer:
             return
         head = f"[kfp-pytorch] {self.kind} {name}: not running after {_span(waited)}"
         pending, reasons = _pending(pods)
+        if stuck := _cannot_start(pods):
+            self._say(f"{head}: {len(stuck)} of {len(pods)} pods cannot start ({_stuck_text(stuck)}; "
+                      f"{_cannot_start_hint(ns, stuck)})")
+            return
         warning = self._latest_warning(ns, name) if pending or not pods else None
         if not pods:
             self._say(f"{head}: no pods yet: {warning}" if warning else
@@ -490,6 +530,9 @@ class ClusterTrainer:
             return TrainingError(f"{self.kind} {ns}/{name} did not finish within {timeout_s:g}s",
                                  f"`kubectl -n {ns} describe {self.kind.lower()} {name}` and its pods show why")
         pending, reasons = _pending(pods)
+        if stuck := _cannot_start(pods):
+            return TrainingError(f"{self.kind} {ns}/{name} did not start within {timeout_s:g}s: {len(stuck)} of "
+                                 f"{len(pods)} pods cannot start ({_stuck_text(stuck)})", _cannot_start_hint(ns, stuck))
         warning = self._latest_warning(ns, name) if pending or not pods else None
         quota = (f"`kubectl -n {ns} describe quota` shows the namespace's quota, if that refused pods: ask for "
                  "more, or request less (nodes, gpus_per_node)") if warning else ""

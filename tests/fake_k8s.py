@@ -429,6 +429,18 @@ class FakeCluster:
                 st["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": reason, "message": message}]
             self.replace("pods", ns, name, pod, status_only=True, check_rv=False)
 
+    def set_pod_waiting(self, ns: str, name: str, reason: str, message: str) -> None:
+        """A pod placed on a node whose container waits: an image the kubelet cannot pull, a
+        Secret it cannot read (the kubelet's reasons and messages)."""
+        with self.lock:
+            pod = self.get("pods", ns, name)
+            pod["status"] = {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}],
+                             "containerStatuses": [{"name": c["name"], "ready": False, "restartCount": 0,
+                                                    "image": c.get("image", ""), "imageID": "",
+                                                    "state": {"waiting": {"reason": reason, "message": message}}}
+                                                   for c in pod["spec"]["containers"]]}
+            self.replace("pods", ns, name, pod, status_only=True, check_rv=False)
+
     def append_log(self, ns: str, pod: str, text: str) -> None:
         with self.cond:
             self.logs.setdefault((ns, pod), []).extend(text.splitlines(keepends=True))

@@ -182,6 +182,34 @@ def test_pods_a_namespace_quota_refuses_are_named_with_the_quota(k8s, monkeypatc
     assert "no pods were created within 1.5s" in e.value.message and "installed and running" in e.value.hint
 
 
+@pytest.mark.parametrize("reason, message, fix", [
+    ("ImagePullBackOff", 'Back-off pulling image "reg/kfp-pytorch:0.1.0"', "check the image name and tag"),
+    ("CreateContainerConfigError", 'secret "kfp-pytorch-s3" not found', "create the Secret or ConfigMap"),
+])
+def test_pods_that_cannot_start_say_why_not_that_the_gang_cannot_be_placed(k8s, monkeypatch, reason, message, fix):
+    # A placed pod whose image cannot be pulled, or whose Secret does not exist, stays Pending:
+    # the step said "2 of 2 pods pending" and, at the timeout, "gang could not be placed: wait
+    # for capacity", which sends the user to the wrong place.
+    fake, api = k8s
+    monkeypatch.setattr(ClusterTrainer, "pending_report_after_s", 0.5)
+    s = spec(nodes=2)
+    out = io.StringIO()
+
+    def kubelet():
+        deadline = time.monotonic() + 10
+        while len(pods_of(fake, s.name)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for p in pods_of(fake, s.name):
+            fake.set_pod_waiting(NS, p, reason, message)
+    threading.Thread(target=kubelet, daemon=True).start()
+    with pytest.raises(TrainingError) as e:
+        ClusterTrainer(Kube(api), out=out).run(s, timeout_s=1.5)
+    assert e.value.message == (f"PyTorchJob {NS}/{s.name} did not start within 1.5s: 2 of 2 pods cannot start "
+                               f"({s.name}-master-0: {reason}: {message})"), e.value.message
+    assert e.value.hint.startswith(fix) and f"`kubectl -n {NS} describe pod {s.name}-master-0`" in e.value.hint
+    assert f"2 of 2 pods cannot start ({s.name}-master-0: {reason}: {message}; {fix}" in out.getvalue(), out.getvalue()
+
+
 def test_a_retried_task_that_adopts_a_running_job_follows_it(k8s, monkeypatch):
     # A retried step (its pod evicted) adopts its job as it runs. No event says it runs, so the
     # master's log was not streamed, and after a minute the step said it was "not running: 0 of
