@@ -630,9 +630,34 @@ class ClusterServer:
             except KubernetesUnavailable as e:
                 outage.lost(e)
         reasons = _not_ready(current)
+        pods_why, hint = self._predictor_pods_why(ns, name, spec.service_account)
         raise ServingError(f"InferenceService {ns}/{name} not Ready within {timeout_s:g}s"
-                           + (f" ({'; '.join(reasons)})" if reasons else ""),
-                           "kubectl describe inferenceservice shows why (image pull, storage initializer, S3 secret)")
+                           + (f" ({'; '.join(reasons)})" if reasons else "") + (f": {pods_why}" if pods_why else ""),
+                           hint or "kubectl describe inferenceservice shows why (image pull, storage initializer, "
+                                   "S3 secret)")
+
+    def _predictor_pods_why(self, ns: str, name: str, service_account: str) -> tuple[str, str] | tuple[None, None]:
+        """Why the predictor's pods do not start, which KServe's conditions say only as "not
+        available": an image that cannot be pulled, a Secret that does not exist, or a storage
+        initializer that cannot fetch the model (wrong S3 endpoint or credentials, a model URI with
+        nothing there) and fails again and again. Best effort: (None, None) when none of these."""
+        try:
+            pods = self.kube.pods(ns, f"serving.kserve.io/inferenceservice={name}")
+        except KubernetesError:
+            return None, None
+        if stuck := _cannot_start(pods):
+            return f"its predictor pods cannot start ({_stuck_text(stuck)})", _cannot_start_hint(ns, stuck)
+        for p in pods:
+            for cs in (p.status and p.status.init_container_statuses) or []:
+                waiting, last = cs.state and cs.state.waiting, cs.last_state and cs.last_state.terminated
+                if cs.name == "storage-initializer" and waiting and waiting.reason == "CrashLoopBackOff":
+                    return (f"the storage initializer of {p.metadata.name} cannot fetch the model (it failed "
+                            f"{cs.restart_count} times" + (f", last with exit code {last.exit_code}" if last else "")
+                            + ")",
+                            f"`kubectl -n {ns} logs {p.metadata.name} -c storage-initializer` says why: check the S3 "
+                            f"endpoint and credentials of ServiceAccount {service_account} (`kfp-pytorch manifest "
+                            "s3-secret`) and that the model's URI holds the model")
+        return None, None
 
 
 def _not_ready(obj: dict) -> list[str]:

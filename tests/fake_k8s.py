@@ -429,16 +429,18 @@ class FakeCluster:
                 st["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": reason, "message": message}]
             self.replace("pods", ns, name, pod, status_only=True, check_rv=False)
 
-    def set_pod_waiting(self, ns: str, name: str, reason: str, message: str) -> None:
-        """A pod placed on a node whose container waits: an image the kubelet cannot pull, a
-        Secret it cannot read (the kubelet's reasons and messages)."""
+    def set_pod_waiting(self, ns: str, name: str, reason: str, message: str, init: bool = False) -> None:
+        """A pod placed on a node whose containers (``init``: its init containers) wait: an image
+        the kubelet cannot pull, a Secret it cannot read, an init container that keeps failing
+        (the kubelet's reasons and messages)."""
         with self.lock:
             pod = self.get("pods", ns, name)
+            waiting = [{"name": c["name"], "ready": False, "restartCount": 3 if reason == "CrashLoopBackOff" else 0,
+                        "image": c.get("image", ""), "imageID": "",
+                        "state": {"waiting": {"reason": reason, "message": message}}}
+                       for c in pod["spec"]["initContainers" if init else "containers"]]
             pod["status"] = {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}],
-                             "containerStatuses": [{"name": c["name"], "ready": False, "restartCount": 0,
-                                                    "image": c.get("image", ""), "imageID": "",
-                                                    "state": {"waiting": {"reason": reason, "message": message}}}
-                                                   for c in pod["spec"]["containers"]]}
+                             "initContainerStatuses" if init else "containerStatuses": waiting}
             self.replace("pods", ns, name, pod, status_only=True, check_rv=False)
 
     def append_log(self, ns: str, pod: str, text: str) -> None:
@@ -520,6 +522,23 @@ class Operator:
         elif plural in ("pytorchjobs", "trainjobs") and kind == "DELETED":
             selector = "training.kubeflow.org/job-name" if plural == "pytorchjobs" else "jobset.sigs.k8s.io/jobset-name"
             for pod in f.list("pods", ns, f"{selector}={name}"):
+                f.delete("pods", ns, pod["metadata"]["name"])
+        elif plural == "inferenceservices" and kind == "ADDED":  # the predictor's pod, as KServe's Deployment makes it
+            predictor = obj["spec"]["predictor"]
+            container = dict((predictor.get("containers") or [{"name": "kserve-container", "image": "kserve/model"}])[0])
+            try:
+                f.create("pods", ns, {"metadata": {
+                    "name": f"{name}-predictor-{uuid.uuid4().hex[:10]}-{uuid.uuid4().hex[:5]}",
+                    "labels": {"serving.kserve.io/inferenceservice": name, "component": "predictor"}},
+                    "spec": {"serviceAccountName": predictor.get("serviceAccountName", "default"),
+                             "initContainers": [{"name": "storage-initializer", "image": "kserve/storage-initializer"}],
+                             "containers": [container]}}, "v1")
+            except ApiError as e:
+                self._warn(ns, "ReplicaSet", f"{name}-predictor", obj["metadata"]["uid"], "FailedCreate",
+                           f"Error creating: {e.message}")
+            self.on_event(plural, "MODIFIED", obj)
+        elif plural == "inferenceservices" and kind == "DELETED":
+            for pod in f.list("pods", ns, f"serving.kserve.io/inferenceservice={name}"):
                 f.delete("pods", ns, pod["metadata"]["name"])
         elif (plural == "inferenceservices" and kind in ("ADDED", "MODIFIED") and self.isvc_ready
               and (obj.get("status") or {}).get("observedGeneration") != obj["metadata"]["generation"]):

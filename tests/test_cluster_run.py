@@ -748,6 +748,34 @@ def test_inference_service_not_ready_times_out(k8s):
             ClusterServeSpec("s3://models/x", "stuck", "reg/kfp-pytorch:0.1.0", namespace=NS), 1)
 
 
+@pytest.mark.parametrize("reason, message, init, says, hint", [
+    ("ImagePullBackOff", 'Back-off pulling image "reg/kfp-pytorch:0.1.0"', False,
+     "its predictor pods cannot start ({pod}: ImagePullBackOff: Back-off pulling image", "check the image name"),
+    ("CrashLoopBackOff", "back-off 40s restarting failed container=storage-initializer", True,
+     "the storage initializer of {pod} cannot fetch the model (it failed 3 times)",
+     "`kubectl -n team-a logs {pod} -c storage-initializer` says why: check the S3 endpoint and credentials of "
+     "ServiceAccount kfp-pytorch-s3"),
+])
+def test_an_inference_service_whose_pods_cannot_start_says_why_at_the_timeout(k8s, reason, message, init, says, hint):
+    # KServe's conditions say only that the predictor is not available; the pods say why
+    fake, api = k8s
+    fake.operator.isvc_ready = False
+
+    def kubelet():
+        deadline = time.monotonic() + 5
+        while not fake.list("pods", NS) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        fake.set_pod_waiting(NS, fake.list("pods", NS)[0]["metadata"]["name"], reason, message, init=init)
+    threading.Thread(target=kubelet, daemon=True).start()
+    with pytest.raises(ServingError) as e:
+        ClusterServer(Kube(api), out=io.StringIO()).run(
+            ClusterServeSpec("s3://models/x", "stuck", "reg/kfp-pytorch:0.1.0", namespace=NS), 1.5)
+    [pod] = [p["metadata"]["name"] for p in fake.list("pods", NS)]
+    assert e.value.message.startswith(f"InferenceService {NS}/stuck not Ready within 1.5s: " + says.format(pod=pod)), \
+        e.value.message
+    assert e.value.hint.startswith(hint.format(pod=pod)), e.value.hint
+
+
 def test_a_waiting_inference_service_says_why_as_its_status_changes(k8s):
     # KServe reports why in the conditions; the step's log said nothing until the timeout
     fake, api = k8s
