@@ -574,6 +574,11 @@ class ClusterServer:
 
     api_outage_s = 600.0
     """As ClusterTrainer's: how long an API server that stops answering is waited for."""
+    pods_report_after_s = 60.0
+    """Not Ready after this long: look at the predictor's pods for why (KServe's conditions say only
+    "not available" for an image that cannot be pulled) ..."""
+    pods_report_every_s = 300.0
+    """... and again this often (each look is one pod list)."""
 
     def __init__(self, kube: Kube, out=None):
         self.kube = kube
@@ -595,7 +600,15 @@ class ClusterServer:
         outage = _Outage(self._say, self.api_outage_s, f"InferenceService {ns}/{name}",
                          f"the InferenceService was left as it is: `kubectl -n {ns} get inferenceservice {name}` "
                          "shows it; run the serve step again to follow it on")
+        next_look = time.monotonic() + self.pods_report_after_s
+        said_pods = None
         while time.monotonic() < deadline:
+            if time.monotonic() >= next_look and not _isvc_ready(current):
+                next_look = time.monotonic() + self.pods_report_every_s
+                why, hint = self._predictor_pods_why(ns, name, spec.service_account)
+                if why and why != said_pods:
+                    said_pods = why
+                    self._say(f"[kfp-pytorch] InferenceService {ns}/{name} not ready yet: {why} ({hint})")
             if _isvc_ready(current):
                 status = current.get("status") or {}
                 url = status.get("url", "")
@@ -607,13 +620,14 @@ class ClusterServer:
                 return {"name": name, "namespace": ns, "url": url, "cluster_url": cluster_url,
                         "infer_url": f"{url}/v2/models/{spec.model_name}/infer", "updated": existed}
             try:
-                for event, o in kube.watch(group, version, plural, ns, name, rv, deadline - time.monotonic()):
+                horizon = min(deadline, next_look)
+                for event, o in kube.watch(group, version, plural, ns, name, rv, horizon - time.monotonic()):
                     outage.back()
                     if event == "DELETED":
                         raise ServingError(f"InferenceService {ns}/{name} was deleted (by kubectl or another "
                                            "controller) before it was Ready", "run the serve step again")
                     rv, current = o["metadata"]["resourceVersion"], o
-                    if _isvc_ready(o) or time.monotonic() >= deadline:
+                    if _isvc_ready(o) or time.monotonic() >= horizon:
                         break
                     if (why := _not_ready(o)) and why != said:  # each change of why it waits, once
                         said = why

@@ -756,10 +756,13 @@ def test_inference_service_not_ready_times_out(k8s):
      "`kubectl -n team-a logs {pod} -c storage-initializer` says why: check the S3 endpoint and credentials of "
      "ServiceAccount kfp-pytorch-s3"),
 ])
-def test_an_inference_service_whose_pods_cannot_start_says_why_at_the_timeout(k8s, reason, message, init, says, hint):
-    # KServe's conditions say only that the predictor is not available; the pods say why
+def test_an_inference_service_whose_pods_cannot_start_says_why(k8s, monkeypatch, reason, message, init, says, hint):
+    # KServe's conditions say only that the predictor is not available; the pods say why: in the
+    # step's log while it waits, and at the timeout
     fake, api = k8s
     fake.operator.isvc_ready = False
+    monkeypatch.setattr(ClusterServer, "pods_report_after_s", 0.5)
+    out = io.StringIO()
 
     def kubelet():
         deadline = time.monotonic() + 5
@@ -768,12 +771,13 @@ def test_an_inference_service_whose_pods_cannot_start_says_why_at_the_timeout(k8
         fake.set_pod_waiting(NS, fake.list("pods", NS)[0]["metadata"]["name"], reason, message, init=init)
     threading.Thread(target=kubelet, daemon=True).start()
     with pytest.raises(ServingError) as e:
-        ClusterServer(Kube(api), out=io.StringIO()).run(
-            ClusterServeSpec("s3://models/x", "stuck", "reg/kfp-pytorch:0.1.0", namespace=NS), 1.5)
+        ClusterServer(Kube(api), out=out).run(
+            ClusterServeSpec("s3://models/x", "stuck", "reg/kfp-pytorch:0.1.0", namespace=NS), 2)
     [pod] = [p["metadata"]["name"] for p in fake.list("pods", NS)]
-    assert e.value.message.startswith(f"InferenceService {NS}/stuck not Ready within 1.5s: " + says.format(pod=pod)), \
+    assert e.value.message.startswith(f"InferenceService {NS}/stuck not Ready within 2s: " + says.format(pod=pod)), \
         e.value.message
     assert e.value.hint.startswith(hint.format(pod=pod)), e.value.hint
+    assert f"InferenceService {NS}/stuck not ready yet: {says.format(pod=pod)}" in out.getvalue(), out.getvalue()
 
 
 def test_a_waiting_inference_service_says_why_as_its_status_changes(k8s):
