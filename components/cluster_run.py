@@ -111,6 +111,11 @@ def _pending(pods: list) -> tuple[list, list[str]]:
     return pending, reasons
 
 
+def _made(pods: list, expected: int) -> str:
+    """ "2 of 4 pods made, " when the controller has not made them all (a quota refused the rest)."""
+    return f"{len(pods)} of {expected} pods made, " if 0 < len(pods) < expected else ""
+
+
 def _stuck_text(stuck: dict[str, str]) -> str:
     """The reasons pods cannot start, each once, with the first pod that has it."""
     first: dict[str, str] = {}
@@ -258,7 +263,7 @@ class ClusterTrainer:
                 waiting = self.poll_pods and running_at is None
                 horizon = min(deadline, next_report) if waiting else deadline
                 if waiting and time.monotonic() >= next_report:
-                    self._report_pending(ns, name, time.monotonic() - t0, current)
+                    self._report_pending(ns, name, time.monotonic() - t0, current, spec.nodes)
                     next_report = time.monotonic() + self.pending_report_every_s
                     continue
                 try:
@@ -309,7 +314,7 @@ class ClusterTrainer:
             if state == "Failed":
                 error = self._failure(ns, name, current)
             else:
-                error = self._timeout(ns, name, timeout_s, current)
+                error = self._timeout(ns, name, timeout_s, current, spec.nodes)
             if self.delete_policy == "always" or (state != "Failed" and self.delete_policy != "never"):
                 self._clean_up((group, version, plural), ns, name, "it failed" if state == "Failed" else "its timeout")
             raise error
@@ -423,7 +428,7 @@ class ClusterTrainer:
                 continue
         return None
 
-    def _report_pending(self, ns: str, name: str, waited: float, job: dict) -> None:
+    def _report_pending(self, ns: str, name: str, waited: float, job: dict, expected: int = 0) -> None:
         """Say in the step's log why the job is not running yet: what a user would otherwise
         learn only from `kubectl describe pod`, or at the timeout."""
         why = self._suspended(job) if job_state(job) == "Suspended" else _not_created(job)
@@ -447,7 +452,7 @@ class ClusterTrainer:
             self._say(f"{head}: no pods yet: {warning}" if warning else
                       f"{head}: no pods yet ({self._operator()} creates them: check that it is installed and running)")
             return
-        self._say(f"{head}: {len(pending)} of {len(pods)} pods pending"
+        self._say(f"{head}: {_made(pods, expected)}{len(pending)} of {len(pods)} pods pending"
                   + (f" ({'; '.join(reasons)})" if reasons else "") + (f"; {warning}" if warning else ""))
 
     def _start_log_stream(self, ns: str, name: str, tail_lines: int | None = None):
@@ -521,7 +526,8 @@ class ClusterTrainer:
                                  "from the last checkpoint")
         return TrainingError(f"{self.kind} {ns}/{name} failed: {detail}")
 
-    def _timeout(self, ns: str, name: str, timeout_s: float, job: dict | None = None) -> TrainingError:
+    def _timeout(self, ns: str, name: str, timeout_s: float, job: dict | None = None,
+                 expected: int = 0) -> TrainingError:
         if job is not None and (why := self._suspended(job) if job_state(job) == "Suspended" else _not_created(job)):
             return TrainingError(f"{self.kind} {ns}/{name} did not finish within {timeout_s:g}s: {why[0]}",
                                  f"{why[1]}; or raise the timeout")
@@ -538,8 +544,8 @@ class ClusterTrainer:
                  "more, or request less (nodes, gpus_per_node)") if warning else ""
         if pending:
             return TrainingError(
-                f"{self.kind} {ns}/{name}: gang could not be placed within {timeout_s:g}s: {len(pending)} of "
-                f"{len(pods)} pods still pending" + (f" ({'; '.join(reasons)})" if reasons else "")
+                f"{self.kind} {ns}/{name}: gang could not be placed within {timeout_s:g}s: {_made(pods, expected)}"
+                f"{len(pending)} of {len(pods)} pods still pending" + (f" ({'; '.join(reasons)})" if reasons else "")
                 + (f"; {warning}" if warning else ""),
                 "reduce nodes/resources, or wait for capacity (raise the timeout); "
                 "`kubectl describe pod` shows the scheduler's reasons" + (f"; {quota}" if quota else ""))

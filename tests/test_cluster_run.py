@@ -160,11 +160,11 @@ def test_pods_a_namespace_quota_refuses_are_named_with_the_quota(k8s, monkeypatc
     refused = ("exceeded quota: kf-resource-quota, requested: requests.nvidia.com/gpu=1, used: "
                "requests.nvidia.com/gpu=2, limited: requests.nvidia.com/gpu=2")
     on = f"FailedCreatePod on PyTorchJob {s.name}" if kind == "PyTorchJob" else f"FailedCreate on Job {s.name}-node-0"
-    assert e.value.message.startswith(f"{kind} {NS}/{s.name}: gang could not be placed within 1.5s: 2 of 2 pods still "
-                                      f"pending; {on}: Error creating: pods "), e.value.message
+    assert e.value.message.startswith(f"{kind} {NS}/{s.name}: gang could not be placed within 1.5s: 2 of 4 pods made, "
+                                      f"2 of 2 pods still pending; {on}: Error creating: pods "), e.value.message
     assert refused in e.value.message
     assert f"`kubectl -n {NS} describe quota` shows the namespace's quota" in e.value.hint
-    assert f"2 of 2 pods pending; {on}" in out.getvalue(), out.getvalue()
+    assert f"2 of 4 pods made, 2 of 2 pods pending; {on}" in out.getvalue(), out.getvalue()
 
     # nothing fits: no pods at all, and the step says why rather than "check the operator"
     fake.replace("resourcequotas", NS, "kf-resource-quota", {
