@@ -203,8 +203,8 @@ def test_pods_that_cannot_start_say_why_not_that_the_gang_cannot_be_placed(k8s, 
             fake.set_pod_waiting(NS, p, reason, message)
     threading.Thread(target=kubelet, daemon=True).start()
     with pytest.raises(TrainingError) as e:
-        ClusterTrainer(Kube(api), out=out).run(s, timeout_s=1.5)
-    assert e.value.message == (f"PyTorchJob {NS}/{s.name} did not start within 1.5s: 2 of 2 pods cannot start "
+        ClusterTrainer(Kube(api), out=out).run(s, timeout_s=3)
+    assert e.value.message == (f"PyTorchJob {NS}/{s.name} did not start within 3s: 2 of 2 pods cannot start "
                                f"({s.name}-master-0: {reason}: {message})"), e.value.message
     assert e.value.hint.startswith(fix) and f"`kubectl -n {NS} describe pod {s.name}-master-0`" in e.value.hint
     assert f"2 of 2 pods cannot start ({s.name}-master-0: {reason}: {message}; {fix}" in out.getvalue(), out.getvalue()
