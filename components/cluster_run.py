@@ -111,6 +111,11 @@ def _pending(pods: list) -> tuple[list, list[str]]:
     return pending, reasons
 
 
+def _restarts(pod) -> int:
+    """How many times the kubelet restarted the pod's containers."""
+    return sum(cs.restart_count or 0 for cs in (pod.status and pod.status.container_statuses) or [])
+
+
 def _made(pods: list, expected: int) -> str:
     """ "2 of 4 pods made, " when the controller has not made them all (a quota refused the rest)."""
     return f"{len(pods)} of {expected} pods made, " if 0 < len(pods) < expected else ""
@@ -286,9 +291,10 @@ class ClusterTrainer:
                                           f"({hint})")
                             else:
                                 self._say(f"[kfp-pytorch] {self.kind} {name}: {state}")
-                            if state == "Running" and running_at is not None and not (log_thread and
-                                                                                     log_thread.is_alive()):
+                            if state == "Running" and running_at is not None:
                                 # running again (resumed, or restarted): new pods, a new log to stream
+                                if log_thread is not None:
+                                    log_thread.stop.set()  # its pod is gone: stop waiting for it
                                 log_thread = self._start_log_stream(ns, name)
                         if state == "Running" and running_at is None:
                             running_at = time.monotonic() - t0
@@ -327,6 +333,7 @@ class ClusterTrainer:
             if in_main and prev is not None:
                 signal.signal(signal.SIGTERM, prev)
             if log_thread is not None:
+                log_thread.stop.set()
                 log_thread.join(timeout=2)
 
     def _clean_up(self, gvp: tuple[str, str, str], ns: str, name: str, after: str,
@@ -464,18 +471,50 @@ class ClusterTrainer:
         master = [p for p in pods if _is_rank0(p.metadata.labels or {})]
         if not master:
             return None
-        pod = master[0].metadata.name
+        pod, restarts = master[0].metadata.name, _restarts(master[0])
+        stop = threading.Event()
 
         def pump():
-            try:
-                for line in self.kube.follow_log(ns, pod, tail_lines):
-                    self._say(f"[{pod}] {line}")
-            except Exception as e:  # log streaming is best effort; the watch decides the outcome
-                self._say(f"[kfp-pytorch] log stream of {pod} ended: {type(e).__name__}")
+            nonlocal restarts
+            tail = tail_lines
+            while True:
+                try:
+                    for line in self.kube.follow_log(ns, pod, tail):
+                        self._say(f"[{pod}] {line}")
+                except Exception as e:  # log streaming is best effort; the watch decides the outcome
+                    self._say(f"[kfp-pytorch] log stream of {pod} ended: {type(e).__name__}")
+                    return
+                # Its container ended. The pod ends with it (the watch says how), or, under restartPolicy
+                # OnFailure, the kubelet starts a new container in the same pod, whose log is a new one.
+                now = self._restarted(ns, pod, restarts, stop)
+                if now is None:
+                    return
+                restarts, tail = now, None
+                self._say(f"[kfp-pytorch] {pod}: its container restarted (restart {restarts}; the job's "
+                          "backoffLimit counts them); its new log follows")
 
         t = threading.Thread(target=pump, daemon=True)
+        t.stop = stop  # type: ignore[attr-defined]  # set when the run ends: no more waiting for restarts
         t.start()
         return t
+
+    container_poll_s = 2.0
+    """How often a log stream whose container ended looks whether the kubelet restarted it."""
+
+    def _restarted(self, ns: str, pod: str, restarts: int, stop: threading.Event) -> int | None:
+        """Wait until the pod's container runs again after ``restarts`` restarts; its restart count
+        then, or None when the pod is over (ended, deleted) or the run is."""
+        while not stop.wait(self.container_poll_s):
+            try:
+                p = self.kube.pod(ns, pod)
+            except KubernetesError:
+                return None
+            if p.status is None or p.status.phase in ("Succeeded", "Failed"):
+                return None
+            now = _restarts(p)
+            if now > restarts and any(cs.state and cs.state.running for cs in p.status.container_statuses or []):
+                return now
+        return None
 
     def _latest_warning(self, ns: str, name: str) -> str | None:
         """The latest Warning event on the job or the objects named after it (a TrainJob's child

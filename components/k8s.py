@@ -194,6 +194,9 @@ class Kube:
     def pods(self, ns: str, selector: str) -> list:
         return self._call("list", "pods", "", ns, self.core.list_namespaced_pod, ns, label_selector=selector).items
 
+    def pod(self, ns: str, name: str):
+        return self._call("get", "pods", "", ns, self.core.read_namespaced_pod, name, ns)
+
     def events(self, ns: str, field_selector: str = "") -> list:
         return self._call("list", "events", "", ns, self.core.list_namespaced_event, ns,
                           field_selector=field_selector).items

@@ -118,6 +118,7 @@ def k8s(_fake_k8s_server):
     with fake.lock:
         fake.objects.clear()
         fake.logs.clear()
+        fake.log_epochs.clear()
         fake.denied.clear()
         fake.stalled.clear()
         fake.missing_groups.clear()

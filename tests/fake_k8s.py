@@ -209,6 +209,8 @@ class FakeCluster:
         self.rv = 100
         self.events: deque = deque(maxlen=history)
         self.logs: dict[tuple, list[str]] = {}
+        self.log_epochs: dict[tuple, int] = {}
+        """(ns, pod) -> its container's incarnation: a follow of an earlier one ends."""
         self.denied: set[tuple[str, str]] = set()
         """(verb, plural) pairs that return 403."""
         self.stalled: set[tuple[str, str]] = set()
@@ -442,6 +444,21 @@ class FakeCluster:
             pod["status"] = {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}],
                              "initContainerStatuses" if init else "containerStatuses": waiting}
             self.replace("pods", ns, name, pod, status_only=True, check_rv=False)
+
+    def restart_container(self, ns: str, name: str) -> None:
+        """The kubelet restarts a running pod's container (restartPolicy OnFailure): the pod stays,
+        the old container's log stream ends, and the new container's log starts empty."""
+        with self.cond:
+            pod = self.get("pods", ns, name)
+            st = pod.setdefault("status", {})
+            restarts = 1 + max([cs.get("restartCount", 0) for cs in st.get("containerStatuses") or []] or [0])
+            st["containerStatuses"] = [{"name": c["name"], "ready": True, "restartCount": restarts, "image": "x",
+                                        "imageID": "", "state": {"running": {"startedAt": now_iso()}}}
+                                       for c in pod["spec"]["containers"]]
+            self.logs[(ns, name)] = []
+            self.log_epochs[(ns, name)] = self.log_epochs.get((ns, name), 0) + 1
+            self.replace("pods", ns, name, pod, status_only=True, check_rv=False)
+            self.cond.notify_all()
 
     def append_log(self, ns: str, pod: str, text: str) -> None:
         with self.cond:
@@ -872,9 +889,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         sent = max(0, len(f.logs.get((ns, name), [])) - tail) if tail is not None else 0
+        epoch = f.log_epochs.get((ns, name), 0)
         try:
             with f.cond:
-                while f.server is not None:
+                while f.server is not None and f.log_epochs.get((ns, name), 0) == epoch:
                     lines = f.logs.get((ns, name), [])
                     for line in lines[sent:]:
                         self._chunk(line.encode())

@@ -210,6 +210,36 @@ def test_pods_that_cannot_start_say_why_not_that_the_gang_cannot_be_placed(k8s, 
     assert f"2 of 2 pods cannot start ({s.name}-master-0: {reason}: {message}; {fix}" in out.getvalue(), out.getvalue()
 
 
+def test_the_log_stream_follows_a_container_the_kubelet_restarts(k8s, monkeypatch):
+    # Under restartPolicy OnFailure a failed container restarts in the same pod (the job stays
+    # Running): the master's log stream ended with the first container, and the resumed
+    # training's log never reached the step.
+    fake, api = k8s
+    monkeypatch.setattr(ClusterTrainer, "container_poll_s", 0.1)
+    s = spec(nodes=1)
+    m = f"{s.name}-master-0"
+    out = io.StringIO()
+
+    def kubelet():
+        deadline = time.monotonic() + 10
+        while not pods_of(fake, s.name) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        fake.append_log(NS, m, "epoch 1/2\nRuntimeError: NCCL timeout\n")
+        fake.set_pod_phase(NS, m, "Running")
+        _wait_for(out, "NCCL timeout")
+        fake.restart_container(NS, m)
+        _wait_for(out, "its new log follows")
+        fake.append_log(NS, m, "resumed from epoch 1\nepoch 2/2 loss=0.2\n")
+        _wait_for(out, "epoch 2/2")
+        fake.set_pod_phase(NS, m, "Succeeded")
+    threading.Thread(target=kubelet, daemon=True).start()
+    res = ClusterTrainer(Kube(api), out=out).run(s, timeout_s=20)
+    text = out.getvalue()
+    assert res.state == "Succeeded", text
+    assert f"[kfp-pytorch] {m}: its container restarted (restart 1; the job's backoffLimit counts them)" in text, text
+    assert text.index("NCCL timeout") < text.index("its container restarted") < text.index(f"[{m}] epoch 2/2 loss=0.2")
+
+
 def test_a_retried_task_that_adopts_a_running_job_follows_it(k8s, monkeypatch):
     # A retried step (its pod evicted) adopts its job as it runs. No event says it runs, so the
     # master's log was not streamed, and after a minute the step said it was "not running: 0 of
