@@ -413,6 +413,8 @@ class ClusterTrainer:
                 # A WorkloadPriorityClass that does not exist stops Kueue there, and says so only in an
                 # event (WorkloadPriorityClassNotFound) and its own log.
                 text += "; Kueue has made no Workload for it, so no queue will admit it"
+                if warning := self._latest_warning(ns, name):  # Kueue's event says why, where we may read it
+                    text += f" ({warning})"
                 hint = ((f"check that WorkloadPriorityClass {priority!r} exists (`kubectl get workloadpriorityclass "
                          f"{priority}`) and " if priority else "check that ")
                         + f"Kueue manages {self.kind}s (its integrations); `kubectl -n {ns} describe "
@@ -423,6 +425,11 @@ class ClusterTrainer:
         return (f"{text}: no pods are created until it is resumed",
                 f"something set {SUSPEND_FIELD[self.kind]} (a queueing controller, or kubectl): `kubectl -n {ns} "
                 f"describe {self.kind.lower()} {name}` shows its events")
+
+    def _held(self, job: dict) -> tuple[str, str] | None:
+        """Why a job has no pods that is held before any pod is made (suspended, or a TrainJob the
+        Trainer could not build), and what to look at; None when it is not."""
+        return self._suspended(job) if job_state(job) == "Suspended" else _not_created(job)
 
     def _kueue_workloads(self, job: dict) -> list[dict] | None:
         """The job's Kueue Workloads (labelled with the job's uid). Best effort: None when they
@@ -438,8 +445,7 @@ class ClusterTrainer:
     def _report_pending(self, ns: str, name: str, waited: float, job: dict, expected: int = 0) -> None:
         """Say in the step's log why the job is not running yet: what a user would otherwise
         learn only from `kubectl describe pod`, or at the timeout."""
-        why = self._suspended(job) if job_state(job) == "Suspended" else _not_created(job)
-        if why is not None:
+        if (why := self._held(job)) is not None:
             self._say(f"[kfp-pytorch] {self.kind} {name}: not running after {_span(waited)}: {why[0]} ({why[1]})")
             return
         try:
@@ -567,7 +573,7 @@ class ClusterTrainer:
 
     def _timeout(self, ns: str, name: str, timeout_s: float, job: dict | None = None,
                  expected: int = 0) -> TrainingError:
-        if job is not None and (why := self._suspended(job) if job_state(job) == "Suspended" else _not_created(job)):
+        if job is not None and (why := self._held(job)):
             return TrainingError(f"{self.kind} {ns}/{name} did not finish within {timeout_s:g}s: {why[0]}",
                                  f"{why[1]}; or raise the timeout")
         pods = self._pods_or_none(ns, name)

@@ -501,7 +501,8 @@ def test_a_job_naming_a_missing_workload_priority_class_says_so(k8s):
     s = spec(nodes=1, kueue_queue="team-a-gpu", kueue_priority_class="research")
     with pytest.raises(TrainingError) as e:
         ClusterTrainer(Kube(api), out=io.StringIO()).run(s, timeout_s=1.5)
-    assert "Kueue has made no Workload for it, so no queue will admit it" in e.value.message, e.value.message
+    assert ("Kueue has made no Workload for it, so no queue will admit it (WorkloadPriorityClassNotFound on PyTorchJob "
+            f'{s.name}: WorkloadPriorityClass "research" not found)' in e.value.message), e.value.message
     assert e.value.hint.startswith("check that WorkloadPriorityClass 'research' exists (`kubectl get "
                                    "workloadpriorityclass research`) and Kueue manages PyTorchJobs"), e.value.hint
     assert f"`kubectl -n {NS} describe pytorchjob {s.name}` shows Kueue's events" in e.value.hint
