@@ -92,6 +92,20 @@ def _not_created(job: dict) -> tuple[str, str] | None:
     return None
 
 
+def _trainer_progress(job: dict) -> tuple[str, int | None] | None:
+    """What a TrainJob's trainer last reported to the Trainer (``status.trainerStatus``, with the
+    TrainJobProgress gate on; our workers report it, see ``trainer_status``), e.g. "40% done,
+    about 2m left, epoch 2/5", and the seconds left; None when it reported nothing."""
+    ts = (job.get("status") or {}).get("trainerStatus") or {}
+    metrics = {m.get("name"): m.get("value") for m in ts.get("metrics") or []}
+    left = ts.get("estimatedRemainingSeconds")
+    parts = ([f"{ts['progressPercentage']}% done"] if ts.get("progressPercentage") is not None else []) + (
+        [f"about {_span(left)} left"] if left is not None else []) + (
+        [f"epoch {metrics['currentEpoch']}/{metrics['totalEpochs']}"]
+        if metrics.get("currentEpoch") and metrics.get("totalEpochs") else [])
+    return (", ".join(parts), left) if parts else None
+
+
 def _condition_message(obj: dict, state: str) -> str:
     for c in reversed((obj.get("status") or {}).get("conditions") or []):
         if CONDITION_STATE.get(c.get("type")) == state:
@@ -248,7 +262,9 @@ class ClusterTrainer:
         state, running_at, log_thread = job_state(current), None, None
         if state == "Running":  # adopted as it runs (a retried step): no event will say so
             running_at = 0.0
-            self._say(f"[kfp-pytorch] {self.kind} {name} is running; its log from the last {ADOPTED_LOG_LINES} lines:")
+            progress = _trainer_progress(current)
+            self._say(f"[kfp-pytorch] {self.kind} {name} is running" + (f" ({progress[0]})" if progress else "")
+                      + f"; its log from the last {ADOPTED_LOG_LINES} lines:")
             log_thread = self._start_log_stream(ns, name, tail_lines=ADOPTED_LOG_LINES)
         rv = current["metadata"]["resourceVersion"]
         prev = None
@@ -601,6 +617,12 @@ class ClusterTrainer:
             return TrainingError(f"{self.kind} {ns}/{name}: no pods were created within {timeout_s:g}s",
                                  f"{self._operator()} creates them: check that it is installed and running, and its events "
                                  f"(`kubectl -n {ns} describe {self.kind.lower()} {name}`)")
+        if job is not None and (progress := _trainer_progress(job)):
+            text, left = progress
+            return TrainingError(f"{self.kind} {ns}/{name} did not finish within {timeout_s:g}s: its trainer reports "
+                                 f"{text}", "raise the timeout" + (f" (to about {timeout_s + left:.0f}s at this pace)"
+                                                                   if left else "") + " or reduce epochs; run the step "
+                                 "again: training resumes from its last checkpoint")
         return TrainingError(f"{self.kind} {ns}/{name} did not finish within {timeout_s:g}s",
                              "raise the timeout or reduce epochs")
 

@@ -39,6 +39,7 @@ from .models import build_model
 from .prepare_data import load_split, read_metadata
 from .storage import Storage, join
 from .train import DIVERGED, RESUME_KEYS, RESUME_STATE, cuda_problem
+from .trainer_status import TrainerStatusReporter
 
 CHECKPOINT = "checkpoints/last.pt"
 HISTORY = "history.json"
@@ -109,6 +110,46 @@ def _init_process_group(backend: str, attempt: int) -> None:
                             rank=rank, world_size=world, timeout=timedelta(minutes=10))
 
 
+class _Progress:
+    """Rank 0's progress for the Trainer (:mod:`.trainer_status`): the share of epochs done,
+    the time left at this attempt's pace, and the last epoch's metrics."""
+
+    every_s = 5.0
+    """How often, within an epoch, the progress is updated (the reporter sends at most as often)."""
+
+    def __init__(self, reporter: TrainerStatusReporter, start_epoch: int, epochs: int):
+        self.reporter, self.start_epoch, self.epochs = reporter, start_epoch, max(1, epochs)
+        self.t0 = self.next = time.monotonic()
+        self.metrics: dict = {"currentEpoch": start_epoch, "totalEpochs": epochs}
+        self._update(start_epoch)
+
+    @classmethod
+    def from_env(cls, start_epoch: int, epochs: int) -> "_Progress | None":
+        reporter = TrainerStatusReporter.from_env()
+        return cls(reporter, start_epoch, epochs) if reporter is not None else None
+
+    def _update(self, done: float) -> None:
+        now = time.monotonic()
+        ran = done - self.start_epoch
+        left = (now - self.t0) / ran * (self.epochs - done) if ran > 0 else None
+        self.reporter.update(100.0 * done / self.epochs, left, self.metrics)
+        self.next = now + self.every_s
+
+    def step(self, done: float) -> None:
+        """Within an epoch: ``done`` epochs (a fraction) are done."""
+        if time.monotonic() >= self.next:
+            self._update(done)
+
+    def epoch_done(self, entry: dict, epochs: int) -> None:
+        self.metrics = {"currentEpoch": entry["epoch"], "totalEpochs": epochs, "loss": entry["loss"],
+                        "accuracy": entry["accuracy"], "val_loss": entry["val_loss"],
+                        "val_accuracy": entry["val_accuracy"], "samples_per_second": entry["samples_per_second"]}
+        self._update(entry["epoch"])
+
+    def close(self) -> None:
+        self.reporter.close()
+
+
 def run(args: argparse.Namespace) -> dict:
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:  # a pod given fewer GPUs than processes (or none) fails here, not inside NCCL
@@ -153,6 +194,9 @@ def run(args: argparse.Namespace) -> dict:
     loader = DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler, pin_memory=use_cuda)
     xv, yv = torch.from_numpy(x_val).to(device), torch.from_numpy(y_val).to(device)
     show = rank == 0 and (args.progress == "on" or (args.progress == "auto"))
+    # A TrainJob's progress for `kubectl get trainjob`, when the Trainer asks for it (its daemon
+    # thread goes with the process if training fails)
+    progress = _Progress.from_env(start_epoch, args.epochs) if rank == 0 else None
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
         t0 = time.perf_counter()
@@ -167,7 +211,7 @@ def run(args: argparse.Namespace) -> dict:
 
             bar = tqdm(total=len(loader), desc=f"epoch {epoch + 1}/{args.epochs}", file=sys.stderr,
                        mininterval=1.0, leave=True, dynamic_ncols=False, ncols=100)
-        for xb, yb in loader:
+        for i, (xb, yb) in enumerate(loader):
             xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             logits = ddp(xb)
@@ -179,6 +223,8 @@ def run(args: argparse.Namespace) -> dict:
             seen += len(yb)
             if bar is not None:
                 bar.update(1)
+            if progress is not None:
+                progress.step(epoch + (i + 1) / len(loader))
         loss_total, n_correct = loss_sum.item(), correct.item()  # waits for the epoch's last step
         elapsed = time.perf_counter() - t0
         g_loss, g_acc, g_rate = _all_mean([loss_total / max(1, seen), n_correct / max(1, seen), seen / elapsed], device)
@@ -190,6 +236,8 @@ def run(args: argparse.Namespace) -> dict:
                 storage.write_bytes(diverged_uri, json.dumps({"epoch": epoch + 1, "loss": str(g_loss if not
                                     math.isfinite(g_loss) else val_loss), "lr": args.lr}).encode())
                 print(f"[kfp-pytorch] diverged in epoch {epoch + 1}: loss {g_loss}, val_loss {val_loss}", flush=True)
+            if progress is not None:
+                progress.close()
             dist.barrier()
             dist.destroy_process_group()
             return {"epochs": epoch + 1, "world_size": world, "backend": backend, "final": None, "diverged": True}
@@ -200,6 +248,8 @@ def run(args: argparse.Namespace) -> dict:
         if bar is not None:
             bar.set_postfix(loss=f"{g_loss:.4f}", val_acc=f"{val_acc:.3f}")
             bar.close()
+        if progress is not None:
+            progress.epoch_done(entry, args.epochs)
         if rank == 0:
             print("[kfp-pytorch] " + json.dumps(entry), flush=True)
             state = {"epoch": epoch, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -224,6 +274,8 @@ def run(args: argparse.Namespace) -> dict:
         }
         storage.write_bytes(join(args.output_uri, "model/metadata.json"), json.dumps(model_meta, indent=1).encode())
         storage.write_bytes(join(args.output_uri, HISTORY), json.dumps(history, indent=1).encode())
+    if progress is not None:
+        progress.close()
     dist.barrier()
     dist.destroy_process_group()
     return summary

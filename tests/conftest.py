@@ -130,11 +130,35 @@ def k8s(_fake_k8s_server):
         fake.operator.kserve_storage_uris = True
         fake.operator.kueue = False
         fake.operator.trainer_build_fails = False
+        fake.operator.trainer_progress_url = None
     cfg = client.Configuration()
     cfg.host = url
     api = client.ApiClient(cfg)
     yield fake, api
     api.close()
+
+
+@pytest.fixture(scope="session")
+def _trainer_status_server(_fake_k8s_server, tmp_path_factory):
+    from fake_trainer_status import TrainerStatusServer
+
+    server = TrainerStatusServer(_fake_k8s_server[0], tmp_path_factory.mktemp("trainer-tls"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def trainer_status(k8s, _trainer_status_server):
+    """Kubeflow Trainer with its TrainJobProgress gate on: its status server (HTTPS) writes the
+    progress a TrainJob's pods report into the TrainJob's status."""
+    fake, api = k8s
+    server = _trainer_status_server
+    with server.lock:
+        server.received.clear()
+        server.tokens.clear()
+    fake.operator.trainer_progress_url = server.url
+    return fake, api, server
 
 
 @pytest.fixture(scope="session")

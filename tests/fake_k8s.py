@@ -488,6 +488,10 @@ class Operator:
         self.trainer_build_fails = False
         """True: the Trainer cannot build a TrainJob's JobSet from its runtime (Created False,
         JobsBuildFailed), so it makes no pods."""
+        self.trainer_progress_url: str | None = None
+        """The Trainer's TrainJobProgress gate is on, with its status server at this URL: its
+        Progress plugin labels a TrainJob's pods ``trainer.kubeflow.org/trainjob-name`` and gives
+        their containers the KUBEFLOW_TRAINER_STATUS_* variables (see fake_trainer_status)."""
         self.kueue_pending = ("couldn't assign flavors to pod set master: insufficient unused quota for "
                               "nvidia.com/gpu in flavor default-flavor, 4 more needed")
 
@@ -600,6 +604,13 @@ class Operator:
             pod_labels = {**tmpl.get("metadata", {}).get("labels", {}), "jobset.sigs.k8s.io/jobset-name": name,
                           "jobset.sigs.k8s.io/replicatedjob-name": "node", "jobset.sigs.k8s.io/job-index": "0",
                           "batch.kubernetes.io/job-completion-index": str(i)}
+            env = list(trainer.get("env", []))
+            if self.trainer_progress_url:
+                pod_labels["trainer.kubeflow.org/trainjob-name"] = name
+                env += [{"name": "KUBEFLOW_TRAINER_STATUS_URL", "value": f"{self.trainer_progress_url}/apis/"
+                         f"trainer.kubeflow.org/v1alpha1/namespaces/{ns}/trainjobs/{name}/status"},
+                        {"name": "KUBEFLOW_TRAINER_STATUS_CA_CERT", "value": "/var/run/secrets/kubeflow/trainer/ca.crt"},
+                        {"name": "KUBEFLOW_TRAINER_STATUS_TOKEN", "value": "/var/run/secrets/kubeflow/trainer/token"}]
             try:
                 f.create("pods", ns, {
                     "metadata": {"name": f"{name}-node-0-{i}-{uuid.uuid4().hex[:5]}", "labels": pod_labels,
@@ -607,7 +618,7 @@ class Operator:
                                                       "uid": uid}]},
                     "spec": {**tmpl.get("spec", {}), "containers": [{
                         "name": "node", "image": trainer["image"], "command": trainer["command"],
-                        "args": trainer["args"], "env": trainer.get("env", []),
+                        "args": trainer["args"], "env": env,
                         "resources": trainer.get("resourcesPerNode", {})}]}}, "v1")
             except ApiError as e:  # the Job controller records it on the child Job
                 self._warn(ns, "Job", f"{name}-node-0", uid, "FailedCreate", f"Error creating: {e.message}")

@@ -572,6 +572,38 @@ def test_a_failed_trainjob_names_its_node_pod_and_log(k8s):
     assert "ended with OOMKilled. jobset failed due to one or more job failures" in e.value.message
 
 
+def test_a_trainjob_that_times_out_says_how_far_its_trainer_got(trainer_status, tmp_path):
+    # With the Trainer's TrainJobProgress gate on, node 0 reports its progress (trainer_status);
+    # a step that times out says how far training got and how long it needs, not only "did not
+    # finish"
+    from kfp_pytorch.components.trainer_status import TrainerStatusReporter
+
+    fake, api, server = trainer_status
+    s = spec(nodes=2)
+    _drive_trainjob(fake, s.name, 2, [[(0, "Running"), (1, "Running")]])
+
+    def node0_reports():
+        deadline = time.monotonic() + 10
+        while not (pods := _trainjob_pods(fake, s.name)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        token = tmp_path / "token"
+        token.write_text(server.token_for(NS, pods[0]))
+        env = server.env(NS, s.name, token)
+        reporter = TrainerStatusReporter.from_env(env)
+        reporter.update(40, 150, {"currentEpoch": 2, "totalEpochs": 5, "loss": 0.31})
+        reporter.close()
+    threading.Thread(target=node0_reports, daemon=True).start()
+    with pytest.raises(TrainingError) as e:
+        ClusterTrainer(Kube(api), kind="TrainJob", delete_policy="never", out=io.StringIO()).run(s, timeout_s=2)
+    assert e.value.message == (f"TrainJob {NS}/{s.name} did not finish within 2s: its trainer reports 40% done, about "
+                               "2m left, epoch 2/5"), e.value.message
+    assert e.value.hint.startswith("raise the timeout (to about 152s at this pace) or reduce epochs"), e.value.hint
+    out = io.StringIO()  # the step run again adopts the running job: how far it is, first
+    with pytest.raises(TrainingError):
+        ClusterTrainer(Kube(api), kind="TrainJob", out=out).run(s, timeout_s=0.5)
+    assert f"TrainJob {s.name} is running (40% done, about 2m left, epoch 2/5); its log from" in out.getvalue()
+
+
 def test_a_trainjob_the_trainer_cannot_build_says_so(k8s, monkeypatch):
     # The Trainer marks a TrainJob it cannot build a JobSet for (a runtime that does not fit it)
     # Created=False and makes no pods: the step said "no pods yet: check that the Trainer is

@@ -218,3 +218,74 @@ def test_invalid_settings_listed_together(tmp_path):
     for lr in (math.inf, math.nan):  # trained to NaN weights without a word
         with pytest.raises(ConfigError, match="lr: must be a finite number > 0"):
             train(TrainSpec("d", "o", lr=lr))
+
+
+def _trainjob_with_progress(trainer_status, tmp_path, name_run="run-progress"):
+    """A TrainJob the Trainer runs with its TrainJobProgress gate on, and the status-server
+    variables its node 0 pod gets (with the token the kubelet projects into it)."""
+    from kfp_pytorch.components.cluster import ClusterTrainSpec, to_trainjob
+
+    fake, _, server = trainer_status
+    s = ClusterTrainSpec(TrainSpec("s3://data/x", "s3://models/x"), image="reg/kfp-pytorch:0.1.0", namespace="team-a",
+                         run_id=name_run, task="train-op", user="alice", nodes=1)
+    fake.create("trainjobs", "team-a", to_trainjob(s), "trainer.kubeflow.org/v1alpha1")
+    [pod] = fake.list("pods", "team-a", f"jobset.sigs.k8s.io/jobset-name={s.name}")
+    token = tmp_path / "token"
+    token.write_text(server.token_for("team-a", pod["metadata"]["name"]))
+    return s.name, server.env("team-a", s.name, token)
+
+
+def test_a_trainjob_worker_reports_its_progress_to_the_trainer(trainer_status, digits_data, tmp_path, monkeypatch):
+    # With the Trainer's TrainJobProgress gate on, `kubectl get trainjob` shows PROGRESS % and the
+    # SDK the latest metrics, from what rank 0 POSTs to the Trainer's status server (HTTPS, its CA,
+    # a projected token); before, a TrainJob of ours never reported any
+    fake, _, server = trainer_status
+    name, env = _trainjob_with_progress(trainer_status, tmp_path)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    train(TrainSpec(digits_data, str(tmp_path / "out"), epochs=2, workers=2, progress="off"))
+    status = fake.get("trainjobs", "team-a", name)["status"]["trainerStatus"]
+    assert status["progressPercentage"] == 100 and status["estimatedRemainingSeconds"] == 0, status
+    metrics = {m["name"]: m["value"] for m in status["metrics"]}
+    assert metrics["currentEpoch"] == metrics["totalEpochs"] == "2" and float(metrics["val_accuracy"]) > 0.5, metrics
+    assert {"loss", "accuracy", "val_loss", "samples_per_second"} <= set(metrics)
+    assert [code for code, _, _ in server.received] == [200] * len(server.received)
+    progress = [body["trainerStatus"]["progressPercentage"] for _, _, body in server.received]
+    # from 0 up; rank 0 alone reports (one 100), at most one report per 5 s plus the last
+    assert progress[0] == 0 and progress == sorted(progress) and progress.count(100) == 1, progress
+
+
+def test_a_refused_progress_report_is_said_once_and_training_goes_on(trainer_status, tmp_path):
+    import io
+
+    from kfp_pytorch.components.trainer_status import TrainerStatusReporter
+
+    fake, _, server = trainer_status
+    name, env = _trainjob_with_progress(trainer_status, tmp_path)
+    url, ca, token = (env[k] for k in ("KUBEFLOW_TRAINER_STATUS_URL", "KUBEFLOW_TRAINER_STATUS_CA_CERT",
+                                       "KUBEFLOW_TRAINER_STATUS_TOKEN"))
+    (tmp_path / "other").mkdir()
+    other, _ = _trainjob_with_progress(trainer_status, tmp_path / "other", name_run="run-other")
+
+    def report(url, token, ca, times=2):
+        err = io.StringIO()
+        r = TrainerStatusReporter(url, token, ca, min_interval_s=0, err=err)
+        for i in range(times):
+            r.update(10 * (i + 1), 60, {"loss": 0.5})
+            time.sleep(0.2)
+        r.close()
+        return r.sent, err.getvalue()
+
+    bad = tmp_path / "bad-token"
+    bad.write_text("not-a-projected-token")
+    # a token the Trainer did not issue; the token of another job's pod; a CA that is not its CA
+    for args, why in [((url, str(bad), ca), "HTTP 401: Invalid or expired token"),
+                      ((url.replace(name, other), token, ca), "HTTP 403: Forbidden"),
+                      ((url, token, None), "CERTIFICATE_VERIFY_FAILED")]:
+        sent, err = report(*args)
+        assert sent == 0 and err.count("[kfp-pytorch] could not report progress") == 1, err
+        assert why in err and "training goes on" in err, err
+    assert "trainerStatus" not in fake.get("trainjobs", "team-a", name)["status"]
+    sent, err = report(url, token, ca)
+    assert sent == 2 and err == ""
+    assert fake.get("trainjobs", "team-a", name)["status"]["trainerStatus"]["progressPercentage"] == 20
