@@ -90,6 +90,8 @@ def label_problems(labels, where: str) -> list[str]:
 
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+ISTIO_INJECT = "sidecar.istio.io/inject"
+"""Istio's per-pod switch for its sidecar injector (a label; the older annotation is still read)."""
 """Names the job's WorkloadPriorityClass: its Workload's priority in the queue and for preemption."""
 
 
@@ -243,6 +245,12 @@ class ClusterTrainSpec:
     its order in the queue, and which jobs it may preempt or be preempted by."""
     runtime: str = "torch-distributed"
     """ClusterTrainingRuntime of a TrainJob."""
+    istio_sidecar: bool = False
+    """Let Istio inject its sidecar into the training pods. Off (``sidecar.istio.io/inject:
+    "false"``): a Kubeflow profile namespace has ``istio-injection=enabled``, and there the
+    sidecar outlives the training container, so the pods never complete and the job never ends,
+    and it can stand between the workers' rendezvous (kubeflow/trainer#1637); KFP's own step
+    pods opt out alike."""
 
     @property
     def name(self) -> str:
@@ -302,7 +310,15 @@ def _pod_template(spec: ClusterTrainSpec, resources: dict) -> dict:
     if spec.fairness:
         pod["schedulingGates"] = [{"name": FAIRNESS_GATE}]
         pod["priorityClassName"] = spec.priority_class
-    return {"metadata": {"labels": spec.labels()}, "spec": pod}
+    return {"metadata": _pod_metadata(spec), "spec": pod}
+
+
+def _pod_metadata(spec: ClusterTrainSpec) -> dict:
+    """The training pods' labels and, unless ``istio_sidecar``, Istio's opt-out: as a label, which
+    Istio reads first, and as the annotation older Istio releases read."""
+    if spec.istio_sidecar:
+        return {"labels": spec.labels()}
+    return {"labels": {**spec.labels(), ISTIO_INJECT: "false"}, "annotations": {ISTIO_INJECT: "false"}}
 
 
 def to_pytorchjob(spec: ClusterTrainSpec) -> dict:
@@ -364,7 +380,7 @@ def to_trainjob(spec: ClusterTrainSpec) -> dict:
     # and placement through a patch, as Kueue patches them
     body["runtimePatches"] = [{"manager": f"{LABEL_PREFIX}/kfp-pytorch", "trainingRuntimeSpec": {"template": {"spec": {
         "replicatedJobs": [{"name": "node", "template": {"spec": {"template": {
-            "metadata": {"labels": spec.labels()}, **({"spec": pod} if pod else {})}}}}]}}}}]
+            "metadata": _pod_metadata(spec), **({"spec": pod} if pod else {})}}}}]}}}}]
     return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
             "metadata": {"name": spec.name, "namespace": spec.namespace, "labels": spec.job_labels()},
             "spec": body}
@@ -506,6 +522,7 @@ class ClusterConfig:
     gpu_tolerations: list = field(default_factory=list)
     kueue_queue: str = ""
     kueue_priority_class: str = ""
+    istio_sidecar: bool = False
 
     @classmethod
     def from_env(cls, env: dict | None = None) -> "ClusterConfig":
@@ -515,7 +532,8 @@ class ClusterConfig:
         from .storage import StorageError, flag, flag_problem, parse_endpoint
 
         env = dict(os.environ if env is None else env)
-        problems = [p for p in (flag_problem(k, env.get(k)) for k in ("KFP_PYTORCH_FAIRNESS", "S3_VERIFY_SSL")) if p]
+        problems = [p for p in (flag_problem(k, env.get(k)) for k in ("KFP_PYTORCH_FAIRNESS", "S3_VERIFY_SSL",
+                                                                      "KFP_PYTORCH_ISTIO_SIDECAR")) if p]
         for key, allowed in (("KFP_PYTORCH_TRAIN_KIND", ("PyTorchJob", "TrainJob")),
                              ("KFP_PYTORCH_DELETE_POLICY", ("on-success", "always", "never"))):
             if env.get(key) and env[key] not in allowed:
@@ -576,6 +594,7 @@ class ClusterConfig:
             gpu_tolerations=loaded["KFP_PYTORCH_GPU_TOLERATIONS"],
             kueue_queue=env.get("KFP_PYTORCH_KUEUE_QUEUE") or "",
             kueue_priority_class=env.get("KFP_PYTORCH_KUEUE_PRIORITY_CLASS") or "",
+            istio_sidecar=flag(env.get("KFP_PYTORCH_ISTIO_SIDECAR"), False),
         )
 
     def train_spec(self, train: "TrainSpec") -> ClusterTrainSpec:
@@ -590,7 +609,7 @@ class ClusterConfig:
         return ClusterTrainSpec(train=train, image=self.image, namespace=self.namespace, run_id=train.run_id or "run",
                                 task=train.task, user=self.user, nodes=train.nodes, resources=resources, s3=self.s3,
                                 fairness=self.fairness, pod_labels=self.pod_labels, kueue_queue=self.kueue_queue,
-                                kueue_priority_class=self.kueue_priority_class,
+                                kueue_priority_class=self.kueue_priority_class, istio_sidecar=self.istio_sidecar,
                                 node_selector=self.gpu_node_selector if gpu else {},
                                 tolerations=self.gpu_tolerations if gpu else [])
 

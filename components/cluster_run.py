@@ -15,6 +15,7 @@ from .cluster import (KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL, LABEL_PREFIX, Clu
                       to_inference_service, to_pytorchjob, to_trainjob)
 from .errors import ConfigError, KubernetesError, KubernetesUnavailable, ServingError, TrainingError
 from .k8s import Expired, Kube
+from .train import WORKER_MODULE
 
 TERMINAL = {"Succeeded", "Failed"}
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
@@ -58,6 +59,18 @@ def _is_rank0(labels: dict) -> bool:
         return (labels[JOBSET_REPLICATED_JOB] == "node" and labels.get("jobset.sigs.k8s.io/job-index", "0") == "0"
                 and labels.get("batch.kubernetes.io/job-completion-index", "0") == "0")
     return True
+
+
+def _main_container(pod) -> str | None:
+    """The container that trains: the one running our worker (a TrainJob runtime's name for it
+    is its own), else the Training Operator's "pytorch"; not a sidecar a mesh or the platform
+    injected (istio-proxy), whose presence makes the API refuse a log read that names none."""
+    containers = (pod.spec and pod.spec.containers) or []
+    for c in containers:
+        if WORKER_MODULE in (c.command or []) + (c.args or []):
+            return c.name
+    names = [c.name for c in containers]
+    return "pytorch" if "pytorch" in names else (names[0] if names else None)
 
 
 def _kueue_not_admitted(workloads: list[dict]) -> str | None:
@@ -493,7 +506,7 @@ class ClusterTrainer:
         master = [p for p in pods if _is_rank0(p.metadata.labels or {})]
         if not master:
             return None
-        pod, restarts = master[0].metadata.name, _restarts(master[0])
+        pod, restarts, container = master[0].metadata.name, _restarts(master[0]), _main_container(master[0])
         stop = threading.Event()
 
         def pump():
@@ -501,7 +514,7 @@ class ClusterTrainer:
             tail = tail_lines
             while True:
                 try:
-                    for line in self.kube.follow_log(ns, pod, tail):
+                    for line in self.kube.follow_log(ns, pod, tail, container):
                         self._say(f"[{pod}] {line}")
                 except Exception as e:  # log streaming is best effort; the watch decides the outcome
                     self._say(f"[kfp-pytorch] log stream of {pod} ended: {type(e).__name__}")
@@ -573,13 +586,13 @@ class ClusterTrainer:
         detail = _condition_message(job, "Failed")
         if failed:
             p = failed[0]
-            reason = "Error"
+            reason, main = "Error", _main_container(p)
             for cs in p.status.container_statuses or []:
-                if cs.state and cs.state.terminated:
+                if cs.state and cs.state.terminated and cs.name == main:
                     reason = cs.state.terminated.reason or reason
             labels = p.metadata.labels or {}
             rtype = labels.get("training.kubeflow.org/replica-type", labels.get(JOBSET_REPLICATED_JOB, "replica"))
-            tail = self.kube.log_tail(ns, p.metadata.name, 20)
+            tail = self.kube.log_tail(ns, p.metadata.name, 20, main)
             lines = "\n".join(f"    {line}" for line in tail.splitlines()[-20:])
             return TrainingError(f"{self.kind} {ns}/{name} failed: {rtype} replica {p.metadata.name} ended with "
                                  f"{reason}. {detail}\n  last lines of its log:\n{lines}",

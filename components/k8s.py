@@ -201,17 +201,23 @@ class Kube:
         return self._call("list", "events", "", ns, self.core.list_namespaced_event, ns,
                           field_selector=field_selector).items
 
-    def log_tail(self, ns: str, pod: str, lines: int = 20) -> str:
+    def log_tail(self, ns: str, pod: str, lines: int = 20, container: str | None = None) -> str:
+        """The last ``lines`` of the pod's log ("" when it cannot be read); ``container`` names
+        the container, which the API requires of a pod with more than one (a sidecar's)."""
+        kw = {"container": container} if container else {}
         try:
-            return self._call("get", "pods/log", "", ns, self.core.read_namespaced_pod_log, pod, ns, tail_lines=lines)
+            return self._call("get", "pods/log", "", ns, self.core.read_namespaced_pod_log, pod, ns, tail_lines=lines,
+                              **kw)
         except KubernetesError:
             return ""
 
-    def follow_log(self, ns: str, pod: str, tail_lines: int | None = None):
+    def follow_log(self, ns: str, pod: str, tail_lines: int | None = None, container: str | None = None):
         """Yield the pod's log lines as they come (until the container ends); with ``tail_lines``,
-        from that many lines back, not from the start."""
+        from that many lines back, not from the start; ``container`` as for :meth:`log_tail`."""
         self._count()
         kw = {"tail_lines": tail_lines} if tail_lines is not None else {}
+        if container:
+            kw["container"] = container
         resp = self.core.read_namespaced_pod_log(pod, ns, follow=True, _preload_content=False, **kw)
         try:
             buf = b""

@@ -12,6 +12,7 @@ fairness labels (``add_pod_label``); GPU steps get node selectors and toleration
     gpu_tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]
     kueue_queue: team-a-gpu  # the Kueue LocalQueue of the training jobs (PyTorchJob / TrainJob)
     kueue_priority_class: research  # ... and their Kueue WorkloadPriorityClass
+    istio_sidecar: false   # the training pods opt out of Istio's sidecar (the default; see below)
     retries: 2             # each step, again after a failure (KFP's retry policy) ...
     retry_backoff_s: 60    # ... after 60 s, then 120 s, ...
 """
@@ -19,7 +20,7 @@ import re
 from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
-from kfp_pytorch.components.cluster import (DNS1123_SUBDOMAIN, KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL, kueue_queue_problems,
+from kfp_pytorch.components.cluster import (DNS1123_SUBDOMAIN, ISTIO_INJECT, KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL, kueue_queue_problems,
                                             label_problems, s3_keys_problems, toleration_problems)
 from kfp_pytorch.components.errors import ConfigError
 from kfp_pytorch.components.storage import StorageError, parse_endpoint
@@ -46,6 +47,11 @@ class Platform:
     """The Kueue WorkloadPriorityClass of the training jobs: their order in the queue and which
     jobs they may preempt. Kueue reads it from jobs it manages (with ``kueue_queue``, or a
     namespace default queue)."""
+    istio_sidecar: bool = False
+    """Let Istio inject its sidecar into the training pods (PyTorchJob / TrainJob). Off by default:
+    in a Kubeflow profile namespace (``istio-injection=enabled``) the sidecar keeps a finished pod
+    running, so the job never completes. Turn it on only where a mesh policy requires it and
+    the sidecar ends with the pod (Istio's native sidecars)."""
     retries: int = 0
     """KFP retries each step this many times after a failure (an evicted pod, a preempted node, a
     storage or API outage). The steps are safe to retry: a cluster step adopts the job or
@@ -101,6 +107,8 @@ def load_platform(data: dict | None) -> Platform:
                 if not isinstance(v, str) or not _ENV_NAME.match(v):
                     problems.append(f"s3_keys.{k}: {v!r} is not a valid environment variable name")
             problems += s3_keys_problems(keys, "s3_keys")  # the storage client reads these two
+    if data.get("istio_sidecar") is not None and not isinstance(data["istio_sidecar"], bool):
+        problems.append(f"istio_sidecar: must be true or false, got {data['istio_sidecar']!r}")
     for k, lo, hi in (("retries", 0, 10), ("retry_backoff_s", 0, 3600)):
         v = data.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
@@ -116,6 +124,9 @@ def load_platform(data: dict | None) -> Platform:
         if isinstance(data.get("labels"), dict) and label in data["labels"]:
             problems.append(f"labels.{label}: {why}; write {key}: {data['labels'][label]} instead (it labels only "
                             "the training job)")
+    if isinstance(data.get("labels"), dict) and ISTIO_INJECT in data["labels"]:
+        problems.append(f"labels.{ISTIO_INJECT}: the training pods' sidecar is set by istio_sidecar (false unless "
+                        "you write istio_sidecar: true); KFP's step pods opt out of it themselves")
     problems += toleration_problems(data.get("gpu_tolerations") or [], "gpu_tolerations")
     if problems:
         raise ConfigError(problems, "fix the platform file", title="invalid platform settings")
@@ -140,6 +151,8 @@ def platform_env(platform: Platform, gpu: bool = False) -> dict[str, str]:
         env["KFP_PYTORCH_KUEUE_QUEUE"] = platform.kueue_queue
     if platform.kueue_priority_class:
         env["KFP_PYTORCH_KUEUE_PRIORITY_CLASS"] = platform.kueue_priority_class
+    if platform.istio_sidecar:
+        env["KFP_PYTORCH_ISTIO_SIDECAR"] = "true"
     if gpu and platform.gpu_node_selector:
         env["KFP_PYTORCH_GPU_NODE_SELECTOR"] = json.dumps(platform.gpu_node_selector)
     if gpu and platform.gpu_tolerations:

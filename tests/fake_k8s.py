@@ -15,6 +15,10 @@ rules our code depends on:
 - merge, strategic-merge and JSON patches; ``403`` for denied (verb, resource); ``404`` for a CRD
   group that is not installed.
 
+As Istio's injector, it adds an ``istio-proxy`` container to a pod created in a namespace
+labelled ``istio-injection=enabled`` unless the pod opts out, and ``pods/log`` of a pod with more
+than one container must name one, as the API server requires.
+
 ``FakeCluster.operator`` simulates the Training Operator and KServe: a PyTorchJob gets its pods,
 whose phases the test moves (``set_pod_phase``), and the job's conditions follow; an
 InferenceService becomes Ready.
@@ -278,6 +282,7 @@ class FakeCluster:
                 spec = obj.setdefault("spec", {})
                 if "priority" not in spec:
                     spec["priority"] = 0
+                self._istio_inject(ns, obj)
             if self.operator.kueue and "kueue.x-k8s.io/queue-name" in meta["labels"]:  # Kueue's mutating webhook
                 if plural == "pytorchjobs":
                     obj["spec"].setdefault("runPolicy", {})["suspend"] = True
@@ -287,6 +292,20 @@ class FakeCluster:
             self._emit(plural, "ADDED", obj)
             self.operator.on_event(plural, "ADDED", obj)
             return copy.deepcopy(obj)
+
+    def _istio_inject(self, ns: str, pod: dict) -> None:
+        """Istio's sidecar injector (a mutating webhook): in a namespace labelled
+        ``istio-injection=enabled`` (every Kubeflow profile's), a pod gets an ``istio-proxy``
+        container unless it opts out (``sidecar.istio.io/inject: "false"``, label or annotation)."""
+        namespace = self.objects.get("namespaces", {}).get((None, ns))
+        if not namespace or (namespace["metadata"].get("labels") or {}).get("istio-injection") != "enabled":
+            return
+        meta = pod["metadata"]
+        if "false" in ((meta.get("labels") or {}).get("sidecar.istio.io/inject"),
+                       (meta.get("annotations") or {}).get("sidecar.istio.io/inject")):
+            return
+        pod["spec"].setdefault("containers", []).append({"name": "istio-proxy", "image": "docker.io/istio/proxyv2:1.26.0",
+                                                         "args": ["proxy", "sidecar"]})
 
     def _admit_quota(self, ns: str, name: str, pod: dict) -> None:
         """The ResourceQuota admission plugin, for the GPU quota of a Kubeflow profile
@@ -421,12 +440,14 @@ class FakeCluster:
             pod = self.get("pods", ns, name)
             st = pod.setdefault("status", {})
             st["phase"] = phase
-            if phase in ("Succeeded", "Failed"):
-                st["containerStatuses"] = [{"name": "pytorch", "ready": False, "restartCount": 0, "image": "x",
+            if phase in ("Succeeded", "Failed"):  # the first container ended so; a sidecar, as it does
+                st["containerStatuses"] = [{"name": c["name"], "ready": False, "restartCount": 0, "image": "x",
                                             "imageID": "", "state": {"terminated": {
-                                                "exitCode": 0 if phase == "Succeeded" else 1,
-                                                "reason": reason or ("Completed" if phase == "Succeeded" else "Error"),
-                                                "message": message}}}]
+                                                "exitCode": 0 if phase == "Succeeded" or i else 1,
+                                                "reason": "Completed" if i else reason or (
+                                                    "Completed" if phase == "Succeeded" else "Error"),
+                                                "message": "" if i else message}}}
+                                           for i, c in enumerate(pod["spec"].get("containers") or [{"name": "pytorch"}])]
             if phase == "Pending" and reason:
                 st["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": reason, "message": message}]
             self.replace("pods", ns, name, pod, status_only=True, check_rv=False)
@@ -523,6 +544,7 @@ class Operator:
                                    "training.kubeflow.org/replica-type": rtype.lower(),
                                    "training.kubeflow.org/replica-index": str(i)})
                     pod = {"metadata": {"name": f"{name}-{rtype.lower()}-{i}", "labels": labels,
+                                        "annotations": dict(tmpl.get("metadata", {}).get("annotations", {})),
                                         "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
                                                              "name": name, "uid": job["metadata"]["uid"]}]},
                            "spec": tmpl["spec"]}
@@ -614,6 +636,7 @@ class Operator:
             try:
                 f.create("pods", ns, {
                     "metadata": {"name": f"{name}-node-0-{i}-{uuid.uuid4().hex[:5]}", "labels": pod_labels,
+                                 "annotations": dict(tmpl.get("metadata", {}).get("annotations", {})),
                                  "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": f"{name}-node-0",
                                                       "uid": uid}]},
                     "spec": {**tmpl.get("spec", {}), "containers": [{
@@ -889,7 +912,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _logs(self, ns: str, name: str, q: dict) -> None:
         f = self.fake
-        f.get("pods", ns, name)
+        pod = f.get("pods", ns, name)
+        names = [c["name"] for c in pod["spec"].get("containers", [])]
+        container = q.get("container")
+        if container is None and len(names) > 1:  # the API server's rule: name one of several
+            raise ApiError(400, "BadRequest", f"a container name must be specified for pod {name}, choose one of: "
+                                              f"[{' '.join(names)}]")
+        if container is not None and container not in names:
+            raise ApiError(400, "BadRequest", f"container {container} is not valid for pod {name}")
+        if container is not None and container != names[0]:  # a sidecar's log: not the one the test writes
+            return reply(self, 200, b"", "text/plain")
         follow = str(q.get("follow", "")).lower() in ("true", "1")
         tail = int(q["tailLines"]) if "tailLines" in q else None
         if not follow:

@@ -295,6 +295,38 @@ def test_a_kueue_priority_class_labels_the_training_job_only():
                                 "(lowercase letters, digits, '-' and '.'; at most 63)"]
 
 
+def _pod_templates(job: dict) -> list[dict]:
+    if job["kind"] == "PyTorchJob":
+        return [r["template"] for r in job["spec"]["pytorchReplicaSpecs"].values()]
+    return [r["template"]["spec"]["template"] for r in
+            job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]]
+
+
+def test_training_pods_opt_out_of_istios_sidecar_unless_the_platform_lets_it_in():
+    # In a Kubeflow profile namespace (istio-injection=enabled) an injected istio-proxy outlives
+    # the training container: the pods never complete and the job never ends (kubeflow/trainer#1637)
+    from kfp_pytorch.components.cluster import ClusterConfig
+    from kfp_pytorch.pipelines.platform import load_platform, platform_env
+
+    train = TrainSpec("s3://data/d", "s3://models/m", workers=2, nodes=2, backend="cluster", device="cpu")
+    for platform, inject in (({}, "false"), ({"istio_sidecar": False}, "false"), ({"istio_sidecar": True}, None)):
+        cfg = ClusterConfig.from_env({"KFP_PYTORCH_IMAGE": IMAGE, **platform_env(load_platform(platform), gpu=True)})
+        for job in (to_pytorchjob(cfg.train_spec(train)), to_trainjob(cfg.train_spec(train))):
+            validate_manifest(job)
+            for t in _pod_templates(job):
+                assert t["metadata"]["labels"].get("sidecar.istio.io/inject") == inject, (platform, t)
+                assert (t["metadata"].get("annotations") or {}).get("sidecar.istio.io/inject") == inject, (platform, t)
+            assert "sidecar.istio.io" not in json.dumps(job["metadata"])  # the pods' setting, not the job's
+    with pytest.raises(ConfigError) as e:
+        load_platform({"istio_sidecar": "yes", "labels": {"sidecar.istio.io/inject": "true"}})
+    assert e.value.problems == [
+        "istio_sidecar: must be true or false, got 'yes'",
+        "labels.sidecar.istio.io/inject: the training pods' sidecar is set by istio_sidecar (false unless you write "
+        "istio_sidecar: true); KFP's step pods opt out of it themselves"]
+    with pytest.raises(ConfigError, match="KFP_PYTORCH_ISTIO_SIDECAR"):
+        ClusterConfig.from_env({"KFP_PYTORCH_ISTIO_SIDECAR": "maybe"})
+
+
 def test_the_platform_settings_in_a_steps_environment_are_checked():
     from kfp_pytorch.components.cluster import ClusterConfig
 

@@ -295,6 +295,37 @@ def test_failure_names_replica_reason_and_log(k8s):
     assert fake.list("pytorchjobs", NS)  # on-success policy keeps failed jobs for debugging
 
 
+@pytest.mark.parametrize("kind", ["PyTorchJob", "TrainJob"])
+@pytest.mark.parametrize("istio_sidecar", [False, True])
+def test_in_an_istio_namespace_the_training_pods_opt_out_and_their_log_is_read_beside_a_sidecar(k8s, kind,
+                                                                                             istio_sidecar):
+    # A Kubeflow profile namespace has istio-injection=enabled. The training pods opt out of the
+    # sidecar (it would keep them running after training); where the platform lets it in, the API
+    # refuses a log read that names no container ("a container name must be specified"), and the
+    # step streamed nothing and its failure showed no log
+    fake, api = k8s
+    fake.create("namespaces", None, {"metadata": {"name": NS, "labels": {"istio-injection": "enabled"}}}, "v1")
+    s = spec(nodes=2, istio_sidecar=istio_sidecar)
+    if kind == "PyTorchJob":
+        names = [f"{s.name}-master-0", f"{s.name}-worker-0"]
+        drive(fake, s.name, 2, [[(p, "Running") for p in names], [(names[0], "Failed", "OOMKilled")]],
+              logs="epoch 1/2 loss=0.5\nRuntimeError: CUDA out of memory\n")
+        pods = lambda: pods_of(fake, s.name)  # noqa: E731
+    else:
+        _drive_trainjob(fake, s.name, 2, [[(0, "Running"), (1, "Running")], [(0, "Failed", "OOMKilled")]],
+                        logs="epoch 1/2 loss=0.5\nRuntimeError: CUDA out of memory\n")
+        pods = lambda: _trainjob_pods(fake, s.name)  # noqa: E731
+    out = io.StringIO()
+    with pytest.raises(TrainingError) as e:
+        ClusterTrainer(Kube(api), kind=kind, out=out).run(s, timeout_s=20)
+    containers = [[c["name"] for c in fake.get("pods", NS, p)["spec"]["containers"]] for p in pods()]
+    assert all(c[-1] == "istio-proxy" for c in containers) == istio_sidecar, containers
+    assert all(len(c) == 1 for c in containers) != istio_sidecar, containers
+    text = out.getvalue()
+    assert "epoch 1/2 loss=0.5" in text and "log stream of" not in text, text
+    assert "ended with OOMKilled" in e.value.message and "CUDA out of memory" in e.value.message, e.value.message
+
+
 def test_a_retried_step_starts_a_job_that_failed_in_its_earlier_attempt_again(k8s):
     # With a retry policy (platform `retries`) the retried step adopted the failed job of its
     # earlier attempt and failed again at once: no retry ever trained.
