@@ -90,6 +90,11 @@ def label_problems(labels, where: str) -> list[str]:
 
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+RESTRICTED_POD = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+RESTRICTED_CONTAINER = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+"""What Pod Security "restricted" asks of a pod and its containers (Kubeflow's target level for
+its namespaces): not root (the image's USER is a numeric non-root uid, as the Dockerfile's 1000),
+no privilege escalation, no Linux capabilities, the runtime's default seccomp profile."""
 ISTIO_INJECT = "sidecar.istio.io/inject"
 """Istio's per-pod switch for its sidecar injector (a label; the older annotation is still read)."""
 """Names the job's WorkloadPriorityClass: its Workload's priority in the queue and for preemption."""
@@ -245,6 +250,10 @@ class ClusterTrainSpec:
     its order in the queue, and which jobs it may preempt or be preempted by."""
     runtime: str = "torch-distributed"
     """ClusterTrainingRuntime of a TrainJob."""
+    restricted: bool = True
+    """The pods meet Pod Security "restricted" (:data:`RESTRICTED_POD`), so a namespace that
+    enforces it admits them. Off: no securityContext, for an image that runs as root or a
+    fabric that needs a capability (InfiniBand RDMA's IPC_LOCK)."""
     istio_sidecar: bool = False
     """Let Istio inject its sidecar into the training pods. Off (``sidecar.istio.io/inject:
     "false"``): a Kubeflow profile namespace has ``istio-injection=enabled``, and there the
@@ -303,6 +312,9 @@ def _pod_template(spec: ClusterTrainSpec, resources: dict) -> dict:
             "resources": {"requests": dict(resources), "limits": dict(resources)} if resources else {},
         }],
     }
+    if spec.restricted:
+        pod["securityContext"] = dict(RESTRICTED_POD)
+        pod["containers"][0]["securityContext"] = dict(RESTRICTED_CONTAINER)
     if spec.node_selector:
         pod["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
@@ -376,6 +388,9 @@ def to_trainjob(spec: ClusterTrainSpec) -> dict:
         pod["tolerations"] = list(spec.tolerations)
     if spec.fairness:  # the gate only: a runtime patch cannot set the pods' priority class
         pod["schedulingGates"] = [{"name": FAIRNESS_GATE}]
+    if spec.restricted:  # "node": the torch-distributed runtime's trainer container
+        pod["securityContext"] = dict(RESTRICTED_POD)
+        pod["containers"] = [{"name": "node", "securityContext": dict(RESTRICTED_CONTAINER)}]
     # the runtime's pods ("node": the torch-distributed runtime's replicated job) get our labels
     # and placement through a patch, as Kueue patches them
     body["runtimePatches"] = [{"manager": f"{LABEL_PREFIX}/kfp-pytorch", "trainingRuntimeSpec": {"template": {"spec": {
@@ -403,6 +418,8 @@ class ClusterServeSpec:
     """RawDeployment mode (no Knative/Istio needed), the usual on-prem choice."""
     labels: dict = field(default_factory=dict)
     """The platform's labels: on the InferenceService and its predictor pods."""
+    restricted: bool = True
+    """As :attr:`ClusterTrainSpec.restricted`, for the predictor's pods."""
 
     def validate(self) -> dict:
         problems = []
@@ -445,6 +462,9 @@ def to_inference_service(spec: ClusterServeSpec) -> dict:
             "resources": {"requests": dict(resources), "limits": dict(resources)},
         }],
     }
+    if spec.restricted:
+        predictor["securityContext"] = dict(RESTRICTED_POD)
+        predictor["containers"][0]["securityContext"] = dict(RESTRICTED_CONTAINER)
     if spec.canary_traffic_percent is not None:
         predictor["canaryTrafficPercent"] = spec.canary_traffic_percent
     if spec.labels:
@@ -523,6 +543,7 @@ class ClusterConfig:
     kueue_queue: str = ""
     kueue_priority_class: str = ""
     istio_sidecar: bool = False
+    restricted: bool = True
 
     @classmethod
     def from_env(cls, env: dict | None = None) -> "ClusterConfig":
@@ -533,7 +554,8 @@ class ClusterConfig:
 
         env = dict(os.environ if env is None else env)
         problems = [p for p in (flag_problem(k, env.get(k)) for k in ("KFP_PYTORCH_FAIRNESS", "S3_VERIFY_SSL",
-                                                                      "KFP_PYTORCH_ISTIO_SIDECAR")) if p]
+                                                                      "KFP_PYTORCH_ISTIO_SIDECAR",
+                                                                      "KFP_PYTORCH_RESTRICTED_PODS")) if p]
         for key, allowed in (("KFP_PYTORCH_TRAIN_KIND", ("PyTorchJob", "TrainJob")),
                              ("KFP_PYTORCH_DELETE_POLICY", ("on-success", "always", "never"))):
             if env.get(key) and env[key] not in allowed:
@@ -595,6 +617,7 @@ class ClusterConfig:
             kueue_queue=env.get("KFP_PYTORCH_KUEUE_QUEUE") or "",
             kueue_priority_class=env.get("KFP_PYTORCH_KUEUE_PRIORITY_CLASS") or "",
             istio_sidecar=flag(env.get("KFP_PYTORCH_ISTIO_SIDECAR"), False),
+            restricted=flag(env.get("KFP_PYTORCH_RESTRICTED_PODS"), True),
         )
 
     def train_spec(self, train: "TrainSpec") -> ClusterTrainSpec:
@@ -610,12 +633,14 @@ class ClusterConfig:
                                 task=train.task, user=self.user, nodes=train.nodes, resources=resources, s3=self.s3,
                                 fairness=self.fairness, pod_labels=self.pod_labels, kueue_queue=self.kueue_queue,
                                 kueue_priority_class=self.kueue_priority_class, istio_sidecar=self.istio_sidecar,
+                                restricted=self.restricted,
                                 node_selector=self.gpu_node_selector if gpu else {},
                                 tolerations=self.gpu_tolerations if gpu else [])
 
     def serve_spec(self, model_uri: str, model_name: str, canary_traffic_percent: int | None = None) -> ClusterServeSpec:
         return ClusterServeSpec(model_uri, model_name, self.image, self.namespace, self.service_account,
-                                canary_traffic_percent=canary_traffic_percent, labels=self.pod_labels)
+                                canary_traffic_percent=canary_traffic_percent, labels=self.pod_labels,
+                                restricted=self.restricted)
 
 
 _S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")

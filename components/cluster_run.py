@@ -175,9 +175,22 @@ def _cannot_start(pods: list) -> dict[str, str]:
     return out
 
 
+def _refused_hint(ns: str, warning: str) -> str:
+    """What to do about the controller's warning that it could not create the pods."""
+    if "violates PodSecurity" in warning:  # the namespace enforces a Pod Security level they miss
+        return (f"the namespace enforces Pod Security (`kubectl get ns {ns} --show-labels`): set restricted_pods: "
+                "true in the platform file (the default), which meets \"restricted\", and use an image whose USER "
+                "is a numeric non-root uid")
+    return (f"`kubectl -n {ns} describe quota` shows the namespace's quota, if that refused pods: ask for more, or "
+            "request less (nodes, gpus_per_node)")
+
+
 def _cannot_start_hint(ns: str, why: dict[str, str]) -> str:
     pod = next(iter(why))
-    fix = ("check the image name and tag, and that the nodes can pull it (imagePullSecrets for a private registry)"
+    fix = ("the image runs as root (or as a user by name), and the pods must not, to meet Pod Security "
+           "\"restricted\": give the image a numeric non-root USER (the project's Dockerfile has USER 1000), or set "
+           "restricted_pods: false in the platform file" if any("runAsNonRoot" in w for w in why.values()) else
+           "check the image name and tag, and that the nodes can pull it (imagePullSecrets for a private registry)"
            if any("Image" in w for w in why.values()) else
            "create the Secret or ConfigMap the pods read (the S3 credentials: `kfp-pytorch manifest s3-secret`), or fix "
            "its name in the platform file")
@@ -491,7 +504,7 @@ class ClusterTrainer:
             return
         warning = self._latest_warning(ns, name) if pending or not pods else None
         if not pods:
-            self._say(f"{head}: no pods yet: {warning}" if warning else
+            self._say(f"{head}: no pods yet: {warning} ({_refused_hint(ns, warning)})" if warning else
                       f"{head}: no pods yet ({self._operator()} creates them: check that it is installed and running)")
             return
         self._say(f"{head}: {_made(pods, expected)}{len(pending)} of {len(pods)} pods pending"
@@ -614,8 +627,7 @@ class ClusterTrainer:
             return TrainingError(f"{self.kind} {ns}/{name} did not start within {timeout_s:g}s: {len(stuck)} of "
                                  f"{len(pods)} pods cannot start ({_stuck_text(stuck)})", _cannot_start_hint(ns, stuck))
         warning = self._latest_warning(ns, name) if pending or not pods else None
-        quota = (f"`kubectl -n {ns} describe quota` shows the namespace's quota, if that refused pods: ask for "
-                 "more, or request less (nodes, gpus_per_node)") if warning else ""
+        quota = _refused_hint(ns, warning) if warning else ""
         if pending:
             return TrainingError(
                 f"{self.kind} {ns}/{name}: gang could not be placed within {timeout_s:g}s: {_made(pods, expected)}"

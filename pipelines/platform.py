@@ -13,6 +13,7 @@ fairness labels (``add_pod_label``); GPU steps get node selectors and toleration
     kueue_queue: team-a-gpu  # the Kueue LocalQueue of the training jobs (PyTorchJob / TrainJob)
     kueue_priority_class: research  # ... and their Kueue WorkloadPriorityClass
     istio_sidecar: false   # the training pods opt out of Istio's sidecar (the default; see below)
+    restricted_pods: true  # training and predictor pods meet Pod Security "restricted" (the default)
     retries: 2             # each step, again after a failure (KFP's retry policy) ...
     retry_backoff_s: 60    # ... after 60 s, then 120 s, ...
 """
@@ -52,6 +53,10 @@ class Platform:
     in a Kubeflow profile namespace (``istio-injection=enabled``) the sidecar keeps a finished pod
     running, so the job never completes. Turn it on only where a mesh policy requires it and
     the sidecar ends with the pod (Istio's native sidecars)."""
+    restricted_pods: bool = True
+    """The training and predictor pods meet Pod Security "restricted" (non-root, no privilege
+    escalation, no capabilities, RuntimeDefault seccomp), so a namespace enforcing it admits them.
+    false: no securityContext, for an image that runs as root or an RDMA fabric that needs IPC_LOCK."""
     retries: int = 0
     """KFP retries each step this many times after a failure (an evicted pod, a preempted node, a
     storage or API outage). The steps are safe to retry: a cluster step adopts the job or
@@ -107,8 +112,9 @@ def load_platform(data: dict | None) -> Platform:
                 if not isinstance(v, str) or not _ENV_NAME.match(v):
                     problems.append(f"s3_keys.{k}: {v!r} is not a valid environment variable name")
             problems += s3_keys_problems(keys, "s3_keys")  # the storage client reads these two
-    if data.get("istio_sidecar") is not None and not isinstance(data["istio_sidecar"], bool):
-        problems.append(f"istio_sidecar: must be true or false, got {data['istio_sidecar']!r}")
+    for k in ("istio_sidecar", "restricted_pods"):
+        if data.get(k) is not None and not isinstance(data[k], bool):
+            problems.append(f"{k}: must be true or false, got {data[k]!r}")
     for k, lo, hi in (("retries", 0, 10), ("retry_backoff_s", 0, 3600)):
         v = data.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
@@ -153,6 +159,8 @@ def platform_env(platform: Platform, gpu: bool = False) -> dict[str, str]:
         env["KFP_PYTORCH_KUEUE_PRIORITY_CLASS"] = platform.kueue_priority_class
     if platform.istio_sidecar:
         env["KFP_PYTORCH_ISTIO_SIDECAR"] = "true"
+    if not platform.restricted_pods:
+        env["KFP_PYTORCH_RESTRICTED_PODS"] = "false"
     if gpu and platform.gpu_node_selector:
         env["KFP_PYTORCH_GPU_NODE_SELECTOR"] = json.dumps(platform.gpu_node_selector)
     if gpu and platform.gpu_tolerations:

@@ -17,7 +17,8 @@ rules our code depends on:
 
 As Istio's injector, it adds an ``istio-proxy`` container to a pod created in a namespace
 labelled ``istio-injection=enabled`` unless the pod opts out, and ``pods/log`` of a pod with more
-than one container must name one, as the API server requires.
+than one container must name one, as the API server requires. Pod Security admission refuses a
+pod that misses "restricted" in a namespace that enforces it, with the API server's message.
 
 ``FakeCluster.operator`` simulates the Training Operator and KServe: a PyTorchJob gets its pods,
 whose phases the test moves (``set_pod_phase``), and the job's conditions follow; an
@@ -269,6 +270,7 @@ class FakeCluster:
             if (ns, name) in store:
                 raise ApiError(409, "AlreadyExists", f'{plural} "{name}" already exists')
             if plural == "pods":
+                self._admit_pod_security(ns, name, obj)
                 self._admit_quota(ns, name, obj)
             if ns and plural != "namespaces":
                 meta["namespace"] = ns
@@ -306,6 +308,39 @@ class FakeCluster:
             return
         pod["spec"].setdefault("containers", []).append({"name": "istio-proxy", "image": "docker.io/istio/proxyv2:1.26.0",
                                                          "args": ["proxy", "sidecar"]})
+
+    def _admit_pod_security(self, ns: str, name: str, pod: dict) -> None:
+        """Pod Security admission at level "restricted", where the namespace enforces it
+        (``pod-security.kubernetes.io/enforce: restricted``), with the API server's message."""
+        namespace = self.objects.get("namespaces", {}).get((None, ns))
+        if not namespace or (namespace["metadata"].get("labels") or {}).get(
+                "pod-security.kubernetes.io/enforce") != "restricted":
+            return
+        spec = pod.get("spec") or {}
+        psc = spec.get("securityContext") or {}
+        containers = (spec.get("initContainers") or []) + (spec.get("containers") or [])
+        sc = {c["name"]: c.get("securityContext") or {} for c in containers}
+
+        def names(bad) -> str:
+            return ", ".join(f'"{n}"' for n in bad)
+        out = []
+        if bad := [n for n, c in sc.items() if c.get("allowPrivilegeEscalation") is not False]:
+            out.append(f"allowPrivilegeEscalation != false (container{'s' * (len(bad) > 1)} {names(bad)} must set "
+                       "securityContext.allowPrivilegeEscalation=false)")
+        if bad := [n for n, c in sc.items() if "ALL" not in ((c.get("capabilities") or {}).get("drop") or [])
+                   or set((c.get("capabilities") or {}).get("add") or []) - {"NET_BIND_SERVICE"}]:
+            out.append(f"unrestricted capabilities (container{'s' * (len(bad) > 1)} {names(bad)} must set "
+                       'securityContext.capabilities.drop=["ALL"])')
+        if bad := [n for n, c in sc.items() if c.get("runAsNonRoot", psc.get("runAsNonRoot")) is not True]:
+            out.append(f"runAsNonRoot != true (pod or container{'s' * (len(bad) > 1)} {names(bad)} must set "
+                       "securityContext.runAsNonRoot=true)")
+        if bad := [n for n, c in sc.items() if (c.get("seccompProfile") or psc.get("seccompProfile") or {}).get(
+                "type") not in ("RuntimeDefault", "Localhost")]:
+            out.append(f"seccompProfile (pod or container{'s' * (len(bad) > 1)} {names(bad)} must set "
+                       'securityContext.seccompProfile.type to "RuntimeDefault" or "Localhost")')
+        if out:
+            raise ApiError(403, "Forbidden", f'pods "{name}" is forbidden: violates PodSecurity "restricted:latest": '
+                                             + ", ".join(out))
 
     def _admit_quota(self, ns: str, name: str, pod: dict) -> None:
         """The ResourceQuota admission plugin, for the GPU quota of a Kubeflow profile
@@ -639,7 +674,8 @@ class Operator:
                                  "annotations": dict(tmpl.get("metadata", {}).get("annotations", {})),
                                  "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": f"{name}-node-0",
                                                       "uid": uid}]},
-                    "spec": {**tmpl.get("spec", {}), "containers": [{
+                    "spec": {**tmpl.get("spec", {}), "containers": [{  # the runtime's, patched by name
+                        **next((c for c in tmpl.get("spec", {}).get("containers", []) if c["name"] == "node"), {}),
                         "name": "node", "image": trainer["image"], "command": trainer["command"],
                         "args": trainer["args"], "env": env,
                         "resources": trainer.get("resourcesPerNode", {})}]}}, "v1")

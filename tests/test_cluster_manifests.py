@@ -327,6 +327,31 @@ def test_training_pods_opt_out_of_istios_sidecar_unless_the_platform_lets_it_in(
         ClusterConfig.from_env({"KFP_PYTORCH_ISTIO_SIDECAR": "maybe"})
 
 
+def test_training_and_predictor_pods_meet_restricted_pod_security_unless_the_platform_says_not():
+    from kfp_pytorch.components.cluster import ClusterConfig
+    from kfp_pytorch.pipelines.platform import load_platform, platform_env
+
+    pod_sc = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    container_sc = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    train = TrainSpec("s3://data/d", "s3://models/m", workers=2, nodes=2, backend="cluster", device="cpu")
+    for platform, restricted in (({}, True), ({"restricted_pods": False}, False)):
+        cfg = ClusterConfig.from_env({"KFP_PYTORCH_IMAGE": IMAGE, **platform_env(load_platform(platform), gpu=True)})
+        jobs = (to_pytorchjob(cfg.train_spec(train)), to_trainjob(cfg.train_spec(train)))
+        isvc = to_inference_service(cfg.serve_spec("s3://models/m/model", "digits"))
+        pods = [t.get("spec", {}) for job in jobs for t in _pod_templates(job)] + [isvc["spec"]["predictor"]]
+        for job in (*jobs, isvc):
+            validate_manifest(job)
+        for pod in pods:
+            assert pod.get("securityContext") == (pod_sc if restricted else None), (platform, pod)
+            containers = pod.get("containers", [])
+            assert [c.get("securityContext") for c in containers] == [container_sc if restricted else None] * len(
+                containers) and (containers or not restricted), (platform, pod)
+        if restricted:  # a TrainJob patches the runtime's trainer container by its name
+            assert [c["name"] for c in _pod_templates(jobs[1])[0]["spec"]["containers"]] == ["node"]
+    with pytest.raises(ConfigError, match="restricted_pods: must be true or false, got 'no'"):
+        load_platform({"restricted_pods": "no"})
+
+
 def test_the_platform_settings_in_a_steps_environment_are_checked():
     from kfp_pytorch.components.cluster import ClusterConfig
 

@@ -185,6 +185,9 @@ def test_pods_a_namespace_quota_refuses_are_named_with_the_quota(k8s, monkeypatc
 @pytest.mark.parametrize("reason, message, fix", [
     ("ImagePullBackOff", 'Back-off pulling image "reg/kfp-pytorch:0.1.0"', "check the image name and tag"),
     ("CreateContainerConfigError", 'secret "kfp-pytorch-s3" not found', "create the Secret or ConfigMap"),
+    # restricted pods (runAsNonRoot) from an image whose USER is root: the kubelet will not start it
+    ("CreateContainerConfigError", "container has runAsNonRoot and image will run as root (pod: \"x\", container: "
+     "pytorch)", "the image runs as root (or as a user by name), and the pods must not"),
 ])
 def test_pods_that_cannot_start_say_why_not_that_the_gang_cannot_be_placed(k8s, monkeypatch, reason, message, fix):
     # A placed pod whose image cannot be pulled, or whose Secret does not exist, stays Pending:
@@ -293,6 +296,35 @@ def test_failure_names_replica_reason_and_log(k8s):
     text = str(e.value)
     assert f"worker replica {w} ended with OOMKilled" in text and "CUDA out of memory" in text
     assert fake.list("pytorchjobs", NS)  # on-success policy keeps failed jobs for debugging
+
+
+@pytest.mark.parametrize("kind", ["PyTorchJob", "TrainJob"])
+def test_a_namespace_that_enforces_restricted_pod_security_admits_the_training_pods(k8s, monkeypatch, kind):
+    # Kubeflow enforces Pod Security "restricted" on its namespaces, and profiles may too: the
+    # pods, without a securityContext, were refused, and the step said only "no pods yet"
+    fake, api = k8s
+    monkeypatch.setattr(ClusterTrainer, "pending_report_after_s", 0.3)
+    fake.create("namespaces", None, {"metadata": {"name": NS, "labels": {
+        "pod-security.kubernetes.io/enforce": "restricted"}}}, "v1")
+    s = spec(nodes=2)
+    if kind == "PyTorchJob":
+        drive(fake, s.name, 2, [[(p, "Running") for p in (f"{s.name}-master-0", f"{s.name}-worker-0")],
+                                [(f"{s.name}-master-0", "Succeeded")]])
+    else:
+        _drive_trainjob(fake, s.name, 2, [[(0, "Running"), (1, "Running")], [(1, "Succeeded"), (0, "Succeeded")]])
+    assert ClusterTrainer(Kube(api), kind=kind, out=io.StringIO()).run(s, timeout_s=20).state == "Succeeded"
+    # restricted_pods: false (a root image, RDMA's IPC_LOCK) is refused there, and the step says why
+    s2 = spec(nodes=2, run_id="run-456", restricted=False)
+    out = io.StringIO()
+    with pytest.raises(TrainingError) as e:
+        ClusterTrainer(Kube(api), kind=kind, out=out).run(s2, timeout_s=1.5)
+    assert e.value.message.startswith(f"{kind} {NS}/{s2.name}: no pods were created within 1.5s: "), e.value.message
+    assert ('is forbidden: violates PodSecurity "restricted:latest": allowPrivilegeEscalation != false (container '
+            '"pytorch" must set securityContext.allowPrivilegeEscalation=false), unrestricted capabilities'
+            .replace("pytorch", "pytorch" if kind == "PyTorchJob" else "node")) in e.value.message, e.value.message
+    assert e.value.hint.startswith(f"the namespace enforces Pod Security (`kubectl get ns {NS} --show-labels`): set "
+                                   "restricted_pods: true"), e.value.hint
+    assert "no pods yet: " in out.getvalue() and "set restricted_pods: true" in out.getvalue(), out.getvalue()
 
 
 @pytest.mark.parametrize("kind", ["PyTorchJob", "TrainJob"])
