@@ -11,8 +11,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .cluster import (KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL, LABEL_PREFIX, ClusterServeSpec, ClusterTrainSpec,
-                      to_inference_service, to_pytorchjob, to_trainjob)
+from .cluster import (FAIRNESS_GATE, KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL, LABEL_PREFIX, ClusterServeSpec,
+                      ClusterTrainSpec, to_inference_service, to_pytorchjob, to_trainjob)
 from .errors import ConfigError, KubernetesError, KubernetesUnavailable, ServingError, TrainingError
 from .k8s import Expired, Kube
 from .train import WORKER_MODULE
@@ -136,6 +136,17 @@ def _pending(pods: list) -> tuple[list, list[str]]:
     reasons = sorted({f"{c.reason}: {c.message}" for p in pending for c in ((p.status and p.status.conditions) or [])
                       if c.type == "PodScheduled" and c.status == "False" and c.reason})
     return pending, reasons
+
+
+def _fairness_gated(pending: list) -> bool:
+    """Every pending pod waits for the fairness scheduler's admission (its scheduling gate)."""
+    return bool(pending) and all(any(g.name == FAIRNESS_GATE for g in (p.spec and p.spec.scheduling_gates) or [])
+                                 for p in pending)
+
+
+FAIRNESS_HINT = (f"the kfp-pytorch fairness scheduler starts them when it admits the gang, in the order of its users' "
+                 f"fair shares, by removing their scheduling gate {FAIRNESS_GATE}: if none runs in the cluster, "
+                 "nothing starts them; run it, or turn KFP_PYTORCH_FAIRNESS off")
 
 
 def _restarts(pod) -> int:
@@ -508,7 +519,8 @@ class ClusterTrainer:
                       f"{head}: no pods yet ({self._operator()} creates them: check that it is installed and running)")
             return
         self._say(f"{head}: {_made(pods, expected)}{len(pending)} of {len(pods)} pods pending"
-                  + (f" ({'; '.join(reasons)})" if reasons else "") + (f"; {warning}" if warning else ""))
+                  + (f" ({'; '.join(reasons)})" if reasons else "") + (f"; {warning}" if warning else "")
+                  + (f" ({FAIRNESS_HINT})" if _fairness_gated(pending) else ""))
 
     def _start_log_stream(self, ns: str, name: str, tail_lines: int | None = None):
         try:
@@ -628,6 +640,10 @@ class ClusterTrainer:
                                  f"{len(pods)} pods cannot start ({_stuck_text(stuck)})", _cannot_start_hint(ns, stuck))
         warning = self._latest_warning(ns, name) if pending or not pods else None
         quota = _refused_hint(ns, warning) if warning else ""
+        if _fairness_gated(pending):  # never offered to a scheduler: not "could not be placed"
+            return TrainingError(f"{self.kind} {ns}/{name} was not admitted by the fairness scheduler within "
+                                 f"{timeout_s:g}s: {_made(pods, expected)}{len(pending)} of {len(pods)} pods wait "
+                                 "behind its scheduling gate", FAIRNESS_HINT)
         if pending:
             return TrainingError(
                 f"{self.kind} {ns}/{name}: gang could not be placed within {timeout_s:g}s: {_made(pods, expected)}"

@@ -285,6 +285,9 @@ class FakeCluster:
                 if "priority" not in spec:
                     spec["priority"] = 0
                 self._istio_inject(ns, obj)
+                if spec.get("schedulingGates"):  # as the API server marks a gated pod on create
+                    obj["status"]["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "SchedulingGated",
+                                                    "message": "Scheduling is blocked due to non-empty scheduling gates"}]
             if self.operator.kueue and "kueue.x-k8s.io/queue-name" in meta["labels"]:  # Kueue's mutating webhook
                 if plural == "pytorchjobs":
                     obj["spec"].setdefault("runPolicy", {})["suspend"] = True

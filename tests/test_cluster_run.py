@@ -298,6 +298,24 @@ def test_failure_names_replica_reason_and_log(k8s):
     assert fake.list("pytorchjobs", NS)  # on-success policy keeps failed jobs for debugging
 
 
+def test_pods_held_for_the_fairness_scheduler_say_so_not_that_the_gang_cannot_be_placed(k8s, monkeypatch):
+    # With KFP_PYTORCH_FAIRNESS the pods carry the fairness scheduler's gate: no scheduler sees
+    # them until it admits the gang. The step said "gang could not be placed: wait for capacity"
+    fake, api = k8s
+    monkeypatch.setattr(ClusterTrainer, "pending_report_after_s", 0.3)
+    s = spec(nodes=2, fairness=True)
+    out = io.StringIO()
+    with pytest.raises(TrainingError) as e:
+        ClusterTrainer(Kube(api), out=out).run(s, timeout_s=1.5)
+    assert e.value.message == (f"PyTorchJob {NS}/{s.name} was not admitted by the fairness scheduler within 1.5s: 2 "
+                               "of 2 pods wait behind its scheduling gate"), e.value.message
+    assert e.value.hint.startswith("the kfp-pytorch fairness scheduler starts them when it admits the gang"), e.value.hint
+    assert "fairness.kfp-pytorch.io/admission: if none runs in the cluster, nothing starts them" in e.value.hint
+    text = out.getvalue()
+    assert ("2 of 2 pods pending (SchedulingGated: Scheduling is blocked due to non-empty scheduling gates) (the "
+            "kfp-pytorch fairness scheduler starts them") in text, text
+
+
 @pytest.mark.parametrize("kind", ["PyTorchJob", "TrainJob"])
 def test_a_namespace_that_enforces_restricted_pod_security_admits_the_training_pods(k8s, monkeypatch, kind):
     # Kubeflow enforces Pod Security "restricted" on its namespaces, and profiles may too: the
