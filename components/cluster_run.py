@@ -149,9 +149,11 @@ FAIRNESS_HINT = (f"the kfp-pytorch fairness scheduler starts them when it admits
                  "nothing starts them; run it, or turn KFP_PYTORCH_FAIRNESS off")
 
 
-def _restarts(pod) -> int:
-    """How many times the kubelet restarted the pod's containers."""
-    return sum(cs.restart_count or 0 for cs in (pod.status and pod.status.container_statuses) or [])
+def _restarts(pod, container: str | None = None) -> int:
+    """How many times the kubelet restarted the pod's containers (``container``: that one's, not a
+    sidecar's)."""
+    return sum(cs.restart_count or 0 for cs in (pod.status and pod.status.container_statuses) or []
+               if container is None or cs.name == container)
 
 
 def _made(pods: list, expected: int) -> str:
@@ -531,7 +533,8 @@ class ClusterTrainer:
         master = [p for p in pods if _is_rank0(p.metadata.labels or {})]
         if not master:
             return None
-        pod, restarts, container = master[0].metadata.name, _restarts(master[0]), _main_container(master[0])
+        pod, container = master[0].metadata.name, _main_container(master[0])
+        restarts = _restarts(master[0], container)
         stop = threading.Event()
 
         def pump():
@@ -542,11 +545,13 @@ class ClusterTrainer:
                     for line in self.kube.follow_log(ns, pod, tail, container):
                         self._say(f"[{pod}] {line}")
                 except Exception as e:  # log streaming is best effort; the watch decides the outcome
-                    self._say(f"[kfp-pytorch] log stream of {pod} ended: {type(e).__name__}")
+                    self._say(f"[kfp-pytorch] log stream of {pod} ended: " + (
+                        f"{e.message} ({e.hint})" if isinstance(e, KubernetesError) and e.hint else
+                        getattr(e, "message", None) or type(e).__name__))
                     return
                 # Its container ended. The pod ends with it (the watch says how), or, under restartPolicy
                 # OnFailure, the kubelet starts a new container in the same pod, whose log is a new one.
-                now = self._restarted(ns, pod, restarts, stop)
+                now = self._restarted(ns, pod, container, restarts, stop)
                 if now is None:
                     return
                 restarts, tail = now, None
@@ -561,7 +566,8 @@ class ClusterTrainer:
     container_poll_s = 2.0
     """How often a log stream whose container ended looks whether the kubelet restarted it."""
 
-    def _restarted(self, ns: str, pod: str, restarts: int, stop: threading.Event) -> int | None:
+    def _restarted(self, ns: str, pod: str, container: str | None, restarts: int,
+                   stop: threading.Event) -> int | None:
         """Wait until the pod's container runs again after ``restarts`` restarts; its restart count
         then, or None when the pod is over (ended, deleted) or the run is."""
         while not stop.wait(self.container_poll_s):
@@ -571,8 +577,9 @@ class ClusterTrainer:
                 return None
             if p.status is None or p.status.phase in ("Succeeded", "Failed"):
                 return None
-            now = _restarts(p)
-            if now > restarts and any(cs.state and cs.state.running for cs in p.status.container_statuses or []):
+            now = _restarts(p, container)
+            if now > restarts and any(cs.state and cs.state.running for cs in p.status.container_statuses or []
+                                      if container is None or cs.name == container):
                 return now
         return None
 

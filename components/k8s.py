@@ -218,7 +218,12 @@ class Kube:
         kw = {"tail_lines": tail_lines} if tail_lines is not None else {}
         if container:
             kw["container"] = container
-        resp = self.core.read_namespaced_pod_log(pod, ns, follow=True, _preload_content=False, **kw)
+        from kubernetes.client.rest import ApiException
+
+        try:
+            resp = self.core.read_namespaced_pod_log(pod, ns, follow=True, _preload_content=False, **kw)
+        except ApiException as e:  # e.g. no right to read pods/log: say so, not "ApiException"
+            raise map_api_error(e, "get", "pods/log", "", ns) from e
         try:
             buf = b""
             for chunk in resp.stream(1024):

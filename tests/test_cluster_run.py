@@ -130,6 +130,16 @@ def test_a_log_stream_that_cannot_start_does_not_fail_a_job_that_succeeds(k8s):
     drive(fake, s2.name, 1, [[(m2, "Running")], [(m2, "Failed", "OOMKilled")]])
     with pytest.raises(TrainingError, match=f"PyTorchJob {NS}/{s2.name} failed: PyTorchJob {s2.name} is failed"):
         ClusterTrainer(Kube(api), out=io.StringIO()).run(s2, timeout_s=20)
+    # pods may be listed, their logs not read: the step says which right is missing, not "ApiException"
+    fake.denied.clear()
+    fake.denied.add(("get", "pods/log"))
+    s3 = spec(nodes=1, run_id="run-456")
+    m3 = f"{s3.name}-master-0"
+    drive(fake, s3.name, 1, [[(m3, "Running")], [(m3, "Succeeded")]])
+    out = io.StringIO()
+    assert ClusterTrainer(Kube(api), out=out).run(s3, timeout_s=20).state == "Succeeded"
+    assert (f"log stream of {m3} ended: forbidden: cannot get pods/log in namespace '{NS}'" in out.getvalue()
+            and 'resources: ["pods/log"], verbs: ["get"]' in out.getvalue()), out.getvalue()
 
 
 def test_retried_task_adopts_its_job(k8s):
