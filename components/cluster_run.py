@@ -306,7 +306,7 @@ class ClusterTrainer:
                       + f"; its log from the last {ADOPTED_LOG_LINES} lines:")
             log_thread = self._start_log_stream(ns, name, tail_lines=ADOPTED_LOG_LINES)
         rv = current["metadata"]["resourceVersion"]
-        prev = None
+        prev, said_progress = None, None
         in_main = threading.current_thread() is threading.main_thread()
         if in_main:
             def _on_term(signum, frame):
@@ -335,6 +335,11 @@ class ClusterTrainer:
                                                 "run the step again to create it anew (it resumes from the last "
                                                 "checkpoint)")
                         rv, current = o["metadata"]["resourceVersion"], o  # the latest, for what we say of it
+                        if (state == "Running" and (log_thread is None or not log_thread.is_alive())
+                                and (progress := _trainer_progress(o)) and progress[0] != said_progress):
+                            # no log to follow (no right to read it): the trainer's own reports instead
+                            said_progress = progress[0]
+                            self._say(f"[kfp-pytorch] {self.kind} {name}: {said_progress}")
                         new = job_state(o)
                         if new != state:
                             state = new

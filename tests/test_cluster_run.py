@@ -695,6 +695,39 @@ def test_a_trainjob_that_times_out_says_how_far_its_trainer_got(trainer_status, 
     assert f"TrainJob {s.name} is running (40% done, about 2m left, epoch 2/5); its log from" in out.getvalue()
 
 
+def test_a_trainjob_whose_log_cannot_be_read_shows_its_trainers_progress(trainer_status, tmp_path):
+    # A Role without pods/log: no log streams, and the step said nothing until the job ended.
+    # The trainer's reports to the Trainer (status.trainerStatus) say how it goes instead.
+    from kfp_pytorch.components.trainer_status import TrainerStatusReporter
+
+    fake, api, server = trainer_status
+    fake.denied.add(("get", "pods/log"))
+    s = spec(nodes=1)
+    _drive_trainjob(fake, s.name, 1, [[(0, "Running")]])
+    out = io.StringIO()
+
+    def node0_reports():
+        deadline = time.monotonic() + 10
+        while "log stream of" not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        [pod] = _trainjob_pods(fake, s.name)
+        token = tmp_path / "token"
+        token.write_text(server.token_for(NS, pod))
+        reporter = TrainerStatusReporter.from_env(server.env(NS, s.name, token), min_interval_s=0)
+        for pct, left, epoch in ((40, 150, 2), (80, 40, 4)):
+            reporter.update(pct, left, {"currentEpoch": epoch, "totalEpochs": 5})
+            time.sleep(0.3)
+        reporter.close()
+        fake.set_pod_phase(NS, pod, "Succeeded")
+    threading.Thread(target=node0_reports, daemon=True).start()
+    res = ClusterTrainer(Kube(api), kind="TrainJob", out=out).run(s, timeout_s=20)
+    text = out.getvalue()
+    assert res.state == "Succeeded", text
+    assert f"log stream of {s.name}-node-0-0-" in text and "forbidden: cannot get pods/log" in text, text
+    assert (f"TrainJob {s.name}: 40% done, about 2m left, epoch 2/5\n" in text
+            and f"TrainJob {s.name}: 80% done, about 40s left, epoch 4/5\n" in text), text
+
+
 def test_a_trainjob_the_trainer_cannot_build_says_so(k8s, monkeypatch):
     # The Trainer marks a TrainJob it cannot build a JobSet for (a runtime that does not fit it)
     # Created=False and makes no pods: the step said "no pods yet: check that the Trainer is
