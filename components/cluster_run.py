@@ -111,11 +111,13 @@ def _trainer_progress(job: dict) -> tuple[str, int | None] | None:
     about 2m left, epoch 2/5", and the seconds left; None when it reported nothing."""
     ts = (job.get("status") or {}).get("trainerStatus") or {}
     metrics = {m.get("name"): m.get("value") for m in ts.get("metrics") or []}
-    left = ts.get("estimatedRemainingSeconds")
-    parts = ([f"{ts['progressPercentage']}% done"] if ts.get("progressPercentage") is not None else []) + (
-        [f"about {_span(left)} left"] if left is not None else []) + (
-        [f"epoch {metrics['currentEpoch']}/{metrics['totalEpochs']}"]
-        if metrics.get("currentEpoch") and metrics.get("totalEpochs") else [])
+    left, parts = ts.get("estimatedRemainingSeconds"), []
+    if ts.get("progressPercentage") is not None:
+        parts.append(f"{ts['progressPercentage']}% done")
+    if left is not None:
+        parts.append(f"about {_span(left)} left")
+    if metrics.get("currentEpoch") and metrics.get("totalEpochs"):
+        parts.append(f"epoch {metrics['currentEpoch']}/{metrics['totalEpochs']}")
     return (", ".join(parts), left) if parts else None
 
 

@@ -22,7 +22,7 @@ import re
 import ssl
 import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import jsonschema
@@ -33,7 +33,7 @@ from cryptography.x509.oid import NameOID
 
 from fake_k8s import ApiError, FakeCluster
 from k8s_schemas import schema_for
-from servers import reply, stop_http
+from servers import reply, serve_in_thread, stop_http
 
 LABEL_TRAINJOB_NAME = "trainer.kubeflow.org/trainjob-name"
 MAX_BODY = 1 << 16
@@ -83,13 +83,9 @@ class TrainerStatusServer:
         class Handler(_Handler):
             fake = status
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(self._cert, self._key)
-        self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"https://127.0.0.1:{self.server.server_address[1]}"
+        self.server, self.url = serve_in_thread(Handler, tls=context)
         return self.url
 
     def stop(self) -> None:

@@ -215,15 +215,18 @@ def postgres_database(server: Server, name: str) -> str:
     return server.url.rsplit("/", 1)[0] + f"/{name}"
 
 
-def serve_in_thread(handler_cls) -> tuple["object", str]:
-    """Start a stdlib ThreadingHTTPServer for ``handler_cls`` on 127.0.0.1 (a free port) in a daemon thread."""
+def serve_in_thread(handler_cls, tls=None) -> tuple["object", str]:
+    """Start a stdlib ThreadingHTTPServer for ``handler_cls`` on 127.0.0.1 (a free port) in a daemon
+    thread; with ``tls`` (an ``ssl.SSLContext`` for a server), over HTTPS."""
     import threading
     from http.server import ThreadingHTTPServer
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler_cls)
     server.daemon_threads = True
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
+    return server, f"{'https' if tls is not None else 'http'}://127.0.0.1:{server.server_address[1]}"
 
 
 def reply(handler, code: int, body: bytes, content_type: str = "application/json") -> None:
