@@ -90,11 +90,13 @@ def label_problems(labels, where: str) -> list[str]:
 
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
-RESTRICTED_POD = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
-RESTRICTED_CONTAINER = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
-"""What Pod Security "restricted" asks of a pod and its containers (Kubeflow's target level for
-its namespaces): not root (the image's USER is a numeric non-root uid, as the Dockerfile's 1000),
-no privilege escalation, no Linux capabilities, the runtime's default seccomp profile."""
+def restricted_security_contexts() -> tuple[dict, dict]:
+    """The pod's and its container's securityContext that Pod Security "restricted" asks for
+    (Kubeflow's target level for its namespaces): not root (the image's USER is a numeric non-root
+    uid, as the Dockerfile's 1000), no privilege escalation, no Linux capabilities, the runtime's
+    default seccomp profile. New dicts each call: no manifest shares a nested one with another."""
+    return ({"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+            {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}})
 ISTIO_INJECT = "sidecar.istio.io/inject"
 """Istio's per-pod switch for its sidecar injector (a label; the older annotation is still read)."""
 """Names the job's WorkloadPriorityClass: its Workload's priority in the queue and for preemption."""
@@ -251,7 +253,7 @@ class ClusterTrainSpec:
     runtime: str = "torch-distributed"
     """ClusterTrainingRuntime of a TrainJob."""
     restricted: bool = True
-    """The pods meet Pod Security "restricted" (:data:`RESTRICTED_POD`), so a namespace that
+    """The pods meet Pod Security "restricted" (:func:`restricted_security_contexts`), so a namespace that
     enforces it admits them. Off: no securityContext, for an image that runs as root or a
     fabric that needs a capability (InfiniBand RDMA's IPC_LOCK)."""
     istio_sidecar: bool = False
@@ -313,8 +315,7 @@ def _pod_template(spec: ClusterTrainSpec, resources: dict) -> dict:
         }],
     }
     if spec.restricted:
-        pod["securityContext"] = dict(RESTRICTED_POD)
-        pod["containers"][0]["securityContext"] = dict(RESTRICTED_CONTAINER)
+        pod["securityContext"], pod["containers"][0]["securityContext"] = restricted_security_contexts()
     if spec.node_selector:
         pod["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
@@ -389,8 +390,8 @@ def to_trainjob(spec: ClusterTrainSpec) -> dict:
     if spec.fairness:  # the gate only: a runtime patch cannot set the pods' priority class
         pod["schedulingGates"] = [{"name": FAIRNESS_GATE}]
     if spec.restricted:  # "node": the torch-distributed runtime's trainer container
-        pod["securityContext"] = dict(RESTRICTED_POD)
-        pod["containers"] = [{"name": "node", "securityContext": dict(RESTRICTED_CONTAINER)}]
+        pod["securityContext"], container = restricted_security_contexts()
+        pod["containers"] = [{"name": "node", "securityContext": container}]
     # the runtime's pods ("node": the torch-distributed runtime's replicated job) get our labels
     # and placement through a patch, as Kueue patches them
     body["runtimePatches"] = [{"manager": f"{LABEL_PREFIX}/kfp-pytorch", "trainingRuntimeSpec": {"template": {"spec": {
@@ -463,8 +464,7 @@ def to_inference_service(spec: ClusterServeSpec) -> dict:
         }],
     }
     if spec.restricted:
-        predictor["securityContext"] = dict(RESTRICTED_POD)
-        predictor["containers"][0]["securityContext"] = dict(RESTRICTED_CONTAINER)
+        predictor["securityContext"], predictor["containers"][0]["securityContext"] = restricted_security_contexts()
     if spec.canary_traffic_percent is not None:
         predictor["canaryTrafficPercent"] = spec.canary_traffic_percent
     if spec.labels:

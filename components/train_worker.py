@@ -140,8 +140,8 @@ class _Progress:
         if time.monotonic() >= self.next:
             self._update(done)
 
-    def epoch_done(self, entry: dict, epochs: int) -> None:
-        self.metrics = {"currentEpoch": entry["epoch"], "totalEpochs": epochs, "loss": entry["loss"],
+    def epoch_done(self, entry: dict) -> None:
+        self.metrics = {"currentEpoch": entry["epoch"], "totalEpochs": self.epochs, "loss": entry["loss"],
                         "accuracy": entry["accuracy"], "val_loss": entry["val_loss"],
                         "val_accuracy": entry["val_accuracy"], "samples_per_second": entry["samples_per_second"]}
         self._update(entry["epoch"])
@@ -249,7 +249,7 @@ def run(args: argparse.Namespace) -> dict:
             bar.set_postfix(loss=f"{g_loss:.4f}", val_acc=f"{val_acc:.3f}")
             bar.close()
         if progress is not None:
-            progress.epoch_done(entry, args.epochs)
+            progress.epoch_done(entry)
         if rank == 0:
             print("[kfp-pytorch] " + json.dumps(entry), flush=True)
             state = {"epoch": epoch, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
