@@ -73,6 +73,9 @@ class TrainSpec:
     run_id: str = ""
     """KFP run id (cluster backend): with ``task`` it names the job, so a retried task adopts it."""
     task: str = "train"
+    checkpoint_every_s: float = 600.0
+    """Within an epoch, rank 0 checkpoints this often too (0: at the end of each epoch only), so a
+    preempted or restarted job loses minutes, not a long epoch."""
 
     def validate(self) -> None:
         problems = []
@@ -93,6 +96,9 @@ class TrainSpec:
             problems.append(f"backend: must be one of {', '.join(sorted(BACKENDS))}, got {self.backend!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             problems.append(f"device: must be auto, cpu or cuda, got {self.device!r}")
+        if not 0 <= self.checkpoint_every_s < math.inf:  # NaN too
+            problems.append(f"checkpoint_every_s: must be a finite number >= 0 (0: at epoch ends only), "
+                            f"got {self.checkpoint_every_s}")
         if not self.timeout_s > 0:
             problems.append(f"timeout_s: must be > 0, got {self.timeout_s}")
         if self.nodes < 1 or (self.workers % self.nodes if self.nodes >= 1 else 0):
@@ -125,7 +131,8 @@ def worker_args(spec: TrainSpec) -> list[str]:
     """Arguments of the worker entrypoint; identical for every backend."""
     return ["--dataset-uri", spec.dataset_uri, "--output-uri", spec.output_uri, "--model", spec.model,
             "--epochs", str(spec.epochs), "--batch-size", str(spec.batch_size), "--lr", repr(spec.lr),
-            "--seed", str(spec.seed), "--device", spec.device, "--progress", spec.progress]
+            "--seed", str(spec.seed), "--device", spec.device, "--progress", spec.progress,
+            "--checkpoint-every-s", f"{spec.checkpoint_every_s:g}"]
 
 
 def worker_command(spec: TrainSpec, python: str = "python") -> list[str]:

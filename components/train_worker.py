@@ -5,9 +5,11 @@ replica: ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RAN
 ``PET_*`` launcher settings. Nothing here knows whether it runs under the local backend or in a
 cluster: the local backend reproduces that environment exactly.
 
-Per epoch, rank 0 writes ``checkpoints/last.pt`` atomically through :mod:`.storage`. On start,
-every rank loads that checkpoint if it exists, so a job restarted after a worker died resumes
-from the last finished epoch (``torchrun --max-restarts`` locally, ``backoffLimit`` in a cluster).
+Per epoch, rank 0 writes ``checkpoints/last.pt`` atomically through :mod:`.storage`, and within
+an epoch too, every ``--checkpoint-every-s`` seconds. On start, every rank loads that checkpoint if
+it exists, so a job restarted after a worker died resumes from the last finished epoch, or from
+the step of the epoch it was in (``torchrun --max-restarts`` locally, ``backoffLimit`` in a
+cluster; a Kueue preemption deletes the pods, which resume the same way).
 
 At the end rank 0 writes, below ``--output-uri``::
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import json
 import math
 import os
@@ -56,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--progress", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--checkpoint-every-s", type=float, default=600.0)
     return p.parse_args(argv)
 
 
@@ -63,6 +67,21 @@ def _save_torch(obj) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
+
+
+class _Resumed(torch.utils.data.Sampler):
+    """The epoch's order, less the first ``skip`` samples: the steps a mid-epoch checkpoint has
+    trained on. DistributedSampler's order is a function of (seed, epoch, rank, world), so the
+    restarted ranks see the rest of the very epoch they were in."""
+
+    def __init__(self, sampler: DistributedSampler, skip: int):
+        self.sampler, self.skip = sampler, skip
+
+    def __iter__(self):
+        return itertools.islice(iter(self.sampler), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.sampler) - self.skip)
 
 
 def _all_mean(values: list[float], device) -> list[float]:
@@ -117,16 +136,17 @@ class _Progress:
     every_s = 5.0
     """How often, within an epoch, the progress is updated (the reporter sends at most as often)."""
 
-    def __init__(self, reporter: TrainerStatusReporter, start_epoch: int, epochs: int):
-        self.reporter, self.start_epoch, self.epochs = reporter, start_epoch, max(1, epochs)
+    def __init__(self, reporter: TrainerStatusReporter, start_epoch: int, epochs: int, within: float = 0.0):
+        """``within``: the share of epoch ``start_epoch + 1`` a mid-epoch checkpoint had done."""
+        self.reporter, self.start_epoch, self.epochs = reporter, start_epoch + within, max(1, epochs)
         self.t0 = self.next = time.monotonic()
         self.metrics: dict = {"currentEpoch": start_epoch, "totalEpochs": epochs}
-        self._update(start_epoch)
+        self._update(self.start_epoch)
 
     @classmethod
-    def from_env(cls, start_epoch: int, epochs: int) -> "_Progress | None":
+    def from_env(cls, start_epoch: int, epochs: int, within: float = 0.0) -> "_Progress | None":
         reporter = TrainerStatusReporter.from_env()
-        return cls(reporter, start_epoch, epochs) if reporter is not None else None
+        return cls(reporter, start_epoch, epochs, within) if reporter is not None else None
 
     def _update(self, done: float) -> None:
         now = time.monotonic()
@@ -174,7 +194,11 @@ def run(args: argparse.Namespace) -> dict:
     model = build_model(args.model, meta["num_features"], meta["num_classes"], meta.get("image_shape")).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
-    start_epoch, history = 0, []
+    train_ds = TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train))
+    sampler = DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    loader = DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler, pin_memory=use_cuda)
+    steps = len(loader)
+    start_epoch, history, skip = 0, [], 0
     diverged_uri = join(args.output_uri, DIVERGED)
     if rank == 0:
         storage.delete(diverged_uri)  # a mark from an earlier run into this output
@@ -184,21 +208,46 @@ def run(args: argparse.Namespace) -> dict:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start_epoch, history = state["epoch"] + 1, state["history"]
+        within = state.get("within")  # a mid-epoch checkpoint: {"epoch", "step", "world"}
+        where = f"after epoch {start_epoch}"
+        if within and within["epoch"] == start_epoch and within["world"] == world and within["step"] < steps:
+            skip = within["step"]
+            where = f"epoch {start_epoch + 1}, step {skip}/{steps}"
+        elif within and within["world"] != world:  # another world orders the epoch otherwise: from its start
+            where += (f" (epoch {start_epoch + 1} starts again: its mid-epoch checkpoint was taken with "
+                      f"{within['world']} workers, this run has {world})")
         if rank == 0:
-            print(f"[kfp-pytorch] resuming from checkpoint {ckpt_uri}: epoch {start_epoch} "
-                  f"(restart {attempt})", flush=True)
+            print(f"[kfp-pytorch] resuming from checkpoint {ckpt_uri}: {where} (restart {attempt})", flush=True)
+
+    def checkpoint(epoch: int, step: int | None = None) -> None:
+        """Rank 0 only. ``step`` (mid-epoch): ``step`` steps of ``epoch`` (0-based) are trained on.
+        ``epoch`` stays the last whole epoch, so the resume state reads as before."""
+        done = epoch if step is None else epoch - 1
+        state = {"epoch": done, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "history": history, "args": vars(args)}
+        if step is not None:
+            state["within"] = {"epoch": epoch, "step": step, "world": world}
+        storage.write_bytes(ckpt_uri, _save_torch(state))
+        storage.write_bytes(join(args.output_uri, RESUME_STATE), json.dumps(
+            {"epoch": done + 1, **({"step": step} if step is not None else {}),
+             "args": {k: getattr(args, k) for k in RESUME_KEYS}}).encode())
 
     ddp = DDP(model, device_ids=[local_rank] if use_cuda else None)
-    train_ds = TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train))
-    sampler = DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler, pin_memory=use_cuda)
     xv, yv = torch.from_numpy(x_val).to(device), torch.from_numpy(y_val).to(device)
     show = rank == 0 and (args.progress == "on" or (args.progress == "auto"))
     # A TrainJob's progress for `kubectl get trainjob`, when the Trainer asks for it (its daemon
     # thread goes with the process if training fails)
-    progress = _Progress.from_env(start_epoch, args.epochs) if rank == 0 else None
+    progress = _Progress.from_env(start_epoch, args.epochs, skip / max(1, steps)) if rank == 0 else None
+    # Within an epoch, rank 0 alone decides by its clock: between two steps every rank's weights
+    # are the same (DDP), so its state is the job's. The others wait at the next all-reduce.
+    every = args.checkpoint_every_s
+    next_ckpt = time.monotonic() + every
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
+        first = skip if epoch == start_epoch else 0
+        epoch_loader = loader if not first else DataLoader(
+            train_ds, batch_size=args.batch_size, sampler=_Resumed(sampler, first * args.batch_size),
+            pin_memory=use_cuda)
         t0 = time.perf_counter()
         # Running sums stay on the device: a .item() per step would make every step wait for the
         # GPU (a host sync); they are read once, at the epoch's end.
@@ -209,9 +258,9 @@ def run(args: argparse.Namespace) -> dict:
         if show:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(loader), desc=f"epoch {epoch + 1}/{args.epochs}", file=sys.stderr,
+            bar = tqdm(total=steps, initial=first, desc=f"epoch {epoch + 1}/{args.epochs}", file=sys.stderr,
                        mininterval=1.0, leave=True, dynamic_ncols=False, ncols=100)
-        for i, (xb, yb) in enumerate(loader):
+        for i, (xb, yb) in enumerate(epoch_loader, start=first):
             xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             logits = ddp(xb)
@@ -224,7 +273,10 @@ def run(args: argparse.Namespace) -> dict:
             if bar is not None:
                 bar.update(1)
             if progress is not None:
-                progress.step(epoch + (i + 1) / len(loader))
+                progress.step(epoch + (i + 1) / steps)
+            if rank == 0 and every > 0 and i + 1 < steps and time.monotonic() >= next_ckpt:
+                checkpoint(epoch, i + 1)
+                next_ckpt = time.monotonic() + every
         loss_total, n_correct = loss_sum.item(), correct.item()  # waits for the epoch's last step
         elapsed = time.perf_counter() - t0
         g_loss, g_acc, g_rate = _all_mean([loss_total / max(1, seen), n_correct / max(1, seen), seen / elapsed], device)
@@ -243,7 +295,9 @@ def run(args: argparse.Namespace) -> dict:
             return {"epochs": epoch + 1, "world_size": world, "backend": backend, "final": None, "diverged": True}
         entry = {"epoch": epoch + 1, "loss": g_loss, "accuracy": g_acc, "val_loss": val_loss,
                  "val_accuracy": val_acc, "samples_per_second": g_rate * world, "seconds": elapsed,
-                 "attempt": attempt}
+                 "attempt": attempt, "steps": steps - first}
+        if first:  # loss and accuracy are of the steps after the resume (the others' sums were lost)
+            entry["resumed_at_step"] = first
         history.append(entry)
         if bar is not None:
             bar.set_postfix(loss=f"{g_loss:.4f}", val_acc=f"{val_acc:.3f}")
@@ -252,11 +306,8 @@ def run(args: argparse.Namespace) -> dict:
             progress.epoch_done(entry)
         if rank == 0:
             print("[kfp-pytorch] " + json.dumps(entry), flush=True)
-            state = {"epoch": epoch, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                     "history": history, "args": vars(args)}
-            storage.write_bytes(ckpt_uri, _save_torch(state))
-            storage.write_bytes(join(args.output_uri, RESUME_STATE), json.dumps(
-                {"epoch": epoch + 1, "args": {k: getattr(args, k) for k in RESUME_KEYS}}).encode())
+            checkpoint(epoch)
+            next_ckpt = time.monotonic() + every
         dist.barrier()
 
     summary = {"epochs": args.epochs, "world_size": world, "backend": backend,

@@ -108,6 +108,52 @@ def test_killed_worker_resumes_from_checkpoint(digits_data, tmp_path):
     assert first_after["epoch"] > 1
 
 
+def test_a_worker_killed_mid_epoch_resumes_at_the_step_it_checkpointed(digits_data, tmp_path, capfd):
+    out = tmp_path / "out"
+    # batch 16: about 40 steps of 40 ms an epoch per worker; a checkpoint every 0.3 s within it
+    spec = TrainSpec(digits_data, str(out), model="factories:slow", epochs=2, batch_size=16, workers=2,
+                     max_restarts=2, progress="off", checkpoint_every_s=0.3)
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.update(result=train(spec)))
+    t.start()
+    state_file, step = out / "checkpoints" / "last.json", 0
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and t.is_alive():
+        try:
+            state = json.loads(state_file.read_text())
+        except (OSError, ValueError):  # not there yet
+            state = {}
+        if state.get("epoch") == 0 and state.get("step", 0) >= 8:  # well inside epoch 1
+            step = state["step"]
+            break
+        time.sleep(0.02)
+    assert step, "no mid-epoch checkpoint appeared"
+    os.kill(_worker_pids()[-1].pid, signal.SIGKILL)
+    t.join(timeout=180)
+    result = box["result"]
+    assert [h["epoch"] for h in result.history] == [1, 2] and result.restarts >= 1
+    first, second = result.history
+    # epoch 1 went on from a step at or after the one seen, and trained on the rest of it only
+    assert first["attempt"] >= 1 and first["resumed_at_step"] >= step
+    assert first["resumed_at_step"] + first["steps"] == second["steps"]
+    assert "resumed_at_step" not in second
+    logs = capfd.readouterr()
+    assert f"epoch 1, step {first['resumed_at_step']}/{second['steps']} (restart 1)" in logs.out + logs.err
+
+
+def test_a_mid_epoch_resume_trains_on_the_rest_of_that_very_epoch():
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from kfp_pytorch.components.train_worker import _Resumed
+
+    ds = TensorDataset(torch.arange(100))
+    sampler = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=3)
+    sampler.set_epoch(4)
+    whole = [b[0].tolist() for b in DataLoader(ds, batch_size=8, sampler=sampler)]
+    rest = [b[0].tolist() for b in DataLoader(ds, batch_size=8, sampler=_Resumed(sampler, 3 * 8))]
+    assert rest == whole[3:] and len(_Resumed(sampler, 3 * 8)) == 50 - 24
+
+
 def test_a_checkpoint_is_resumed_only_by_the_run_that_wrote_it(digits_data, tmp_path):
     out = str(tmp_path / "out")
     first = train(TrainSpec(digits_data, out, epochs=1, lr=0.005, progress="off"))

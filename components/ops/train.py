@@ -12,7 +12,7 @@ def train_op(dataset: Input[Dataset], model: Output[Model], metrics: Output[Metr
              epochs: int = 8, batch_size: int = 64, lr: float = 0.005, seed: int = 42, workers: int = 2,
              max_restarts: int = 3, backend: str = "local", storage_root: str = "",
              tracking_uri: str = "", nodes: int = 1, gpus_per_node: int = 0, run_id: str = "",
-             task_name: str = "train") -> NamedTuple("Outputs", [("mlflow_run_id", str), ("samples_per_second", float)]):
+             task_name: str = "train", checkpoint_every_s: float = 600.0) -> NamedTuple("Outputs", [("mlflow_run_id", str), ("samples_per_second", float)]):
     """Distributed training as a PyTorchJob-shaped job; logs per-epoch metrics to KFP and MLflow."""
     from collections import namedtuple
 
@@ -24,7 +24,7 @@ def train_op(dataset: Input[Dataset], model: Output[Model], metrics: Output[Metr
     spec = TrainSpec(dataset_uri=dataset.metadata.get("uri", dataset.path), output_uri=out, model=model_arch,
                      epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, workers=workers,
                      max_restarts=max_restarts, backend=backend, nodes=nodes, gpus_per_node=gpus_per_node,
-                     run_id=run_id, task=task_name)
+                     run_id=run_id, task=task_name, checkpoint_every_s=checkpoint_every_s)
     result = train(spec)
     for h in result.history:
         for k in ("loss", "accuracy", "val_accuracy", "samples_per_second"):
