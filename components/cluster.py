@@ -90,6 +90,17 @@ def label_problems(labels, where: str) -> list[str]:
 
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+SHM_VOLUME = "dshm"
+
+
+def shm_volume() -> tuple[dict, dict]:
+    """(volume, mount): a memory-backed ``/dev/shm``. A container runtime gives a pod 64 MiB of it;
+    NCCL between the GPUs of one pod (and DataLoader workers) needs more, and fails with "unhandled
+    system error" / a bus error. What it holds counts against the pod's memory limit. Fresh dicts
+    each call, as :func:`restricted_security_contexts`."""
+    return {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}, {"name": SHM_VOLUME, "mountPath": "/dev/shm"}
+
+
 def restricted_security_contexts() -> tuple[dict, dict]:
     """The pod's and its container's securityContext that Pod Security "restricted" asks for
     (Kubeflow's target level for its namespaces): not root (the image's USER is a numeric non-root
@@ -256,6 +267,9 @@ class ClusterTrainSpec:
     """The pods meet Pod Security "restricted" (:func:`restricted_security_contexts`), so a namespace that
     enforces it admits them. Off: no securityContext, for an image that runs as root or a
     fabric that needs a capability (InfiniBand RDMA's IPC_LOCK)."""
+    shm: bool = True
+    """Mount a memory-backed ``/dev/shm`` (:func:`shm_volume`) in the training pods. Off for a
+    TrainJob runtime that mounts its own there (two mounts at one path make the pods invalid)."""
     istio_sidecar: bool = False
     """Let Istio inject its sidecar into the training pods. Off (``sidecar.istio.io/inject:
     "false"``): a Kubeflow profile namespace has ``istio-injection=enabled``, and there the
@@ -316,6 +330,9 @@ def _pod_template(spec: ClusterTrainSpec, resources: dict) -> dict:
     }
     if spec.restricted:
         pod["securityContext"], pod["containers"][0]["securityContext"] = restricted_security_contexts()
+    if spec.shm:
+        volume, mount = shm_volume()
+        pod["volumes"], pod["containers"][0]["volumeMounts"] = [volume], [mount]
     if spec.node_selector:
         pod["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
@@ -389,9 +406,14 @@ def to_trainjob(spec: ClusterTrainSpec) -> dict:
         pod["tolerations"] = list(spec.tolerations)
     if spec.fairness:  # the gate only: a runtime patch cannot set the pods' priority class
         pod["schedulingGates"] = [{"name": FAIRNESS_GATE}]
-    if spec.restricted:  # "node": the torch-distributed runtime's trainer container
-        pod["securityContext"], container = restricted_security_contexts()
-        pod["containers"] = [{"name": "node", "securityContext": container}]
+    node: dict = {"name": "node"}  # the torch-distributed runtime's trainer container, patched by name
+    if spec.restricted:
+        pod["securityContext"], node["securityContext"] = restricted_security_contexts()
+    if spec.shm:
+        volume, mount = shm_volume()
+        pod["volumes"], node["volumeMounts"] = [volume], [mount]
+    if len(node) > 1:
+        pod["containers"] = [node]
     # the runtime's pods ("node": the torch-distributed runtime's replicated job) get our labels
     # and placement through a patch, as Kueue patches them
     body["runtimePatches"] = [{"manager": f"{LABEL_PREFIX}/kfp-pytorch", "trainingRuntimeSpec": {"template": {"spec": {
@@ -544,6 +566,7 @@ class ClusterConfig:
     kueue_priority_class: str = ""
     istio_sidecar: bool = False
     restricted: bool = True
+    shm: bool = True
 
     @classmethod
     def from_env(cls, env: dict | None = None) -> "ClusterConfig":
@@ -555,7 +578,8 @@ class ClusterConfig:
         env = dict(os.environ if env is None else env)
         problems = [p for p in (flag_problem(k, env.get(k)) for k in ("KFP_PYTORCH_FAIRNESS", "S3_VERIFY_SSL",
                                                                       "KFP_PYTORCH_ISTIO_SIDECAR",
-                                                                      "KFP_PYTORCH_RESTRICTED_PODS")) if p]
+                                                                      "KFP_PYTORCH_RESTRICTED_PODS",
+                                                                      "KFP_PYTORCH_SHM_VOLUME")) if p]
         for key, allowed in (("KFP_PYTORCH_TRAIN_KIND", ("PyTorchJob", "TrainJob")),
                              ("KFP_PYTORCH_DELETE_POLICY", ("on-success", "always", "never"))):
             if env.get(key) and env[key] not in allowed:
@@ -618,6 +642,7 @@ class ClusterConfig:
             kueue_priority_class=env.get("KFP_PYTORCH_KUEUE_PRIORITY_CLASS") or "",
             istio_sidecar=flag(env.get("KFP_PYTORCH_ISTIO_SIDECAR"), False),
             restricted=flag(env.get("KFP_PYTORCH_RESTRICTED_PODS"), True),
+            shm=flag(env.get("KFP_PYTORCH_SHM_VOLUME"), True),
         )
 
     def train_spec(self, train: "TrainSpec") -> ClusterTrainSpec:
@@ -633,7 +658,7 @@ class ClusterConfig:
                                 task=train.task, user=self.user, nodes=train.nodes, resources=resources, s3=self.s3,
                                 fairness=self.fairness, pod_labels=self.pod_labels, kueue_queue=self.kueue_queue,
                                 kueue_priority_class=self.kueue_priority_class, istio_sidecar=self.istio_sidecar,
-                                restricted=self.restricted,
+                                restricted=self.restricted, shm=self.shm,
                                 node_selector=self.gpu_node_selector if gpu else {},
                                 tolerations=self.gpu_tolerations if gpu else [])
 

@@ -192,6 +192,9 @@ def _cannot_start(pods: list) -> dict[str, str]:
 
 def _refused_hint(ns: str, warning: str) -> str:
     """What to do about the controller's warning that it could not create the pods."""
+    if '"/dev/shm": must be unique' in warning:  # the TrainJob's runtime mounts its own
+        return ("the training runtime mounts a /dev/shm of its own, beside the one the step adds: set shm_volume: "
+                "false in the platform file")
     if "violates PodSecurity" in warning:  # the namespace enforces a Pod Security level they miss
         return (f"the namespace enforces Pod Security (`kubectl get ns {ns} --show-labels`): set restricted_pods: "
                 "true in the platform file (the default), which meets \"restricted\", and use an image whose USER "

@@ -14,6 +14,7 @@ fairness labels (``add_pod_label``); GPU steps get node selectors and toleration
     kueue_priority_class: research  # ... and their Kueue WorkloadPriorityClass
     istio_sidecar: false   # the training pods opt out of Istio's sidecar (the default; see below)
     restricted_pods: true  # training and predictor pods meet Pod Security "restricted" (the default)
+    shm_volume: true       # training pods get a memory-backed /dev/shm for NCCL (the default)
     retries: 2             # each step, again after a failure (KFP's retry policy) ...
     retry_backoff_s: 60    # ... after 60 s, then 120 s, ...
 """
@@ -57,6 +58,9 @@ class Platform:
     """The training and predictor pods meet Pod Security "restricted" (non-root, no privilege
     escalation, no capabilities, RuntimeDefault seccomp), so a namespace enforcing it admits them.
     false: no securityContext, for an image that runs as root or an RDMA fabric that needs IPC_LOCK."""
+    shm_volume: bool = True
+    """The training pods get a memory-backed ``/dev/shm`` (a container's is 64 MiB, too small for
+    NCCL between the GPUs of a pod). false: for a TrainJob runtime that mounts its own there."""
     retries: int = 0
     """KFP retries each step this many times after a failure (an evicted pod, a preempted node, a
     storage or API outage). The steps are safe to retry: a cluster step adopts the job or
@@ -112,7 +116,7 @@ def load_platform(data: dict | None) -> Platform:
                 if not isinstance(v, str) or not _ENV_NAME.match(v):
                     problems.append(f"s3_keys.{k}: {v!r} is not a valid environment variable name")
             problems += s3_keys_problems(keys, "s3_keys")  # the storage client reads these two
-    for k in ("istio_sidecar", "restricted_pods"):
+    for k in ("istio_sidecar", "restricted_pods", "shm_volume"):
         if data.get(k) is not None and not isinstance(data[k], bool):
             problems.append(f"{k}: must be true or false, got {data[k]!r}")
     for k, lo, hi in (("retries", 0, 10), ("retry_backoff_s", 0, 3600)):
@@ -161,6 +165,8 @@ def platform_env(platform: Platform, gpu: bool = False) -> dict[str, str]:
         env["KFP_PYTORCH_ISTIO_SIDECAR"] = "true"
     if not platform.restricted_pods:
         env["KFP_PYTORCH_RESTRICTED_PODS"] = "false"
+    if not platform.shm_volume:
+        env["KFP_PYTORCH_SHM_VOLUME"] = "false"
     if gpu and platform.gpu_node_selector:
         env["KFP_PYTORCH_GPU_NODE_SELECTOR"] = json.dumps(platform.gpu_node_selector)
     if gpu and platform.gpu_tolerations:

@@ -131,6 +131,7 @@ def k8s(_fake_k8s_server):
         fake.operator.kueue = False
         fake.operator.trainer_build_fails = False
         fake.operator.trainer_progress_url = None
+        fake.operator.trainer_runtime_pod = {"containers": [{"name": "node"}]}
     cfg = client.Configuration()
     cfg.host = url
     api = client.ApiClient(cfg)

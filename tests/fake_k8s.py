@@ -270,6 +270,7 @@ class FakeCluster:
             if (ns, name) in store:
                 raise ApiError(409, "AlreadyExists", f'{plural} "{name}" already exists')
             if plural == "pods":
+                self._validate_pod(name, obj)
                 self._admit_pod_security(ns, name, obj)
                 self._admit_quota(ns, name, obj)
             if ns and plural != "namespaces":
@@ -311,6 +312,30 @@ class FakeCluster:
             return
         pod["spec"].setdefault("containers", []).append({"name": "istio-proxy", "image": "docker.io/istio/proxyv2:1.26.0",
                                                          "args": ["proxy", "sidecar"]})
+
+    @staticmethod
+    def _validate_pod(name: str, pod: dict) -> None:
+        """The API server's pod validation of volumes (ValidatePodSpec): unique volume names, every
+        mount naming a volume, one mount per path in a container. 422, with its field paths."""
+        spec = pod.get("spec") or {}
+        errors, volumes = [], set()
+        for i, v in enumerate(spec.get("volumes") or []):
+            if v.get("name") in volumes:
+                errors.append(f'spec.volumes[{i}].name: Duplicate value: "{v.get("name")}"')
+            volumes.add(v.get("name"))
+        for kind in ("initContainers", "containers"):
+            for ci, c in enumerate(spec.get(kind) or []):
+                paths = set()
+                for mi, m in enumerate(c.get("volumeMounts") or []):
+                    if m.get("name") not in volumes:
+                        errors.append(f'spec.{kind}[{ci}].volumeMounts[{mi}].name: Not found: "{m.get("name")}"')
+                    if m.get("mountPath") in paths:
+                        errors.append(f'spec.{kind}[{ci}].volumeMounts[{mi}].mountPath: Invalid value: '
+                                      f'"{m.get("mountPath")}": must be unique')
+                    paths.add(m.get("mountPath"))
+        if errors:
+            raise ApiError(422, "Invalid", f'Pod "{name}" is invalid: '
+                                          + (errors[0] if len(errors) == 1 else f"[{', '.join(errors)}]"))
 
     def _admit_pod_security(self, ns: str, name: str, pod: dict) -> None:
         """Pod Security admission at level "restricted", where the namespace enforces it
@@ -547,6 +572,9 @@ class Operator:
         self.trainer_build_fails = False
         """True: the Trainer cannot build a TrainJob's JobSet from its runtime (Created False,
         JobsBuildFailed), so it makes no pods."""
+        self.trainer_runtime_pod: dict = {"containers": [{"name": "node"}]}
+        """The ClusterTrainingRuntime's pod spec (the ``node`` replicated job's); a TrainJob's
+        runtime patch merges into it strategically, by name, as the Trainer does."""
         self.trainer_progress_url: str | None = None
         """The Trainer's TrainJobProgress gate is on, with its status server at this URL: its
         Progress plugin labels a TrainJob's pods ``trainer.kubeflow.org/trainjob-name`` and gives
@@ -660,6 +688,7 @@ class Operator:
         trainer = job["spec"]["trainer"]
         patch = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
         tmpl = patch["template"]["spec"]["template"]
+        pod_spec = _strategic(self.trainer_runtime_pod, tmpl.get("spec", {}))
         for i in range(trainer.get("numNodes", 1)):
             pod_labels = {**tmpl.get("metadata", {}).get("labels", {}), "jobset.sigs.k8s.io/jobset-name": name,
                           "jobset.sigs.k8s.io/replicatedjob-name": "node", "jobset.sigs.k8s.io/job-index": "0",
@@ -677,8 +706,8 @@ class Operator:
                                  "annotations": dict(tmpl.get("metadata", {}).get("annotations", {})),
                                  "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": f"{name}-node-0",
                                                       "uid": uid}]},
-                    "spec": {**tmpl.get("spec", {}), "containers": [{  # the runtime's, patched by name
-                        **next((c for c in tmpl.get("spec", {}).get("containers", []) if c["name"] == "node"), {}),
+                    "spec": {**pod_spec, "containers": [{  # the runtime's, patched by name
+                        **next((c for c in pod_spec.get("containers", []) if c["name"] == "node"), {}),
                         "name": "node", "image": trainer["image"], "command": trainer["command"],
                         "args": trainer["args"], "env": env,
                         "resources": trainer.get("resourcesPerNode", {})}]}}, "v1")

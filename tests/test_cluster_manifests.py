@@ -352,6 +352,29 @@ def test_training_and_predictor_pods_meet_restricted_pod_security_unless_the_pla
         load_platform({"restricted_pods": "no"})
 
 
+def test_training_pods_get_a_memory_backed_dev_shm_unless_the_platform_says_not():
+    # a container's /dev/shm is 64 MiB: NCCL between the GPUs of one pod fails in it
+    from kfp_pytorch.components.cluster import ClusterConfig
+    from kfp_pytorch.pipelines.platform import load_platform, platform_env
+
+    train = TrainSpec("s3://data/d", "s3://models/m", workers=4, nodes=2, backend="cluster", gpus_per_node=2)
+    for platform, shm in (({}, True), ({"shm_volume": False}, False), ({"shm_volume": False, "restricted_pods": False},
+                                                                       False)):
+        cfg = ClusterConfig.from_env({"KFP_PYTORCH_IMAGE": IMAGE, **platform_env(load_platform(platform), gpu=True)})
+        for job in (to_pytorchjob(cfg.train_spec(train)), to_trainjob(cfg.train_spec(train))):
+            validate_manifest(job)
+            for t in _pod_templates(job):
+                pod = t.get("spec", {})
+                assert pod.get("volumes") == ([{"name": "dshm", "emptyDir": {"medium": "Memory"}}] if shm else None)
+                mounts = [c.get("volumeMounts") for c in pod.get("containers", [])]
+                assert mounts == ([[{"name": "dshm", "mountPath": "/dev/shm"}]] if shm else
+                                  [None] * len(mounts)), (platform, pod)
+    with pytest.raises(ConfigError, match="shm_volume: must be true or false, got 'off'"):
+        load_platform({"shm_volume": "off"})
+    with pytest.raises(ConfigError, match="KFP_PYTORCH_SHM_VOLUME"):
+        ClusterConfig.from_env({"KFP_PYTORCH_SHM_VOLUME": "perhaps"})
+
+
 def test_the_platform_settings_in_a_steps_environment_are_checked():
     from kfp_pytorch.components.cluster import ClusterConfig
 

@@ -355,6 +355,28 @@ def test_a_namespace_that_enforces_restricted_pod_security_admits_the_training_p
     assert "no pods yet: " in out.getvalue() and "set restricted_pods: true" in out.getvalue(), out.getvalue()
 
 
+def test_a_trainjob_runtime_with_a_dev_shm_of_its_own_says_to_leave_out_the_steps(k8s):
+    # The step mounts a memory-backed /dev/shm in the training pods (NCCL needs more than 64 MiB);
+    # a ClusterTrainingRuntime that mounts its own makes two mounts at one path: the API server
+    # refuses the pods, and the step names the platform setting that leaves its own out
+    fake, api = k8s
+    fake.operator.trainer_runtime_pod = {
+        "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}}],
+        "containers": [{"name": "node", "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}]}]}
+    s = spec(nodes=2)
+    with pytest.raises(TrainingError) as e:
+        ClusterTrainer(Kube(api), kind="TrainJob", out=io.StringIO()).run(s, timeout_s=1.5)
+    assert "volumeMounts[1].mountPath: Invalid value: \"/dev/shm\": must be unique" in e.value.message, e.value.message
+    assert e.value.hint.startswith("the training runtime mounts a /dev/shm of its own, beside the one the step adds: "
+                                   "set shm_volume: false in the platform file"), e.value.hint
+    s2 = spec(nodes=2, run_id="run-456", shm=False)
+    _drive_trainjob(fake, s2.name, 2, [[(0, "Running"), (1, "Running")], [(1, "Succeeded"), (0, "Succeeded")]])
+    assert ClusterTrainer(Kube(api), kind="TrainJob", delete_policy="never", out=io.StringIO()).run(
+        s2, timeout_s=20).state == "Succeeded"
+    pods = fake.list("pods", NS, f"jobset.sigs.k8s.io/jobset-name={s2.name}")
+    assert [p["spec"]["volumes"] for p in pods] == [fake.operator.trainer_runtime_pod["volumes"]] * 2
+
+
 @pytest.mark.parametrize("kind", ["PyTorchJob", "TrainJob"])
 @pytest.mark.parametrize("istio_sidecar", [False, True])
 def test_in_an_istio_namespace_the_training_pods_opt_out_and_their_log_is_read_beside_a_sidecar(k8s, kind,

@@ -225,3 +225,22 @@ def test_a_resource_quota_refuses_pods_over_it_and_events_select_by_their_fields
     with pytest.raises(ApiException) as e:
         core.list_namespaced_event("a", field_selector="spec.nodeName=n1")  # a pod's field, not an event's
     assert e.value.status == 400
+
+
+def test_a_pod_whose_mounts_name_no_volume_or_share_a_path_is_invalid(k8s):
+    _, api = k8s
+    core = client.CoreV1Api(api)
+    p = pod("v1")
+    p["spec"]["containers"][0]["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    with pytest.raises(ApiException) as e:
+        core.create_namespaced_pod("a", p)
+    assert e.value.status == 422 and 'Pod \\"v1\\" is invalid: spec.containers[0].volumeMounts[0].name: ' \
+                                      'Not found: \\"dshm\\"' in e.value.body
+    p["spec"]["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}, {"name": "shm", "emptyDir": {}}]
+    p["spec"]["containers"][0]["volumeMounts"].append({"name": "shm", "mountPath": "/dev/shm"})
+    with pytest.raises(ApiException) as e:
+        core.create_namespaced_pod("a", p)
+    assert e.value.status == 422 and 'spec.containers[0].volumeMounts[1].mountPath: Invalid value: ' \
+                                     '\\"/dev/shm\\": must be unique' in e.value.body
+    p["spec"]["containers"][0]["volumeMounts"].pop()
+    assert core.create_namespaced_pod("a", p).spec.volumes[0].empty_dir.medium == "Memory"
