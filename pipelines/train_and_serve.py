@@ -35,6 +35,11 @@ def build(platform: Platform | None = None):
                         nodes: int = 1, gpus_per_node: int = 0, canary_traffic_percent: int = -1):
         prep = prepare_data_op(dataset_uri=dataset_uri, seed=seed, storage_root=storage_root)
         prep.set_display_name("prepare data")
+        # Never cached: KFP keys its cache on the inputs, and dataset_uri names data that changes
+        # under it (a nightly export to the same key), so a scheduled retraining would reuse the
+        # first run's dataset forever. A fresh dataset artifact makes train miss the cache too;
+        # evaluate, a function of its inputs, may hit it.
+        prep.set_caching_options(False)
         apply_platform(prep, platform)
         tr = train_op(dataset=prep.outputs["dataset"], model_arch=model_arch, epochs=epochs, batch_size=batch_size,
                       lr=lr, seed=seed, workers=workers, backend=train_backend, storage_root=storage_root,
@@ -49,10 +54,12 @@ def build(platform: Platform | None = None):
             reg = register_op(model=tr.outputs["model"], metrics=ev.outputs["metrics"], model_name=model_name,
                               gate_passed=ev.outputs["Output"], tracking_uri=tracking_uri)
             reg.set_display_name("register (MLflow)")
+            reg.set_caching_options(False)  # acts on MLflow: a cached step would register nothing
             apply_platform(reg, platform)
             sv = serve_op(model=tr.outputs["model"], model_name=model_name, port=serve_port, backend=serve_backend,
                           canary_traffic_percent=canary_traffic_percent)
             sv.set_display_name("serve (KServe v2)")
+            sv.set_caching_options(False)  # acts on the cluster: a cached step would report a server it did not check
             apply_platform(sv, platform)
             sv.after(reg)
 

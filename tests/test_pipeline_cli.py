@@ -63,6 +63,18 @@ def test_compile_parses_back_and_matches_golden(tmp_path):
         "compiled pipeline changed: review it, then rerun with UPDATE_GOLDEN=1"
 
 
+def test_steps_that_read_changing_data_or_act_on_the_world_are_never_cached(tmp_path):
+    # All steps were cached (KFP's default): a scheduled retraining with the same parameters
+    # reused the first run's dataset, registered nothing and reported a server it did not check
+    out = tmp_path / "p.yaml"
+    assert run_cli("compile", "train-and-serve", "-o", str(out)).returncode == 0
+    doc = yaml.safe_load(out.read_text())
+    tasks = {**doc["root"]["dag"]["tasks"], **doc["components"]["comp-condition-1"]["dag"]["tasks"]}
+    cached = {name: t["cachingOptions"].get("enableCache", False) for name, t in tasks.items() if "cachingOptions" in t}
+    assert cached == {"prepare-data-op": False, "train-op": True, "evaluate-op": True, "register-op": False,
+                      "serve-op": False}
+
+
 def test_pipelines_lists_parameters():
     r = run_cli("pipelines", "--json")
     params = json.loads(r.stdout)["train_and_serve"]
