@@ -26,6 +26,8 @@ import itertools
 import json
 import math
 import os
+import pickle
+import re
 import sys
 import time
 from datetime import timedelta
@@ -204,7 +206,17 @@ def run(args: argparse.Namespace) -> dict:
         storage.delete(diverged_uri)  # a mark from an earlier run into this output
     ckpt_uri = join(args.output_uri, CHECKPOINT)
     if storage.exists(ckpt_uri):
-        state = torch.load(io.BytesIO(storage.read_bytes(ckpt_uri)), map_location=device, weights_only=False)
+        # weights_only: tensors and plain data, never code. The bucket is shared, and a pickle
+        # there that runs code on load would run it in every rank of the next job.
+        try:
+            state = torch.load(io.BytesIO(storage.read_bytes(ckpt_uri)), map_location=device, weights_only=True)
+        except pickle.UnpicklingError as e:
+            # the remedy goes in the message: the step reads a worker's error from its last line
+            what = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+            fix = f"delete {join(args.output_uri, 'checkpoints')} to start over, or give a new output_uri"
+            raise TrainingError(f"{ckpt_uri} holds more than tensors and plain data"
+                                + (f" (it pickles {what.group(1)})" if what else "")
+                                + f", so it is not loaded, since it could run code: {fix}", fix) from e
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start_epoch, history = state["epoch"] + 1, state["history"]

@@ -168,6 +168,21 @@ def test_a_checkpoint_is_resumed_only_by_the_run_that_wrote_it(digits_data, tmp_
     assert "give a new output_uri, or delete" in e.value.hint
 
 
+def test_a_checkpoint_that_would_run_code_is_not_loaded(digits_data, tmp_path):
+    import argparse
+
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    # a pickle of more than tensors and plain data (here harmless; in a shared bucket, anything)
+    torch.save({"epoch": 0, "model": {}, "optimizer": {}, "history": [], "args": argparse.Namespace(x=1)},
+               out / CHECKPOINT)
+    with pytest.raises(TrainingError) as e:
+        train(TrainSpec(digits_data, str(out), epochs=1, max_restarts=0, progress="off"))
+    assert (f"TrainingError: {out}/{CHECKPOINT} holds more than tensors and plain data (it pickles argparse.Namespace), "
+            f"so it is not loaded, since it could run code: delete {out}/checkpoints to start over, or give a new "
+            "output_uri") in str(e.value), str(e.value)
+
+
 def test_failing_factory_in_workers_gives_the_worker_error(digits_data, tmp_path):
     with pytest.raises(TrainingError) as e:
         train(TrainSpec(digits_data, str(tmp_path / "o"), model="factories:broken", epochs=1, max_restarts=0,
