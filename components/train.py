@@ -228,7 +228,7 @@ class LocalBackend:
         env = dict(os.environ)
         env["TMPDIR"] = scratch
         env.update(replica_env(1, spec.workers, 0, "127.0.0.1", free_port(), spec.max_restarts))
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.workers)))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, int(available_cpus() // spec.workers))))
         env["PYTHONUNBUFFERED"] = "1"
         cmd = worker_command(spec, sys.executable)
         tail: collections.deque[str] = collections.deque(maxlen=400)
@@ -262,6 +262,26 @@ class LocalBackend:
 
 
 _ERROR_LINE = re.compile(r"^\s*(?:\[[^\]]*\]:?\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b.*)$")
+
+
+def available_cpus(cgroup: str = "/sys/fs/cgroup") -> float:
+    """The CPUs this process may use: its affinity, capped by a cgroup CPU quota. In a pod with a
+    CPU limit (the KFP step pod running the local backend) ``os.cpu_count()`` is the node's
+    cores, and threads sized by it are throttled by the quota. Neither the standard library nor
+    psutil reads the quota; it is cgroup v2's ``cpu.max`` ("max 100000" or "400000 100000"), or
+    v1's ``cpu/cpu.cfs_quota_us`` over ``cpu.cfs_period_us``."""
+    cpus = float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    try:
+        quota, period = open(os.path.join(cgroup, "cpu.max")).read().split()[:2]
+    except (OSError, ValueError):
+        try:
+            quota = open(os.path.join(cgroup, "cpu", "cpu.cfs_quota_us")).read().strip()
+            period = open(os.path.join(cgroup, "cpu", "cpu.cfs_period_us")).read().strip()
+        except OSError:
+            return cpus
+    if quota in ("max", "-1") or not quota.lstrip("-").isdigit() or not period.isdigit() or int(period) <= 0:
+        return cpus
+    return max(1.0, min(cpus, int(quota) / int(period)))
 
 
 def worker_error(lines: list[str]) -> str | None:

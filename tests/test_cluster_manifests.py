@@ -375,6 +375,19 @@ def test_training_pods_get_a_memory_backed_dev_shm_unless_the_platform_says_not(
         ClusterConfig.from_env({"KFP_PYTORCH_SHM_VOLUME": "perhaps"})
 
 
+@pytest.mark.parametrize("cpu,threads", [(4, "2"), ("8", "4"), ("500m", "1"), ("3", "1"), (None, None)])
+def test_each_worker_gets_its_share_of_the_pods_cpus_as_threads(cpu, threads):
+    # PyTorch sizes its thread pools by the node's cores, not the pod's CPU limit: the CFS quota
+    # then throttles a pod of 4 CPUs running 64 threads
+    res = {"memory": "8Gi", **({"cpu": cpu} if cpu is not None else {})}
+    s = spec(resources=res)  # 4 workers on 2 pods: 2 a pod
+    for job in (to_pytorchjob(s), to_trainjob(s)):
+        validate_manifest(job)
+        c = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0] \
+            if job["kind"] == "PyTorchJob" else job["spec"]["trainer"]
+        assert {e["name"]: e.get("value") for e in c["env"]}.get("OMP_NUM_THREADS") == threads, job["kind"]
+
+
 def test_the_platform_settings_in_a_steps_environment_are_checked():
     from kfp_pytorch.components.cluster import ClusterConfig
 

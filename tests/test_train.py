@@ -45,6 +45,30 @@ def test_workers_get_the_pytorchjob_environment(digits_data, tmp_path, monkeypat
     assert os.path.basename(scratch).startswith("kfp-pytorch-torchrun-") and not os.path.exists(scratch)
 
 
+def test_local_workers_size_their_threads_by_the_cgroups_cpu_quota(tmp_path):
+    # in a pod with a CPU limit os.cpu_count() is the node's: threads sized by it get throttled
+    from kfp_pytorch.components.train import available_cpus
+
+    mine = float(len(os.sched_getaffinity(0)))
+    assert available_cpus(str(tmp_path / "none")) == mine  # no cgroup files: the affinity
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert available_cpus(str(v2)) == mine
+    (v2 / "cpu.max").write_text("50000 100000\n")  # half a CPU: still one thread
+    assert available_cpus(str(v2)) == 1.0
+    (v2 / "cpu.max").write_text(f"{int(mine * 1e5 * 4)} 100000\n")  # above the affinity: the affinity
+    assert available_cpus(str(v2)) == mine
+    v1 = tmp_path / "v1" / "cpu"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert available_cpus(str(tmp_path / "v1")) == mine
+    if mine >= 2:
+        (v1 / "cpu.cfs_quota_us").write_text("150000\n")
+        assert available_cpus(str(tmp_path / "v1")) == 1.5
+
+
 def test_worker_command_is_the_replica_entrypoint():
     cmd = worker_command(TrainSpec("s3://bkt/data", "s3://bkt/out", epochs=3))
     assert cmd[:5] == ["python", "-m", "torch.distributed.run", "-m", "kfp_pytorch.components.train_worker"]
