@@ -496,6 +496,13 @@ def to_inference_service(spec: ClusterServeSpec) -> dict:
             "env": [{"name": "STORAGE_URI", "value": uri}, {"name": "PROTOCOL", "value": "v2"},
                     {"name": "PYTHONUNBUFFERED", "value": "1"}],
             "ports": [{"containerPort": 8080, "protocol": "TCP"}],
+            # Ready once the model is loaded and answers, not when the process starts: without a
+            # probe a new pod took traffic while it loaded (a canary or a new version's rollout
+            # refused requests), and KServe called the InferenceService Ready too soon. Knative
+            # (serverless mode) refuses a probe port: it probes the serving port itself.
+            "readinessProbe": {"httpGet": {"path": f"/v2/models/{spec.model_name}/ready",
+                                           **({"port": 8080} if spec.raw_deployment else {})},
+                               "periodSeconds": 5, "failureThreshold": 3},
             "resources": {"requests": dict(resources), "limits": dict(resources)},
         }],
     }

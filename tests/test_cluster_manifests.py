@@ -96,6 +96,15 @@ def test_inference_service_is_valid():
     assert c["command"][-1] == "kfp_pytorch.components.kserve_predictor"
 
 
+def test_the_predictor_is_ready_when_its_model_answers_not_when_it_starts():
+    # without a probe a new predictor pod took traffic while it loaded its model
+    for raw, port in ((True, {"port": 8080}), (False, {})):
+        isvc = to_inference_service(ClusterServeSpec("s3://models/run1/model", "digits", IMAGE, raw_deployment=raw))
+        validate_manifest(isvc)
+        probe = isvc["spec"]["predictor"]["containers"][0]["readinessProbe"]
+        assert probe["httpGet"] == {"path": "/v2/models/digits/ready", **port}  # Knative refuses a port
+
+
 def test_kserve_secret_annotations_without_credentials():
     secret, sa = kserve_s3_secret_and_sa(S3Access(endpoint="https://minio.lab:9000", verify_ssl=False), "team-a")
     ann = secret["metadata"]["annotations"]
