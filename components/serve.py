@@ -263,7 +263,8 @@ class LocalServeBackend:
         if live is not None:
             stop_server(spec.model_name)  # the old one goes only now
             os.replace(new_log, log)  # the file stays open in the new server: it logs on, under the usual name
-        _write_record(spec.model_name, {**asdict(ep), "create_time": _create_time(proc.pid)})
+        _write_record(spec.model_name, {**asdict(ep), "create_time": _create_time(proc.pid),
+                                        "start_ticks": _start_ticks(proc.pid)})
         return ep
 
     @staticmethod
@@ -348,14 +349,29 @@ def _create_time(pid: int) -> float | None:
         return None
 
 
+def _start_ticks(pid: int) -> int | None:
+    """When the process started, in clock ticks since boot (Linux: /proc/PID/stat, field 22).
+    Unlike psutil's create_time (those ticks plus the boot time, which each process reads once
+    and which moves when the wall clock is stepped), the same in every process that reads it."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+        return int(stat[stat.rindex(")") + 2:].split()[19])  # fields from 3 on: state is field 3
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _ours(info: dict) -> bool:
     """The server a pidfile names is still that process: alive, and not another process that
     was given the same pid after ours ended (it would be signalled, with its whole group)."""
     pid = info.get("pid")
     if pid is None or not _alive(pid):
         return False
+    if info.get("start_ticks") is not None and (ticks := _start_ticks(pid)) is not None:
+        return ticks == info["start_ticks"]
+    # Not Linux, or a record from before start_ticks: the wall-clock start time, within the
+    # second a boot-time re-read may move it by
     started, now = info.get("create_time"), _create_time(pid)
-    return started is None or now is None or abs(now - started) < 0.01
+    return started is None or now is None or abs(now - started) < 1.0
 
 
 def _terminate(pid: int, grace: float = 10.0) -> None:

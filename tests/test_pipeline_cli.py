@@ -385,6 +385,15 @@ def test_a_stale_server_record_never_signals_the_process_that_now_has_its_pid():
         record = {"name": "ghost", "url": "http://127.0.0.1:9", "infer_url": "http://127.0.0.1:9/v2/models/ghost/infer",
                   "pid": other.pid, "model_uri": "/m", "create_time": 1.0}
         _pidfile("ghost").write_text(json.dumps(record))
+        # a server's record says when it started, in ticks since boot: the same in every process
+        from kfp_pytorch.components.serve import _ours, _start_ticks
+
+        started = psutil.Process(other.pid).create_time()
+        ticks = _start_ticks(other.pid)
+        assert ticks is not None and _ours({"pid": other.pid, "start_ticks": ticks, "create_time": started})
+        # a wall clock stepped since (NTP): create_time, read anew elsewhere, moved; ticks did not
+        assert _ours({"pid": other.pid, "start_ticks": ticks, "create_time": started + 1.0})
+        assert not _ours({"pid": other.pid, "start_ticks": ticks - 1, "create_time": started})  # another process
         r = run_cli("serve", "list")
         assert r.returncode == 0 and re.search(r"ghost\s+pid=\d+\s+down", r.stdout), r.stdout
         r = run_cli("serve", "stop", "ghost")
