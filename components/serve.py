@@ -180,6 +180,12 @@ def infer(url: str, name: str, rows, timeout: float = 10.0, host_header: str | N
         raise ServingError(f"could not reach the model server at {c.origin}{path}: {e}",
                            "check that it runs (`kfp-pytorch serve list`) and that the URL is right") from None
     location = r.getheader("Location") or ""
+    if r.status == 403 and data.startswith(b"RBAC: access denied"):  # Envoy's answer: Istio's authorization
+        raise ServingError(f"Istio refused the request at {c.origin} (HTTP 403 RBAC: access denied): no "
+                           "AuthorizationPolicy of the model's namespace allows this caller",
+                           "allow it with an AuthorizationPolicy on the predictor, e.g. to paths /v2/models/* from "
+                           "the caller's namespace; a caller outside the mesh (KFP's step pods have no sidecar) has "
+                           "no identity to match, so allow it by path, or go through the ingress with --token")
     if r.status in (401, 403) or (300 <= r.status < 400 and any(k in location for k in ("oauth", "dex", "login"))):
         raise ServingError(f"the gateway at {c.origin} {'refused the token' if token else 'requires authentication'} "
                            f"(HTTP {r.status}{', to ' + location[:120] if location else ''})",

@@ -454,3 +454,32 @@ def test_labels_of_another_preparation_are_matched_by_name():
     assert to_model_labels(np.array([1, 0]), {}, {}, spec)[0].tolist() == [1, 0]
     with pytest.raises(DatasetError, match="labels classes by name and the model at s3://models/m/model by id"):
         to_model_labels(np.array([0]), {"class_names": ["cat"]}, {"class_names": None}, spec)
+
+
+def test_a_request_istios_authorization_refuses_says_so_and_what_allows_it():
+    # In a Kubeflow profile namespace the predictor has Istio's sidecar, and the profile's
+    # AuthorizationPolicy refuses a caller it does not know (the serve step's pod is outside the
+    # mesh) with Envoy's 403: that said "requires authentication: pass --token", which no token fixes
+    from http.server import BaseHTTPRequestHandler
+
+    from kfp_pytorch.components.errors import ServingError
+    from kfp_pytorch.components.serve import infer
+    from servers import reply, serve_in_thread, stop_http
+
+    class Sidecar(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            reply(self, 403, b"RBAC: access denied", "text/plain")
+
+        def log_message(self, *a):
+            pass
+
+    srv, url = serve_in_thread(Sidecar)
+    try:
+        with pytest.raises(ServingError) as e:
+            infer(url, "digits", [[0.0] * 64])
+    finally:
+        stop_http(srv)
+    assert e.value.message == (f"Istio refused the request at {url} (HTTP 403 RBAC: access denied): no "
+                               "AuthorizationPolicy of the model's namespace allows this caller"), e.value.message
+    assert e.value.hint.startswith("allow it with an AuthorizationPolicy on the predictor"), e.value.hint
