@@ -316,8 +316,16 @@ class ClusterServeBackend:
                 _smoke_test(check, probe, f"the predictor's log: kubectl logs -n {cfg.namespace} "
                                           f"-l serving.kserve.io/inferenceservice={spec.model_name}")
             except ServingError as e:
-                if inside or "could not reach" not in e.message:
+                if "could not reach" not in e.message:
                     raise
+                if inside:
+                    raise ServingError(
+                        e.message + f"\n  the InferenceService is Ready; its in-cluster address {ep.cluster_url} did "
+                        "not answer this step's pod",
+                        "under Istio's mutual TLS in STRICT mode the predictor's sidecar resets a caller outside the "
+                        "mesh, as KFP's step pods are: give the predictor a PeerAuthentication in PERMISSIVE mode "
+                        f"(selector serving.kserve.io/inferenceservice: {spec.model_name}); else check the "
+                        f"namespace's NetworkPolicies (`kubectl -n {cfg.namespace} get networkpolicy`)") from e
                 raise ServingError(e.message + f"\n  the InferenceService is Ready; its URL {ep.url} is not reachable "
                                    "from this machine",
                                    "run this where the ingress domain resolves (KServe's config-domain), or in the "

@@ -128,6 +128,7 @@ def k8s(_fake_k8s_server):
         fake.unstall.set()
         fake.unstall = threading.Event()
         fake.operator.kserve_storage_uris = True
+        fake.operator.isvc_domain, fake.operator.isvc_address = "example.com", None
         fake.operator.kueue = False
         fake.operator.trainer_build_fails = False
         fake.operator.trainer_progress_url = None

@@ -1092,6 +1092,48 @@ def test_the_serve_step_in_a_pod_smoke_tests_the_in_cluster_address(k8s, _fake_k
         stop_server("digits")
 
 
+def test_a_serve_step_the_predictors_sidecar_resets_says_why(k8s, _fake_k8s_server, tmp_path, monkeypatch):
+    # Under Istio's STRICT mutual TLS the predictor's sidecar resets a plain-text caller from
+    # outside the mesh (KFP's step pods): the step said "check `kfp-pytorch serve list`", a local command
+    import socket
+    import struct
+
+    from kfp_pytorch.components.serve import ServeSpec, serve
+
+    fake, _ = k8s
+    sidecar = socket.socket()
+    sidecar.bind(("127.0.0.1", 0))
+    sidecar.listen()
+
+    def reset_every_caller():
+        while True:
+            try:
+                conn, _ = sidecar.accept()
+            except OSError:  # closed: the test is over
+                return
+            conn.recv(65536)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a RST
+            conn.close()
+
+    threading.Thread(target=reset_every_caller, daemon=True).start()
+    try:
+        fake.operator.isvc_address = f"http://127.0.0.1:{sidecar.getsockname()[1]}"
+        monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path, _fake_k8s_server[1])))
+        monkeypatch.setenv("KFP_PYTORCH_IMAGE", "reg/kfp-pytorch:0.1.0")
+        monkeypatch.setenv("KFP_PYTORCH_NAMESPACE", NS)
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+        with pytest.raises(ServingError) as e:
+            serve(ServeSpec("s3://models/run1/model", "digits", backend="cluster", startup_timeout_s=10),
+                  sample_row=[0.0] * 64)
+    finally:
+        sidecar.close()
+    assert e.value.message.startswith("could not reach the model server at " + fake.operator.isvc_address)
+    assert (f"the InferenceService is Ready; its in-cluster address {fake.operator.isvc_address} did not answer this "
+            "step's pod") in e.value.message, e.value.message
+    assert "mutual TLS in STRICT mode" in e.value.hint and "PeerAuthentication in PERMISSIVE mode (selector " \
+           "serving.kserve.io/inferenceservice: digits)" in e.value.hint and "serve list" not in e.value.hint
+
+
 def test_cluster_backend_needs_object_storage():
     from kfp_pytorch.components.errors import ConfigError
     from kfp_pytorch.components.train import train
