@@ -16,9 +16,11 @@ Contract:
 Environment (the same names the AWS CLI, MLflow and KServe use, so one Secret serves all):
 ``AWS_ENDPOINT_URL`` (or ``S3_ENDPOINT`` / ``MLFLOW_S3_ENDPOINT_URL``), ``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN`` (temporary credentials, e.g. from MinIO's STS),
-``AWS_REGION``, ``S3_USE_HTTPS`` and ``S3_VERIFY_SSL`` (``0``/``1``). A YAML file named by
+``AWS_REGION``, ``S3_USE_HTTPS`` and ``S3_VERIFY_SSL`` (``0``/``1``), ``AWS_CA_BUNDLE`` (the PEM
+file of a private CA that signed the endpoint's certificate, as boto3 and so MLflow read it; else
+``SSL_CERT_FILE``, as the minio SDK's own client reads it). A YAML file named by
 ``KFP_PYTORCH_STORAGE_CONFIG`` (default ``~/.config/kfp-pytorch/storage.yaml``) with keys
-``endpoint, access_key, secret_key, session_token, region, secure, verify_ssl`` fills what the
+``endpoint, access_key, secret_key, session_token, region, secure, verify_ssl, ca_bundle`` fills what the
 environment leaves unset; another key is refused (a misspelt ``access_key`` would otherwise leave
 the credentials unset without a word).
 """
@@ -39,7 +41,7 @@ S3_SCHEMES = ("s3", "minio")
 _AUTH_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken", "ExpiredToken"}
 _NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "NoSuchObject"}
 _CHUNK = 8 * 1024 * 1024
-_FILE_KEYS = ("endpoint", "access_key", "secret_key", "session_token", "region", "secure", "verify_ssl")
+_FILE_KEYS = ("endpoint", "access_key", "secret_key", "session_token", "region", "secure", "verify_ssl", "ca_bundle")
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -62,6 +64,19 @@ def flag(value, default: bool) -> bool:
     return str(value).strip().lower() in _TRUE
 
 
+def _untrusted_certificate(e: BaseException) -> bool:
+    """A TLS handshake that failed on the server's certificate, however urllib3 wrapped it."""
+    import ssl
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(e):
+            return True
+        e = getattr(e, "reason", None) or e.__cause__ or e.__context__
+    return False
+
+
 @dataclass(frozen=True)
 class StorageConfig:
     """Where the S3 API is and how to authenticate. Built once, from env and config file."""
@@ -77,6 +92,9 @@ class StorageConfig:
     """Use HTTPS. Default off: in-cluster MinIO is usually plain HTTP behind a Service."""
     verify_ssl: bool = True
     """Verify the server's certificate when ``secure`` (off for self-signed lab clusters)."""
+    ca_bundle: str | None = None
+    """PEM file of the CAs that may sign the endpoint's certificate (an on-prem MinIO's company CA);
+    None: the system's."""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "StorageConfig":
@@ -104,6 +122,14 @@ class StorageConfig:
                            flag_problem(f"{cfg_path}: verify_ssl", file_cfg.get("verify_ssl"))) if p]
         if bad:  # a mistyped 'true' read as 'no' would turn certificate checks off without a word
             raise StorageError("invalid S3 settings: " + "; ".join(bad), "write 1/true/yes/on or 0/false/no/off")
+        ca_from, ca_bundle = next(((k, v) for k, v in (("AWS_CA_BUNDLE", env.get("AWS_CA_BUNDLE")),
+                                                       (f"{cfg_path}: ca_bundle", file_cfg.get("ca_bundle")),
+                                                       ("SSL_CERT_FILE", env.get("SSL_CERT_FILE"))) if v), (None, None))
+        if ca_from == "SSL_CERT_FILE" and not Path(ca_bundle).is_file():
+            ca_bundle = None  # the system's setting, not ours to judge: ssl ignores a missing one too
+        if ca_bundle and not Path(str(ca_bundle)).expanduser().is_file():
+            raise StorageError(f"{ca_from}: no such file {ca_bundle!r}",
+                               "give the PEM file of the CA that signed the S3 endpoint's certificate")
         raw = (env.get("AWS_ENDPOINT_URL") or env.get("S3_ENDPOINT") or env.get("MLFLOW_S3_ENDPOINT_URL")
                or file_cfg.get("endpoint"))
         secure_default = flag(file_cfg.get("secure"), False)
@@ -120,12 +146,13 @@ class StorageConfig:
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or file_cfg.get("region"),
             secure=flag(env.get("S3_USE_HTTPS"), secure_default),
             verify_ssl=flag(env.get("S3_VERIFY_SSL"), flag(file_cfg.get("verify_ssl"), True)),
+            ca_bundle=str(Path(str(ca_bundle)).expanduser()) if ca_bundle else None,
         )
 
     def __repr__(self) -> str:  # never print the secret
         return (f"StorageConfig(endpoint={self.endpoint!r}, access_key={'***' if self.access_key else None}, "
                 f"session_token={'***' if self.session_token else None}, secure={self.secure}, "
-                f"verify_ssl={self.verify_ssl})")
+                f"verify_ssl={self.verify_ssl}, ca_bundle={self.ca_bundle!r})")
 
 
 @dataclass(frozen=True)
@@ -219,6 +246,7 @@ class Storage:
                 timeout=urllib3.Timeout(connect=5, read=60),
                 maxsize=16,
                 cert_reqs="CERT_REQUIRED" if cfg.verify_ssl else "CERT_NONE",
+                ca_certs=cfg.ca_bundle if cfg.verify_ssl else None,
                 retries=urllib3.Retry(total=2, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]),
             )
             self._client = Minio(cfg.endpoint, access_key=cfg.access_key, secret_key=cfg.secret_key,
@@ -244,6 +272,12 @@ class Storage:
                     f"check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY{token} (in-cluster: the Secret mounted "
                     "into the pod)")
             return StorageError(f"{where}: {e.code}: {e.message}")
+        if _untrusted_certificate(e):
+            return StorageUnreachable(
+                f"{where}: the S3 endpoint {endpoint} has a TLS certificate this machine does not trust "
+                "(certificate verify failed)",
+                "set AWS_CA_BUNDLE to the PEM file of the CA that signed it (or ca_bundle in the storage config); "
+                "S3_VERIFY_SSL=false turns the check off, for a lab only")
         if isinstance(e, (urllib3.exceptions.HTTPError, OSError)):
             return StorageUnreachable(
                 f"{where}: cannot reach the S3 endpoint {endpoint} ({type(e).__name__})",

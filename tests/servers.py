@@ -242,3 +242,45 @@ def stop_http(server) -> None:
     if server is not None:
         server.shutdown()
         server.server_close()
+
+
+def tls_proxy(upstream_port: int, tls) -> tuple[socket.socket, str]:
+    """A TLS terminator on 127.0.0.1 in front of ``upstream_port`` (as an ingress or HAProxy fronts
+    an on-prem MinIO with the company CA's certificate): each connection is decrypted with ``tls``
+    (an ``ssl.SSLContext`` for a server) and its bytes piped both ways. Close the socket to stop."""
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def pipe(src, dst) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def serve() -> None:
+        while True:
+            try:
+                raw, _ = listener.accept()
+            except OSError:  # closed
+                return
+            try:
+                conn = tls.wrap_socket(raw, server_side=True)
+            except OSError:  # a client that does not trust the certificate hangs up in the handshake
+                raw.close()
+                continue
+            up = socket.create_connection(("127.0.0.1", upstream_port))
+            for a, b in ((conn, up), (up, conn)):
+                threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, f"https://127.0.0.1:{listener.getsockname()[1]}"

@@ -172,6 +172,38 @@ def test_a_session_token_is_sent_with_the_keys(s3_server, s3, bucket):
     assert "AWS_SESSION_TOKEN" in e.value.hint and "expired-token" not in str(e.value)
 
 
+def test_an_endpoint_whose_certificate_a_private_ca_signed_is_trusted_with_its_bundle(s3_server, s3, bucket, tmp_path):
+    # On-prem MinIO behind TLS with the company's CA: without the CA the step failed with
+    # "cannot reach the S3 endpoint (MaxRetryError)", and the only way out was to turn checks off
+    import ssl
+
+    from fake_trainer_status import _self_signed
+    from servers import tls_proxy
+
+    ca, cert, key = _self_signed(tmp_path)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    listener, url = tls_proxy(int(s3_server.url.rsplit(":", 1)[1]), tls)
+    try:
+        s3.write_bytes(f"s3://{bucket}/tls/x", b"over TLS")
+        env = {**s3_server.env, "AWS_ENDPOINT_URL": url}
+        with pytest.raises(StorageUnreachable) as e:
+            Storage(StorageConfig.from_env(env)).read_bytes(f"s3://{bucket}/tls/x")
+        assert e.value.message == (f"read s3://{bucket}/tls/x: the S3 endpoint {url} has a TLS certificate this machine "
+                                   "does not trust (certificate verify failed)"), e.value.message
+        assert e.value.hint.startswith("set AWS_CA_BUNDLE to the PEM file of the CA that signed it")
+        trusted = Storage(StorageConfig.from_env({**env, "AWS_CA_BUNDLE": str(ca)}))
+        assert trusted.config.secure and trusted.read_bytes(f"s3://{bucket}/tls/x") == b"over TLS"
+        cfg = tmp_path / "storage.yaml"
+        cfg.write_text(f"ca_bundle: {ca}\n")
+        from_file = Storage(StorageConfig.from_env({**env, "KFP_PYTORCH_STORAGE_CONFIG": str(cfg)}))
+        assert from_file.read_bytes(f"s3://{bucket}/tls/x") == b"over TLS"
+    finally:
+        listener.close()
+    with pytest.raises(StorageError, match="AWS_CA_BUNDLE: no such file '/nonexistent/ca.pem'"):
+        StorageConfig.from_env({**env, "AWS_CA_BUNDLE": "/nonexistent/ca.pem"})
+
+
 def test_s3_unreachable_endpoint():
     st = Storage(StorageConfig(endpoint=f"127.0.0.1:{free_port()}", access_key="a", secret_key="b"))
     with pytest.raises(StorageUnreachable) as e:
