@@ -91,6 +91,9 @@ def label_problems(labels, where: str) -> list[str]:
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 SHM_VOLUME = "dshm"
+S3_CA_DIR = "/etc/kfp-pytorch/s3-ca"
+S3_CA_BUNDLE = f"{S3_CA_DIR}/cabundle.crt"
+"""Where a pod finds the S3 endpoint's CA (the key KServe's storage initializer reads too)."""
 
 
 def shm_volume() -> tuple[dict, dict]:
@@ -208,9 +211,13 @@ class S3Access:
     secret_key_key: str = "AWS_SECRET_ACCESS_KEY"
     region: str = "us-east-1"
     verify_ssl: bool = True
+    ca_configmap: str = ""
+    """A ConfigMap of the namespace whose ``cabundle.crt`` holds the CA that signed the endpoint's
+    certificate (KServe's convention): mounted in the pods at :data:`S3_CA_DIR`, named by
+    ``AWS_CA_BUNDLE``, and given to KServe's storage initializer by the Secret's annotation."""
 
     def env(self) -> list[dict]:
-        return [
+        env = [
             {"name": "AWS_ENDPOINT_URL", "value": self.endpoint},
             {"name": "AWS_REGION", "value": self.region},
             {"name": "S3_VERIFY_SSL", "value": "1" if self.verify_ssl else "0"},
@@ -219,6 +226,16 @@ class S3Access:
             {"name": "AWS_SECRET_ACCESS_KEY",
              "valueFrom": {"secretKeyRef": {"name": self.secret_name, "key": self.secret_key_key}}},
         ]
+        if self.ca_configmap:
+            env.append({"name": "AWS_CA_BUNDLE", "value": S3_CA_BUNDLE})
+        return env
+
+    def volumes(self) -> tuple[list[dict], list[dict]]:
+        """(volumes, mounts) the pods need to trust the endpoint: the CA's ConfigMap, if any."""
+        if not self.ca_configmap:
+            return [], []
+        return ([{"name": "s3-ca", "configMap": {"name": self.ca_configmap}}],
+                [{"name": "s3-ca", "mountPath": S3_CA_DIR, "readOnly": True}])
 
 
 @dataclass(frozen=True)
@@ -330,6 +347,15 @@ def _worker_env(spec: ClusterTrainSpec, resources: dict) -> list[dict]:
     return env
 
 
+def _volumes(spec: ClusterTrainSpec) -> tuple[list[dict], list[dict]]:
+    """The training pods' volumes and the training container's mounts: /dev/shm, the S3 CA."""
+    volumes, mounts = spec.s3.volumes()
+    if spec.shm:
+        volume, mount = shm_volume()
+        volumes, mounts = [volume, *volumes], [mount, *mounts]
+    return volumes, mounts
+
+
 def _pod_template(spec: ClusterTrainSpec, resources: dict) -> dict:
     pod: dict = {
         "containers": [{
@@ -344,9 +370,9 @@ def _pod_template(spec: ClusterTrainSpec, resources: dict) -> dict:
     }
     if spec.restricted:
         pod["securityContext"], pod["containers"][0]["securityContext"] = restricted_security_contexts()
-    if spec.shm:
-        volume, mount = shm_volume()
-        pod["volumes"], pod["containers"][0]["volumeMounts"] = [volume], [mount]
+    volumes, mounts = _volumes(spec)
+    if volumes:
+        pod["volumes"], pod["containers"][0]["volumeMounts"] = volumes, mounts
     if spec.node_selector:
         pod["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
@@ -423,9 +449,9 @@ def to_trainjob(spec: ClusterTrainSpec) -> dict:
     node: dict = {"name": "node"}  # the torch-distributed runtime's trainer container, patched by name
     if spec.restricted:
         pod["securityContext"], node["securityContext"] = restricted_security_contexts()
-    if spec.shm:
-        volume, mount = shm_volume()
-        pod["volumes"], node["volumeMounts"] = [volume], [mount]
+    volumes, mounts = _volumes(spec)
+    if volumes:
+        pod["volumes"], node["volumeMounts"] = volumes, mounts
     if len(node) > 1:
         pod["containers"] = [node]
     # the runtime's pods ("node": the torch-distributed runtime's replicated job) get our labels
@@ -536,7 +562,8 @@ def kserve_s3_secret_and_sa(s3: S3Access, namespace: str, service_account: str =
              "serving.kserve.io/s3-endpoint": ep.netloc,
              "serving.kserve.io/s3-usehttps": "1" if ep.scheme == "https" else "0",
              "serving.kserve.io/s3-verifyssl": "1" if s3.verify_ssl else "0",
-             "serving.kserve.io/s3-region": s3.region}}},
+             "serving.kserve.io/s3-region": s3.region,
+             **({"serving.kserve.io/s3-cabundle-configmap": s3.ca_configmap} if s3.ca_configmap else {})}}},
         {"apiVersion": "v1", "kind": "ServiceAccount",
          "metadata": {"name": service_account, "namespace": namespace},
          "secrets": [{"name": s3.secret_name}]},
@@ -633,6 +660,8 @@ class ClusterConfig:
         problems += kueue_queue_problems(env.get("KFP_PYTORCH_KUEUE_QUEUE"), "KFP_PYTORCH_KUEUE_QUEUE")
         problems += kueue_queue_problems(env.get("KFP_PYTORCH_KUEUE_PRIORITY_CLASS"), "KFP_PYTORCH_KUEUE_PRIORITY_CLASS",
                                          "WorkloadPriorityClass")
+        problems += kueue_queue_problems(env.get("KFP_PYTORCH_S3_CA_CONFIGMAP"), "KFP_PYTORCH_S3_CA_CONFIGMAP",
+                                         "ConfigMap")
         if problems:
             raise ConfigError(problems, "fix the step's environment (a PodDefault, the platform file or the "
                                         "kfp-launcher settings)", title="invalid cluster settings")
@@ -649,7 +678,8 @@ class ClusterConfig:
                         secret_name=env.get("KFP_PYTORCH_S3_SECRET", S3Access.secret_name),
                         **_secret_keys(loaded["KFP_PYTORCH_S3_KEYS"]),
                         region=env.get("AWS_REGION", S3Access.region),
-                        verify_ssl=flag(env.get("S3_VERIFY_SSL"), True)),
+                        verify_ssl=flag(env.get("S3_VERIFY_SSL"), True),
+                        ca_configmap=env.get("KFP_PYTORCH_S3_CA_CONFIGMAP") or ""),
             cpu_per_node=env.get("KFP_PYTORCH_CPU_PER_NODE", ""),
             memory_per_node=env.get("KFP_PYTORCH_MEMORY_PER_NODE", ""),
             fairness=flag(env.get("KFP_PYTORCH_FAIRNESS"), False),

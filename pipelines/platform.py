@@ -6,6 +6,7 @@ fairness labels (``add_pod_label``); GPU steps get node selectors and toleration
 
     s3_secret: kfp-pytorch-s3
     s3_endpoint: http://minio-service.kubeflow:9000
+    s3_ca_configmap: company-ca  # ConfigMap (key cabundle.crt) of the CA that signed an https endpoint
     mlflow_tracking_uri: http://mlflow.kubeflow:5000
     labels: {kfp-pytorch.io/user: alice, kfp-pytorch.io/team: vision}
     gpu_node_selector: {nvidia.com/gpu.present: "true"}
@@ -22,7 +23,7 @@ import re
 from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
-from kfp_pytorch.components.cluster import (DNS1123_SUBDOMAIN, ISTIO_INJECT, KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL, kueue_queue_problems,
+from kfp_pytorch.components.cluster import (DNS1123_SUBDOMAIN, ISTIO_INJECT, S3_CA_BUNDLE, S3_CA_DIR, KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL, kueue_queue_problems,
                                             label_problems, s3_keys_problems, toleration_problems)
 from kfp_pytorch.components.errors import ConfigError
 from kfp_pytorch.components.storage import StorageError, parse_endpoint
@@ -36,6 +37,12 @@ class Platform:
                                                    "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"})
     """Secret key -> environment variable."""
     s3_endpoint: str = ""
+    s3_ca_configmap: str = ""
+    """A ConfigMap in the namespace whose ``cabundle.crt`` holds the CA that signed the S3
+    endpoint's certificate (an on-prem MinIO behind the company's CA; KServe's convention). Every
+    step pod and training pod mounts it and names it in ``AWS_CA_BUNDLE`` (read by the storage
+    client and by MLflow's boto3); KServe's storage initializer gets it through the S3 Secret's
+    ``serving.kserve.io/s3-cabundle-configmap`` (``kfp-pytorch manifest s3-secret``)."""
     mlflow_tracking_uri: str = ""
     """The MLflow server every step reports to (``MLFLOW_TRACKING_URI``) when ``tracking_uri`` is empty."""
     labels: dict = field(default_factory=dict)
@@ -126,6 +133,7 @@ def load_platform(data: dict | None) -> Platform:
     for where in ("labels", "gpu_node_selector"):
         problems += label_problems(data.get(where) or {}, where)
     problems += kueue_queue_problems(data.get("kueue_queue"), "kueue_queue")
+    problems += kueue_queue_problems(data.get("s3_ca_configmap"), "s3_ca_configmap", "ConfigMap")
     problems += kueue_queue_problems(data.get("kueue_priority_class"), "kueue_priority_class", "WorkloadPriorityClass")
     for label, key, why in ((KUEUE_QUEUE_LABEL, "kueue_queue", "would put every step pod and the InferenceService "
                                                                "in Kueue's queue too"),
@@ -155,6 +163,9 @@ def platform_env(platform: Platform, gpu: bool = False) -> dict[str, str]:
         env["AWS_ENDPOINT_URL"] = platform.s3_endpoint
     if platform.mlflow_tracking_uri:
         env["MLFLOW_TRACKING_URI"] = platform.mlflow_tracking_uri
+    if platform.s3_ca_configmap:  # the step's own reads (mounted by apply_platform) and its pods'
+        env["AWS_CA_BUNDLE"] = S3_CA_BUNDLE
+        env["KFP_PYTORCH_S3_CA_CONFIGMAP"] = platform.s3_ca_configmap
     if platform.labels:
         env["KFP_PYTORCH_POD_LABELS"] = json.dumps(platform.labels)
     if platform.kueue_queue:
@@ -182,6 +193,8 @@ def apply_platform(task, platform: Platform | None, gpu: bool = False):
     from kfp import kubernetes
 
     kubernetes.use_secret_as_env(task, platform.s3_secret, dict(platform.s3_keys))
+    if platform.s3_ca_configmap:
+        kubernetes.use_config_map_as_volume(task, platform.s3_ca_configmap, mount_path=S3_CA_DIR)
     for k, v in platform_env(platform, gpu).items():
         task.set_env_variable(k, v)
     for k, v in platform.labels.items():

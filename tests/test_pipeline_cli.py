@@ -439,6 +439,46 @@ def test_compile_with_platform_settings(tmp_path):
     assert not any("retryPolicy" in t for t in _tasks(pipeline))  # no retries unless asked for
 
 
+def test_a_platform_with_a_private_s3_ca_trusts_it_in_every_pod(tmp_path):
+    # An on-prem MinIO behind the company's CA: the steps, the training pods and KServe's storage
+    # initializer each need the CA, or every S3 read fails on the certificate
+    from kfp_pytorch.components.cluster import ClusterConfig, kserve_s3_secret_and_sa, to_pytorchjob, to_trainjob
+    from kfp_pytorch.components.train import TrainSpec
+    from kfp_pytorch.pipelines.platform import load_platform, platform_env
+    from k8s_schemas import validate_manifest
+
+    plat = tmp_path / "platform.yaml"
+    plat.write_text("s3_endpoint: https://minio.corp:9000\ns3_ca_configmap: company-ca\n")
+    out = tmp_path / "p.yaml"
+    r = run_cli("compile", "train_and_serve", "-o", str(out), "--platform", str(plat))
+    assert r.returncode == 0, r.stderr
+    pipeline, platform = list(yaml.safe_load_all(out.read_text()))
+    for name, ex in platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"].items():
+        [volume] = ex["configMapAsVolume"]
+        assert (volume["configMapName"], volume["mountPath"]) == ("company-ca", "/etc/kfp-pytorch/s3-ca"), name
+        env = {e["name"]: e["value"] for e in pipeline["deploymentSpec"]["executors"][name]["container"]["env"]}
+        assert env["AWS_CA_BUNDLE"] == "/etc/kfp-pytorch/s3-ca/cabundle.crt", name
+    cfg = ClusterConfig.from_env({"KFP_PYTORCH_IMAGE": "reg.example.com/kfp-pytorch:0.1",
+                                  **platform_env(load_platform(yaml.safe_load(plat.read_text())), gpu=True)})
+    train = TrainSpec("s3://data/d", "s3://models/m", workers=2, nodes=2, backend="cluster", device="cpu")
+    pytorchjob, trainjob = to_pytorchjob(cfg.train_spec(train)), to_trainjob(cfg.train_spec(train))
+    pod = pytorchjob["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    patched = trainjob["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0][
+        "template"]["spec"]["template"]["spec"]
+    for job, spec, env in ((pytorchjob, pod, pod["containers"][0]["env"]), (trainjob, patched, trainjob["spec"]["trainer"]["env"])):
+        validate_manifest(job)
+        assert {"name": "s3-ca", "configMap": {"name": "company-ca"}} in spec["volumes"]
+        assert {"name": "s3-ca", "mountPath": "/etc/kfp-pytorch/s3-ca", "readOnly": True} in spec["containers"][0][
+            "volumeMounts"]
+        assert {"name": "AWS_CA_BUNDLE", "value": "/etc/kfp-pytorch/s3-ca/cabundle.crt"} in env
+    secret, _ = kserve_s3_secret_and_sa(cfg.s3, "team-a")
+    assert secret["metadata"]["annotations"]["serving.kserve.io/s3-cabundle-configmap"] == "company-ca"
+    assert secret["metadata"]["annotations"]["serving.kserve.io/s3-usehttps"] == "1"
+    plat.write_text("s3_ca_configmap: Company_CA\n")
+    r = run_cli("compile", "train_and_serve", "-o", str(out), "--platform", str(plat))
+    assert r.returncode != 0 and "s3_ca_configmap: 'Company_CA' is not a ConfigMap name" in r.stderr, r.stderr
+
+
 def _tasks(pipeline: dict) -> list[dict]:
     """Every task of a compiled pipeline, inside its condition branches too."""
     return [t for comp in [pipeline["root"], *pipeline["components"].values()]
