@@ -32,7 +32,8 @@ def build(platform: Platform | None = None):
                         epochs: int = 8, batch_size: int = 64, lr: float = 0.005, seed: int = 42, workers: int = 2,
                         threshold: float = 0.9, storage_root: str = "", tracking_uri: str = "",
                         train_backend: str = "local", serve_backend: str = "local", serve_port: int = 0,
-                        nodes: int = 1, gpus_per_node: int = 0, canary_traffic_percent: int = -1):
+                        nodes: int = 1, gpus_per_node: int = 0, canary_traffic_percent: int = -1,
+                        checkpoint_every_s: float = 600.0):
         prep = prepare_data_op(dataset_uri=dataset_uri, seed=seed, storage_root=storage_root)
         prep.set_display_name("prepare data")
         # Never cached: KFP keys its cache on the inputs, and dataset_uri names data that changes
@@ -44,7 +45,7 @@ def build(platform: Platform | None = None):
         tr = train_op(dataset=prep.outputs["dataset"], model_arch=model_arch, epochs=epochs, batch_size=batch_size,
                       lr=lr, seed=seed, workers=workers, backend=train_backend, storage_root=storage_root,
                       tracking_uri=tracking_uri, nodes=nodes, gpus_per_node=gpus_per_node,
-                      run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER)
+                      checkpoint_every_s=checkpoint_every_s, run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER)
         tr.set_display_name("train (PyTorchJob)")
         apply_platform(tr, platform, gpu=True)  # with the local backend the workers run in this pod
         ev = evaluate_op(dataset=prep.outputs["dataset"], model=tr.outputs["model"], threshold=threshold)
@@ -87,6 +88,9 @@ def validate_params(p: dict) -> list[str]:
         problems.append(f"lr: must be a finite number > 0, got {p['lr']}")
     if problem := seed_problem(p["seed"]):
         problems.append(problem)
+    if not 0 <= p["checkpoint_every_s"] < math.inf:  # NaN too
+        problems.append(f"checkpoint_every_s: must be a finite number >= 0 (0: at epoch ends only), "
+                        f"got {p['checkpoint_every_s']}")
     if not 0 <= p["threshold"] <= 1:
         problems.append(f"threshold: must be in [0, 1], got {p['threshold']}")
     if p["storage_root"] and not re.match(r"^(s3|minio)://[^/]+", p["storage_root"]):
@@ -159,6 +163,7 @@ PARAM_DOCS = {
     "nodes": "pods of the PyTorchJob (cluster backend); workers are spread over them",
     "gpus_per_node": "GPUs per pod (cluster backend)",
     "canary_traffic_percent": "KServe canary share for the new version (-1: all traffic)",
+    "checkpoint_every_s": "seconds between checkpoints within an epoch (0: at epoch ends only)",
 }
 
 

@@ -605,3 +605,8 @@ def test_every_parameter_problem_is_listed_at_once_and_numbers_must_be_finite():
     assert lr == 1.0 and isinstance(lr, float)
     with pytest.raises(ConfigError, match="expected finite number, got True"):
         entry.resolve({"lr": True})
+    # the pipeline sets the train step's mid-epoch checkpoints (a long epoch on a preemptible queue)
+    assert entry.resolve({"checkpoint_every_s": "120"})["checkpoint_every_s"] == 120.0
+    with pytest.raises(ConfigError) as e:
+        entry.resolve({"checkpoint_every_s": "-5"})
+    assert e.value.problems == ["checkpoint_every_s: must be a finite number >= 0 (0: at epoch ends only), got -5.0"]
