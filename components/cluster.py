@@ -116,12 +116,13 @@ ISTIO_INJECT = "sidecar.istio.io/inject"
 """Names the job's WorkloadPriorityClass: its Workload's priority in the queue and for preemption."""
 
 
-def kueue_queue_problems(queue, where: str, what: str = "LocalQueue") -> list[str]:
-    """A Kueue object's name (DNS-1123 subdomain) that fits a label value (63 characters)."""
-    if queue in ("", None):
+def object_name_problems(name, where: str, what: str = "LocalQueue") -> list[str]:
+    """An object's name (DNS-1123 subdomain) that also fits a label value (63 characters), as
+    Kueue's queue and priority class names must; empty: none given."""
+    if name in ("", None):
         return []
-    if not isinstance(queue, str) or not DNS1123_SUBDOMAIN.match(queue) or len(queue) > 63:
-        return [f"{where}: {queue!r} is not a {what} name (lowercase letters, digits, '-' and '.'; at most 63)"]
+    if not isinstance(name, str) or not DNS1123_SUBDOMAIN.match(name) or len(name) > 63:
+        return [f"{where}: {name!r} is not a {what} name (lowercase letters, digits, '-' and '.'; at most 63)"]
     return []
 
 
@@ -312,8 +313,8 @@ class ClusterTrainSpec:
             problems.append(f"clean_pod_policy: must be None, Running or All, got {self.clean_pod_policy!r}")
         if self.backoff_limit < 0:
             problems.append(f"backoff_limit: must be >= 0, got {self.backoff_limit}")
-        problems += kueue_queue_problems(self.kueue_queue, "kueue_queue")
-        problems += kueue_queue_problems(self.kueue_priority_class, "kueue_priority_class", "WorkloadPriorityClass")
+        problems += object_name_problems(self.kueue_queue, "kueue_queue")
+        problems += object_name_problems(self.kueue_priority_class, "kueue_priority_class", "WorkloadPriorityClass")
         if self.elastic_min_nodes is not None and not 1 <= self.elastic_min_nodes <= self.nodes:
             problems.append(f"elastic_min_nodes: must be in [1, nodes], got {self.elastic_min_nodes}")
         gpus = self.resources.get("gpu", self.resources.get("nvidia.com/gpu"))
@@ -657,10 +658,10 @@ class ClusterConfig:
                     problems.append(f"{key}: must be JSON, got {env[key]!r}")
                     continue
                 problems += check(loaded[key], key)
-        problems += kueue_queue_problems(env.get("KFP_PYTORCH_KUEUE_QUEUE"), "KFP_PYTORCH_KUEUE_QUEUE")
-        problems += kueue_queue_problems(env.get("KFP_PYTORCH_KUEUE_PRIORITY_CLASS"), "KFP_PYTORCH_KUEUE_PRIORITY_CLASS",
+        problems += object_name_problems(env.get("KFP_PYTORCH_KUEUE_QUEUE"), "KFP_PYTORCH_KUEUE_QUEUE")
+        problems += object_name_problems(env.get("KFP_PYTORCH_KUEUE_PRIORITY_CLASS"), "KFP_PYTORCH_KUEUE_PRIORITY_CLASS",
                                          "WorkloadPriorityClass")
-        problems += kueue_queue_problems(env.get("KFP_PYTORCH_S3_CA_CONFIGMAP"), "KFP_PYTORCH_S3_CA_CONFIGMAP",
+        problems += object_name_problems(env.get("KFP_PYTORCH_S3_CA_CONFIGMAP"), "KFP_PYTORCH_S3_CA_CONFIGMAP",
                                          "ConfigMap")
         if problems:
             raise ConfigError(problems, "fix the step's environment (a PodDefault, the platform file or the "

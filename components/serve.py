@@ -368,7 +368,7 @@ def _start_ticks(pid: int) -> int | None:
     Unlike psutil's create_time (those ticks plus the boot time, which each process reads once
     and which moves when the wall clock is stepped), the same in every process that reads it."""
     try:
-        stat = open(f"/proc/{pid}/stat").read()
+        stat = Path(f"/proc/{pid}/stat").read_text()
         return int(stat[stat.rindex(")") + 2:].split()[19])  # fields from 3 on: state is field 3
     except (OSError, ValueError, IndexError):
         return None

@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from .errors import ConfigError, TrainingError
@@ -271,12 +272,13 @@ def available_cpus(cgroup: str = "/sys/fs/cgroup") -> float:
     psutil reads the quota; it is cgroup v2's ``cpu.max`` ("max 100000" or "400000 100000"), or
     v1's ``cpu/cpu.cfs_quota_us`` over ``cpu.cfs_period_us``."""
     cpus = float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    root = Path(cgroup)
     try:
-        quota, period = open(os.path.join(cgroup, "cpu.max")).read().split()[:2]
+        quota, period = (root / "cpu.max").read_text().split()[:2]
     except (OSError, ValueError):
         try:
-            quota = open(os.path.join(cgroup, "cpu", "cpu.cfs_quota_us")).read().strip()
-            period = open(os.path.join(cgroup, "cpu", "cpu.cfs_period_us")).read().strip()
+            quota = (root / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (root / "cpu" / "cpu.cfs_period_us").read_text().strip()
         except OSError:
             return cpus
     if quota in ("max", "-1") or not quota.lstrip("-").isdigit() or not period.isdigit() or int(period) <= 0:

@@ -23,8 +23,9 @@ import re
 from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
-from kfp_pytorch.components.cluster import (DNS1123_SUBDOMAIN, ISTIO_INJECT, S3_CA_BUNDLE, S3_CA_DIR, KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL, kueue_queue_problems,
-                                            label_problems, s3_keys_problems, toleration_problems)
+from kfp_pytorch.components.cluster import (DNS1123_SUBDOMAIN, ISTIO_INJECT, KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL,
+                                            S3_CA_BUNDLE, S3_CA_DIR, label_problems, object_name_problems,
+                                            s3_keys_problems, toleration_problems)
 from kfp_pytorch.components.errors import ConfigError
 from kfp_pytorch.components.storage import StorageError, parse_endpoint
 
@@ -132,9 +133,9 @@ def load_platform(data: dict | None) -> Platform:
             problems.append(f"{k}: must be a whole number in [{lo}, {hi}], got {v!r}")
     for where in ("labels", "gpu_node_selector"):
         problems += label_problems(data.get(where) or {}, where)
-    problems += kueue_queue_problems(data.get("kueue_queue"), "kueue_queue")
-    problems += kueue_queue_problems(data.get("s3_ca_configmap"), "s3_ca_configmap", "ConfigMap")
-    problems += kueue_queue_problems(data.get("kueue_priority_class"), "kueue_priority_class", "WorkloadPriorityClass")
+    problems += object_name_problems(data.get("kueue_queue"), "kueue_queue")
+    problems += object_name_problems(data.get("s3_ca_configmap"), "s3_ca_configmap", "ConfigMap")
+    problems += object_name_problems(data.get("kueue_priority_class"), "kueue_priority_class", "WorkloadPriorityClass")
     for label, key, why in ((KUEUE_QUEUE_LABEL, "kueue_queue", "would put every step pod and the InferenceService "
                                                                "in Kueue's queue too"),
                             (KUEUE_PRIORITY_LABEL, "kueue_priority_class", "would reach every step pod and the "

@@ -409,17 +409,24 @@ def test_serve_stop_unknown_name():
     assert r.returncode == 1 and "no local model server named 'nobody'" in r.stderr
 
 
-def test_compile_with_platform_settings(tmp_path):
+def _compile_with_platform(tmp_path, platform_yaml: str) -> tuple[dict, dict]:
+    """train_and_serve compiled with a platform file: (pipeline IR, its Kubernetes platform spec)."""
     plat = tmp_path / "platform.yaml"
-    plat.write_text("s3_secret: minio-creds\nlabels: {kfp-pytorch.io/user: alice}\n"
-                    "gpu_node_selector: {nvidia.com/gpu.present: 'true'}\n"
-                    "gpu_tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]\n"
-                    "kueue_queue: team-a-gpu\nkueue_priority_class: research\n")
+    plat.write_text(platform_yaml)
     out = tmp_path / "p.yaml"
     r = run_cli("compile", "train_and_serve", "-o", str(out), "--platform", str(plat))
     assert r.returncode == 0, r.stderr
     pipeline, platform = list(yaml.safe_load_all(out.read_text()))
     json_format.ParseDict(pipeline, pipeline_spec_pb2.PipelineSpec())
+    return pipeline, platform
+
+
+def test_compile_with_platform_settings(tmp_path):
+    pipeline, platform = _compile_with_platform(
+        tmp_path, "s3_secret: minio-creds\nlabels: {kfp-pytorch.io/user: alice}\n"
+                  "gpu_node_selector: {nvidia.com/gpu.present: 'true'}\n"
+                  "gpu_tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]\n"
+                  "kueue_queue: team-a-gpu\nkueue_priority_class: research\n")
     execs = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     assert set(execs) == {"exec-prepare-data-op", "exec-train-op", "exec-evaluate-op", "exec-register-op",
                           "exec-serve-op"}
@@ -447,25 +454,22 @@ def test_a_platform_with_a_private_s3_ca_trusts_it_in_every_pod(tmp_path):
     from kfp_pytorch.pipelines.platform import load_platform, platform_env
     from k8s_schemas import validate_manifest
 
-    plat = tmp_path / "platform.yaml"
-    plat.write_text("s3_endpoint: https://minio.corp:9000\ns3_ca_configmap: company-ca\n")
-    out = tmp_path / "p.yaml"
-    r = run_cli("compile", "train_and_serve", "-o", str(out), "--platform", str(plat))
-    assert r.returncode == 0, r.stderr
-    pipeline, platform = list(yaml.safe_load_all(out.read_text()))
+    text = "s3_endpoint: https://minio.corp:9000\ns3_ca_configmap: company-ca\n"
+    pipeline, platform = _compile_with_platform(tmp_path, text)
     for name, ex in platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"].items():
         [volume] = ex["configMapAsVolume"]
         assert (volume["configMapName"], volume["mountPath"]) == ("company-ca", "/etc/kfp-pytorch/s3-ca"), name
         env = {e["name"]: e["value"] for e in pipeline["deploymentSpec"]["executors"][name]["container"]["env"]}
         assert env["AWS_CA_BUNDLE"] == "/etc/kfp-pytorch/s3-ca/cabundle.crt", name
     cfg = ClusterConfig.from_env({"KFP_PYTORCH_IMAGE": "reg.example.com/kfp-pytorch:0.1",
-                                  **platform_env(load_platform(yaml.safe_load(plat.read_text())), gpu=True)})
+                                  **platform_env(load_platform(yaml.safe_load(text)), gpu=True)})
     train = TrainSpec("s3://data/d", "s3://models/m", workers=2, nodes=2, backend="cluster", device="cpu")
     pytorchjob, trainjob = to_pytorchjob(cfg.train_spec(train)), to_trainjob(cfg.train_spec(train))
     pod = pytorchjob["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     patched = trainjob["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0][
         "template"]["spec"]["template"]["spec"]
-    for job, spec, env in ((pytorchjob, pod, pod["containers"][0]["env"]), (trainjob, patched, trainjob["spec"]["trainer"]["env"])):
+    for job, spec, env in ((pytorchjob, pod, pod["containers"][0]["env"]),
+                           (trainjob, patched, trainjob["spec"]["trainer"]["env"])):
         validate_manifest(job)
         assert {"name": "s3-ca", "configMap": {"name": "company-ca"}} in spec["volumes"]
         assert {"name": "s3-ca", "mountPath": "/etc/kfp-pytorch/s3-ca", "readOnly": True} in spec["containers"][0][
@@ -474,9 +478,6 @@ def test_a_platform_with_a_private_s3_ca_trusts_it_in_every_pod(tmp_path):
     secret, _ = kserve_s3_secret_and_sa(cfg.s3, "team-a")
     assert secret["metadata"]["annotations"]["serving.kserve.io/s3-cabundle-configmap"] == "company-ca"
     assert secret["metadata"]["annotations"]["serving.kserve.io/s3-usehttps"] == "1"
-    plat.write_text("s3_ca_configmap: Company_CA\n")
-    r = run_cli("compile", "train_and_serve", "-o", str(out), "--platform", str(plat))
-    assert r.returncode != 0 and "s3_ca_configmap: 'Company_CA' is not a ConfigMap name" in r.stderr, r.stderr
 
 
 def _tasks(pipeline: dict) -> list[dict]:
@@ -486,13 +487,7 @@ def _tasks(pipeline: dict) -> list[dict]:
 
 
 def test_a_platform_with_retries_sets_kfps_retry_policy_on_every_step(tmp_path):
-    plat = tmp_path / "platform.yaml"
-    plat.write_text("retries: 2\nretry_backoff_s: 30\n")
-    out = tmp_path / "p.yaml"
-    r = run_cli("compile", "train_and_serve", "-o", str(out), "--platform", str(plat))
-    assert r.returncode == 0, r.stderr
-    pipeline = list(yaml.safe_load_all(out.read_text()))[0]
-    json_format.ParseDict(pipeline, pipeline_spec_pb2.PipelineSpec())
+    pipeline, _ = _compile_with_platform(tmp_path, "retries: 2\nretry_backoff_s: 30\n")
     policies = {t["componentRef"]["name"]: t.get("retryPolicy") for t in _tasks(pipeline)
                 if t["componentRef"]["name"].endswith("-op")}
     assert set(policies) == {"comp-prepare-data-op", "comp-train-op", "comp-evaluate-op", "comp-register-op",
@@ -521,6 +516,7 @@ def test_bad_platform_file_is_reported(tmp_path):
     ("s3_endpoint: http://minio:9000/bucket\n", "s3_endpoint: 'http://minio:9000/bucket' is not an S3 endpoint"),
     ("retries: -1\nretry_backoff_s: soon\n", "retries: must be a whole number in [0, 10], got -1"),
     ("retry_backoff_s: 1.5\n", "retry_backoff_s: must be a whole number in [0, 3600], got 1.5"),
+    ("s3_ca_configmap: Company_CA\n", "s3_ca_configmap: 'Company_CA' is not a ConfigMap name"),
     ("mlflow_tracking_uri: sqlite:///mlflow.db\n",
      "mlflow_tracking_uri: 'sqlite:///mlflow.db' is not an MLflow server; write http(s)://HOST[:PORT]"),
 ])
