@@ -125,11 +125,12 @@ class StorageConfig:
         ca_from, ca_bundle = next(((k, v) for k, v in (("AWS_CA_BUNDLE", env.get("AWS_CA_BUNDLE")),
                                                        (f"{cfg_path}: ca_bundle", file_cfg.get("ca_bundle")),
                                                        ("SSL_CERT_FILE", env.get("SSL_CERT_FILE"))) if v), (None, None))
-        if ca_from == "SSL_CERT_FILE" and not Path(ca_bundle).is_file():
-            ca_bundle = None  # the system's setting, not ours to judge: ssl ignores a missing one too
-        if ca_bundle and not Path(str(ca_bundle)).expanduser().is_file():
-            raise StorageError(f"{ca_from}: no such file {ca_bundle!r}",
-                               "give the PEM file of the CA that signed the S3 endpoint's certificate")
+        ca_path = Path(str(ca_bundle)).expanduser() if ca_bundle else None
+        if ca_path and not ca_path.is_file():
+            if ca_from != "SSL_CERT_FILE":  # the system's setting is not ours to judge: ssl ignores a missing one
+                raise StorageError(f"{ca_from}: no such file {ca_bundle!r}",
+                                   "give the PEM file of the CA that signed the S3 endpoint's certificate")
+            ca_path = None
         raw = (env.get("AWS_ENDPOINT_URL") or env.get("S3_ENDPOINT") or env.get("MLFLOW_S3_ENDPOINT_URL")
                or file_cfg.get("endpoint"))
         secure_default = flag(file_cfg.get("secure"), False)
@@ -146,7 +147,7 @@ class StorageConfig:
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or file_cfg.get("region"),
             secure=flag(env.get("S3_USE_HTTPS"), secure_default),
             verify_ssl=flag(env.get("S3_VERIFY_SSL"), flag(file_cfg.get("verify_ssl"), True)),
-            ca_bundle=str(Path(str(ca_bundle)).expanduser()) if ca_bundle else None,
+            ca_bundle=str(ca_path) if ca_path else None,
         )
 
     def __repr__(self) -> str:  # never print the secret

@@ -43,6 +43,13 @@ DIVERGED = "diverged.json"
 once (a restart from the last checkpoint would only diverge again) and no model is exported."""
 
 
+def checkpoint_every_problem(seconds) -> str | None:
+    """What is wrong with a mid-epoch checkpoint interval, or None (the step and the pipeline both ask)."""
+    if not 0 <= seconds < math.inf:  # NaN too
+        return f"checkpoint_every_s: must be a finite number >= 0 (0: at epoch ends only), got {seconds}"
+    return None
+
+
 @dataclass(frozen=True)
 class TrainSpec:
     """One training job. Validated once, before anything starts."""
@@ -97,9 +104,8 @@ class TrainSpec:
             problems.append(f"backend: must be one of {', '.join(sorted(BACKENDS))}, got {self.backend!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             problems.append(f"device: must be auto, cpu or cuda, got {self.device!r}")
-        if not 0 <= self.checkpoint_every_s < math.inf:  # NaN too
-            problems.append(f"checkpoint_every_s: must be a finite number >= 0 (0: at epoch ends only), "
-                            f"got {self.checkpoint_every_s}")
+        if problem := checkpoint_every_problem(self.checkpoint_every_s):
+            problems.append(problem)
         if not self.timeout_s > 0:
             problems.append(f"timeout_s: must be > 0, got {self.timeout_s}")
         if self.nodes < 1 or (self.workers % self.nodes if self.nodes >= 1 else 0):

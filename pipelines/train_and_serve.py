@@ -13,7 +13,7 @@ from kfp_pytorch.components.ops.evaluate import evaluate_op
 from kfp_pytorch.components.models import ZOO
 from kfp_pytorch.components.prepare_data import seed_problem
 from kfp_pytorch.components.storage import StorageError, parse_uri
-from kfp_pytorch.components.train import gpu_share_problem
+from kfp_pytorch.components.train import checkpoint_every_problem, gpu_share_problem
 from kfp_pytorch.components.ops.prepare_data import prepare_data_op
 from kfp_pytorch.components.ops.register import register_op
 from kfp_pytorch.components.ops.serve import serve_op
@@ -45,7 +45,8 @@ def build(platform: Platform | None = None):
         tr = train_op(dataset=prep.outputs["dataset"], model_arch=model_arch, epochs=epochs, batch_size=batch_size,
                       lr=lr, seed=seed, workers=workers, backend=train_backend, storage_root=storage_root,
                       tracking_uri=tracking_uri, nodes=nodes, gpus_per_node=gpus_per_node,
-                      checkpoint_every_s=checkpoint_every_s, run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER)
+                      checkpoint_every_s=checkpoint_every_s, run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+                      task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER)
         tr.set_display_name("train (PyTorchJob)")
         apply_platform(tr, platform, gpu=True)  # with the local backend the workers run in this pod
         ev = evaluate_op(dataset=prep.outputs["dataset"], model=tr.outputs["model"], threshold=threshold)
@@ -88,9 +89,8 @@ def validate_params(p: dict) -> list[str]:
         problems.append(f"lr: must be a finite number > 0, got {p['lr']}")
     if problem := seed_problem(p["seed"]):
         problems.append(problem)
-    if not 0 <= p["checkpoint_every_s"] < math.inf:  # NaN too
-        problems.append(f"checkpoint_every_s: must be a finite number >= 0 (0: at epoch ends only), "
-                        f"got {p['checkpoint_every_s']}")
+    if problem := checkpoint_every_problem(p["checkpoint_every_s"]):
+        problems.append(problem)
     if not 0 <= p["threshold"] <= 1:
         problems.append(f"threshold: must be in [0, 1], got {p['threshold']}")
     if p["storage_root"] and not re.match(r"^(s3|minio)://[^/]+", p["storage_root"]):

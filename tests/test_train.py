@@ -303,6 +303,9 @@ def test_invalid_settings_listed_together(tmp_path):
     for lr in (math.inf, math.nan):  # trained to NaN weights without a word
         with pytest.raises(ConfigError, match="lr: must be a finite number > 0"):
             train(TrainSpec("d", "o", lr=lr))
+    for every in (-1.0, math.nan, math.inf):
+        with pytest.raises(ConfigError, match="checkpoint_every_s: must be a finite number >= 0"):
+            train(TrainSpec("d", "o", checkpoint_every_s=every))
 
 
 def _trainjob_with_progress(trainer_status, tmp_path, name_run="run-progress"):
