@@ -313,10 +313,12 @@ def _raise_interrupt(signum, frame):
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM, so the workers checkpoint the step they are at and leave (well within the 30 s a
+    pod's grace period gives); SIGKILL after 25 s, or at once on a second Ctrl-C."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
+        proc.wait(timeout=25)
+    except (ProcessLookupError, subprocess.TimeoutExpired, KeyboardInterrupt):
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:

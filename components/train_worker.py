@@ -11,6 +11,10 @@ it exists, so a job restarted after a worker died resumes from the last finished
 the step of the epoch it was in (``torchrun --max-restarts`` locally, ``backoffLimit`` in a
 cluster; a Kueue preemption deletes the pods, which resume the same way).
 
+SIGTERM (a preemption, a drained node, a terminated run: the kubelet signals torchrun, which
+forwards it to every worker and waits 30 s before SIGKILL) stops the job at the next step the
+ranks agree on, after rank 0 has checkpointed it: a preemption costs nothing trained.
+
 At the end rank 0 writes, below ``--output-uri``::
 
     model/weights.pt          state_dict
@@ -28,7 +32,9 @@ import math
 import os
 import pickle
 import re
+import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -48,6 +54,38 @@ from .trainer_status import TrainerStatusReporter
 
 CHECKPOINT = "checkpoints/last.pt"
 HISTORY = "history.json"
+STOP_CHECK_STEPS = 8  # the ranks agree on a stop every this many steps (one 1-element all-reduce)
+EXIT_STOPPED = 128 + signal.SIGTERM  # what a process ended by SIGTERM returns, as the shell says it
+
+
+class Stopped(Exception):
+    """The job stopped on SIGTERM after its state was checkpointed."""
+
+
+class _StopRequest:
+    """SIGTERM asks for a stop; the ranks agree on the step to stop at.
+
+    A signal reaches the ranks at different steps (or only some of them, for ``kill`` of one
+    worker), and a rank that left alone would leave the others waiting in an all-reduce. So every
+    ``STOP_CHECK_STEPS`` steps (the same steps on every rank) and at each epoch's end, the ranks
+    take the maximum of their flags, on the CPU over gloo (no device sync), and all stop at the
+    first step where any rank was asked to."""
+
+    def __init__(self, backend: str):
+        self.asked = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_signal)
+        # NCCL reduces device tensors only; a CPU flag goes over a gloo group (made by every rank)
+        self._group = dist.new_group(backend="gloo") if backend != "gloo" else None
+        self._flag = torch.zeros(1)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.asked = True
+
+    def agreed(self) -> bool:
+        self._flag.fill_(1.0 if self.asked else 0.0)
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(self._flag.item())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -245,6 +283,7 @@ def run(args: argparse.Namespace) -> dict:
              "args": {k: getattr(args, k) for k in RESUME_KEYS}}).encode())
 
     ddp = DDP(model, device_ids=[local_rank] if use_cuda else None)
+    stop = _StopRequest(backend)
     xv, yv = torch.from_numpy(x_val).to(device), torch.from_numpy(y_val).to(device)
     show = rank == 0 and (args.progress == "on" or (args.progress == "auto"))
     # A TrainJob's progress for `kubectl get trainjob`, when the Trainer asks for it (its daemon
@@ -289,6 +328,12 @@ def run(args: argparse.Namespace) -> dict:
             if rank == 0 and every > 0 and i + 1 < steps and time.monotonic() >= next_ckpt:
                 checkpoint(epoch, i + 1)
                 next_ckpt = time.monotonic() + every
+            if (i + 1) % STOP_CHECK_STEPS == 0 and i + 1 < steps and stop.agreed():
+                if bar is not None:
+                    bar.close()
+                if rank == 0:
+                    checkpoint(epoch, i + 1)
+                _stop(progress, f"epoch {epoch + 1}, step {i + 1}/{steps}", rank, ckpt_uri)
         loss_total, n_correct = loss_sum.item(), correct.item()  # waits for the epoch's last step
         elapsed = time.perf_counter() - t0
         g_loss, g_acc, g_rate = _all_mean([loss_total / max(1, seen), n_correct / max(1, seen), seen / elapsed], device)
@@ -321,6 +366,8 @@ def run(args: argparse.Namespace) -> dict:
             checkpoint(epoch)
             next_ckpt = time.monotonic() + every
         dist.barrier()
+        if epoch + 1 < args.epochs and stop.agreed():
+            _stop(progress, f"after epoch {epoch + 1}", rank, ckpt_uri)
 
     summary = {"epochs": args.epochs, "world_size": world, "backend": backend,
                "final": history[-1] if history else None}
@@ -344,8 +391,23 @@ def run(args: argparse.Namespace) -> dict:
     return summary
 
 
+def _stop(progress: "_Progress | None", where: str, rank: int, ckpt_uri: str) -> None:
+    """Every rank, once rank 0 has checkpointed: leave together."""
+    if progress is not None:
+        progress.close()
+    if rank == 0:
+        print(f"[kfp-pytorch] stopped on SIGTERM {where}, checkpointed to {ckpt_uri}; "
+              "the next run into this output resumes there", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    raise Stopped(where)
+
+
 def main(argv: list[str] | None = None) -> int:
-    run(parse_args(argv))
+    try:
+        run(parse_args(argv))
+    except Stopped:
+        return EXIT_STOPPED
     return 0
 
 

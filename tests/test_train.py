@@ -165,6 +165,49 @@ def test_a_worker_killed_mid_epoch_resumes_at_the_step_it_checkpointed(digits_da
     assert f"epoch 1, step {first['resumed_at_step']}/{second['steps']} (restart 1)" in logs.out + logs.err
 
 
+def test_sigterm_to_torchrun_checkpoints_the_step_it_stops_at_and_the_next_run_resumes_there(
+        digits_data, tmp_path, capfd):
+    """What a preemption does in a pod: the kubelet signals torchrun (PID 1), which forwards it."""
+    from kfp_pytorch.components.train_worker import STOP_CHECK_STEPS
+
+    out = tmp_path / "out"
+    # no timed checkpoints: only the epoch's end, and the stop, write one
+    spec = TrainSpec(digits_data, str(out), model="factories:slow", epochs=2, batch_size=16, workers=2,
+                     max_restarts=0, progress="off", checkpoint_every_s=0)
+    box: dict = {}
+
+    def _run():
+        try:
+            box["result"] = train(spec)
+        except Exception as e:  # asserted below
+            box["error"] = e
+
+    t = threading.Thread(target=_run)
+    t.start()
+    state_file = out / "checkpoints" / "last.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not state_file.exists():
+        time.sleep(0.02)
+    assert json.loads(state_file.read_text())["epoch"] == 1  # epoch 1 done, none of epoch 2 saved
+    time.sleep(0.5)  # about a dozen steps into epoch 2
+    agents = [p for p in psutil.Process().children(recursive=True) if "torch.distributed.run" in p.cmdline()]
+    assert len(agents) == 1
+    agents[0].send_signal(signal.SIGTERM)
+    t.join(timeout=60)
+    assert not t.is_alive() and isinstance(box.get("error"), TrainingError)
+    state = json.loads(state_file.read_text())
+    # stopped within epoch 2 at a step the ranks agreed on, with that step checkpointed
+    assert state["epoch"] == 1 and state["step"] > 0 and state["step"] % STOP_CHECK_STEPS == 0
+    logs = capfd.readouterr()
+    assert f"stopped on SIGTERM epoch 2, step {state['step']}/" in logs.out
+
+    result = train(spec)  # the next run: on from that step, not from the epoch's start
+    first, second = result.history
+    assert second["resumed_at_step"] == state["step"]
+    assert second["resumed_at_step"] + second["steps"] == first["steps"]
+    assert f"epoch 2, step {state['step']}/{first['steps']} (restart 0)" in capfd.readouterr().out
+
+
 def test_a_mid_epoch_resume_trains_on_the_rest_of_that_very_epoch():
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
