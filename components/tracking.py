@@ -7,6 +7,7 @@ says (MinIO in a cluster). MLflow and HTTP exceptions become :class:`RegistryErr
 from __future__ import annotations
 
 import os
+import re
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +23,18 @@ def resolve_tracking_uri(uri: str | None = None) -> str:
     return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home() / 'mlflow.db'}"
 
 
+CREDENTIALS_HINT = ("set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (basic auth) or MLFLOW_TRACKING_TOKEN; "
+                    "in a pipeline, put them in a Secret and name it in the platform file's mlflow_secret")
+
+
+def _server_said(message: str) -> str:
+    """What the server answered, without MLflow's frame ("API request to endpoint ... Response body:",
+    or the error code before a JSON error's message)."""
+    m = re.search(r"Response body: '(.*)'$", message, re.S)
+    said = (m.group(1) if m else message).strip()
+    return re.sub(r"^[A-Z_]+: ", "", said)  # the error code MLflow puts before a JSON error's message
+
+
 @contextmanager
 def _mapped(action: str, uri: str):
     try:
@@ -32,12 +45,31 @@ def _mapped(action: str, uri: str):
         import requests
         from mlflow.exceptions import MlflowException
 
-        if isinstance(e, requests.exceptions.ConnectionError) or "Max retries exceeded" in str(e) \
-                or "Connection refused" in str(e):
+        text = str(e)
+        if isinstance(e, requests.exceptions.SSLError) or "CERTIFICATE_VERIFY_FAILED" in text:
+            why = re.search(r"certificate verify failed: ([^(')]+)", text)
+            raise RegistryError(f"{action}: the MLflow server at {uri} has a TLS certificate this machine does not "
+                                "trust" + (f" ({why.group(1).strip()})" if why else ""),
+                                "set MLFLOW_TRACKING_SERVER_CERT_PATH to the PEM file of the CA that signed it") from e
+        if isinstance(e, requests.exceptions.ConnectionError) or "Max retries exceeded" in text \
+                or "Connection refused" in text:
             raise RegistryError(f"{action}: cannot reach the MLflow tracking server at {uri}",
                                 "check the tracking URI and that `mlflow server` is running; "
                                 "leave it empty for the embedded sqlite store") from e
         if isinstance(e, MlflowException):
+            user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+            said = _server_said(e.message)
+            if e.error_code == "UNAUTHENTICATED":  # 401: no credentials, or wrong ones
+                given = (f"the credentials of user {user!r}" if user else
+                         "the token in MLFLOW_TRACKING_TOKEN" if os.environ.get("MLFLOW_TRACKING_TOKEN") else None)
+                raise RegistryError(f"{action}: the MLflow server at {uri} "
+                                    + (f"refused {given}" if given else "requires credentials")
+                                    + f" ({said.split('.')[0]})", CREDENTIALS_HINT) from e
+            if e.error_code == "PERMISSION_DENIED":  # 403: who it is may not do this
+                who = f"user {user!r}" if user else "this caller"
+                raise RegistryError(f"{action}: the MLflow server at {uri} denies {who} ({said})",
+                                    f"ask the MLflow admin to give {who} EDIT on the experiment {EXPERIMENT!r} and on "
+                                    "the registered model (or use credentials that have it)") from e
             raise RegistryError(f"{action} failed at {uri}: {e.message}") from e
         raise
 
@@ -52,6 +84,10 @@ class Tracker:
         import mlflow
 
         self.uri = resolve_tracking_uri(tracking_uri)
+        cert = os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH")
+        if cert and not Path(cert).is_file():  # else requests' "invalid path" on the first call
+            raise RegistryError(f"MLFLOW_TRACKING_SERVER_CERT_PATH: no such file {cert!r}",
+                                "give the PEM file of the CA that signed the MLflow server's certificate")
         self.mlflow = mlflow
         mlflow.set_tracking_uri(self.uri)
         with _mapped("open experiment", self.uri):

@@ -57,6 +57,18 @@ def mlflow_server(s3_server, tmp_path_factory):
     server.stop()
 
 
+MLFLOW_ADMIN_PASSWORD = "kfp-Pytorch-admin-1"
+
+
+@pytest.fixture(scope="session")
+def mlflow_auth_server(s3_server, tmp_path_factory):
+    """MLflow's basic-auth app: anonymous requests get 401; user ``admin``, MLFLOW_ADMIN_PASSWORD."""
+    server = start_mlflow(tmp_path_factory.mktemp("mlflow-auth"), s3_server, bucket="mlflow-auth",
+                          admin_password=MLFLOW_ADMIN_PASSWORD)
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def postgres_server(tmp_path_factory):
     import shutil

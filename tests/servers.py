@@ -10,6 +10,7 @@ whole tree.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -138,7 +139,8 @@ def start_seaweedfs(workdir: Path, access_key: str = ACCESS_KEY, secret_key: str
     return _wait(server, probe, 90)
 
 
-def start_mlflow(workdir: Path, s3: Server, bucket: str = "mlflow") -> Server:
+def start_mlflow(workdir: Path, s3: Server, bucket: str = "mlflow", admin_password: str | None = None) -> Server:
+    """``admin_password``: MLflow's basic-auth app, with user ``admin`` (anonymous requests get 401)."""
     from minio import Minio
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -151,6 +153,14 @@ def start_mlflow(workdir: Path, s3: Server, bucket: str = "mlflow") -> Server:
            "--backend-store-uri", f"sqlite:///{workdir / 'mlflow.db'}",
            "--artifacts-destination", f"s3://{bucket}/artifacts", "--workers", "1"]
     env = dict(os.environ, MLFLOW_S3_ENDPOINT_URL=s3.url, **{k: v for k, v in s3.env.items() if k != "AWS_ENDPOINT_URL"})
+    if admin_password:
+        ini = workdir / "basic_auth.ini"
+        ini.write_text("[mlflow]\ndefault_permission = READ\n"
+                       f"database_uri = sqlite:///{workdir / 'basic_auth.db'}\nadmin_username = admin\n"
+                       f"admin_password = {admin_password}\n"
+                       "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+        cmd += ["--app-name", "basic-auth"]
+        env.update(MLFLOW_AUTH_CONFIG_PATH=str(ini), MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(16))
     log = workdir / "mlflow.log"
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=workdir,
                             start_new_session=True)

@@ -170,6 +170,64 @@ def test_unreachable_tracking_server_is_reported(trained_model):
     assert "cannot reach the MLflow tracking server" in str(e.value)
 
 
+def test_an_mlflow_server_with_auth_and_tls_says_what_the_step_lacks(mlflow_auth_server, trained_model, s3, tmp_path,
+                                                                     monkeypatch):
+    """MLflow's basic-auth app, then the same server behind TLS signed by a private CA."""
+    import ssl
+
+    from mlflow.server.auth.client import AuthServiceClient
+
+    from conftest import MLFLOW_ADMIN_PASSWORD
+    from fake_trainer_status import _self_signed
+    from servers import tls_proxy
+
+    uri, name = mlflow_auth_server.url, "digits-auth"
+    spec = RegisterSpec(trained_model.model_uri, name, _metrics(0.9), True, tracking_uri=uri)
+    for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(RegistryError) as e:
+        register(spec)
+    assert e.value.message == f"open experiment: the MLflow server at {uri} requires credentials (You are not authenticated)"
+    assert e.value.hint.startswith("set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD")
+    assert "platform file's mlflow_secret" in e.value.hint
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "admin")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "wrong")
+    with pytest.raises(RegistryError, match=r"the MLflow server at .* refused the credentials of user 'admin' "):
+        register(spec)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", MLFLOW_ADMIN_PASSWORD)
+    assert register(spec)["champion"] is True  # the admin creates the experiment and the model
+    # a user who may read them but not write (the server's default permission is READ)
+    AuthServiceClient(uri).create_user("bob", "bob-Passw0rd-123")
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "bob")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "bob-Passw0rd-123")
+    with pytest.raises(RegistryError) as e:
+        register(spec)
+    assert e.value.message == f"register model: the MLflow server at {uri} denies user 'bob' (Permission denied)"
+    assert e.value.hint.startswith("ask the MLflow admin to give user 'bob' EDIT on the experiment 'kfp-pytorch'")
+
+    # behind TLS with the company's CA: untrusted until MLFLOW_TRACKING_SERVER_CERT_PATH names that CA
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "admin")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", MLFLOW_ADMIN_PASSWORD)
+    ca, cert, key = _self_signed(tmp_path)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    listener, https = tls_proxy(int(uri.rsplit(":", 1)[1]), tls)
+    try:
+        over_tls = RegisterSpec(trained_model.model_uri, name, _metrics(0.95), True, tracking_uri=https)
+        with pytest.raises(RegistryError) as e:
+            register(over_tls)
+        assert e.value.message == (f"open experiment: the MLflow server at {https} has a TLS certificate this machine "
+                                   "does not trust (unable to get local issuer certificate)"), e.value.message
+        assert e.value.hint.startswith("set MLFLOW_TRACKING_SERVER_CERT_PATH")
+        monkeypatch.setenv("MLFLOW_TRACKING_SERVER_CERT_PATH", str(tmp_path / "missing.pem"))
+        with pytest.raises(RegistryError, match="MLFLOW_TRACKING_SERVER_CERT_PATH: no such file"):
+            register(over_tls)
+        monkeypatch.setenv("MLFLOW_TRACKING_SERVER_CERT_PATH", str(ca))
+        assert register(over_tls)["champion"] is True
+    finally:
+        listener.close()
+
+
 def test_register_validates_name_and_metric(trained_model):
     with pytest.raises(ConfigError) as e:
         register(RegisterSpec(trained_model.model_uri, "bad name!", {"accuracy": 1.0}, True, metric="auc"))
@@ -210,7 +268,7 @@ def test_a_registry_that_refuses_the_champion_read_stops_the_step(mlflow_server,
 
     server, url = serve_in_thread(AuthProxy)
     try:
-        with pytest.raises(RegistryError, match="register model failed at .*no read access to the registry"):
+        with pytest.raises(RegistryError, match=r"register model: the MLflow server at .* denies this caller \(no read access to the registry\)"):
             register(RegisterSpec(trained_model.model_uri, name, _metrics(0.50), True, tracking_uri=url))
     finally:
         stop_http(server)
