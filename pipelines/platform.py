@@ -8,6 +8,7 @@ fairness labels (``add_pod_label``); GPU steps get node selectors and toleration
     s3_endpoint: http://minio-service.kubeflow:9000
     s3_ca_configmap: company-ca  # ConfigMap (key cabundle.crt) of the CA that signed an https endpoint
     mlflow_tracking_uri: http://mlflow.kubeflow:5000
+    mlflow_secret: mlflow-creds  # MLFLOW_TRACKING_USERNAME/_PASSWORD (or _TOKEN) of a server with auth
     labels: {kfp-pytorch.io/user: alice, kfp-pytorch.io/team: vision}
     gpu_node_selector: {nvidia.com/gpu.present: "true"}
     gpu_tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]
@@ -46,6 +47,11 @@ class Platform:
     ``serving.kserve.io/s3-cabundle-configmap`` (``kfp-pytorch manifest s3-secret``)."""
     mlflow_tracking_uri: str = ""
     """The MLflow server every step reports to (``MLFLOW_TRACKING_URI``) when ``tracking_uri`` is empty."""
+    mlflow_secret: str = ""
+    """A Secret with the credentials of an MLflow server that requires them (MLflow's basic-auth
+    app; a token for an auth proxy): any of the keys ``MLFLOW_TRACKING_USERNAME``,
+    ``MLFLOW_TRACKING_PASSWORD`` and ``MLFLOW_TRACKING_TOKEN``, which MLflow's client reads. Only
+    the steps that talk to MLflow (train logs its run, register) get them."""
     labels: dict = field(default_factory=dict)
     gpu_node_selector: dict = field(default_factory=dict)
     gpu_tolerations: list = field(default_factory=list)
@@ -79,6 +85,7 @@ class Platform:
 
 
 _KNOWN = tuple(f.name for f in fields(Platform))
+MLFLOW_CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 
 
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")  # what the API server accepts for an env var name
@@ -95,7 +102,7 @@ def load_platform(data: dict | None) -> Platform:
     for k in data:
         if k not in _KNOWN:
             problems.append(f"{k}: unknown field (known: {', '.join(sorted(_KNOWN))})")
-    for k in ("s3_secret", "s3_endpoint", "mlflow_tracking_uri"):
+    for k in ("s3_secret", "s3_endpoint", "mlflow_tracking_uri", "mlflow_secret"):
         if k in data and not isinstance(data[k], str):
             problems.append(f"{k}: must be a string, got {data[k]!r}")
     if isinstance(data.get("s3_endpoint"), str) and data["s3_endpoint"]:
@@ -111,8 +118,9 @@ def load_platform(data: dict | None) -> Platform:
             # a pod's own sqlite or file store would go with the pod
             problems.append(f"mlflow_tracking_uri: {uri!r} is not an MLflow server; write http(s)://HOST[:PORT], "
                             "e.g. http://mlflow.kubeflow:5000")
-    if isinstance(data.get("s3_secret"), str) and not DNS1123_SUBDOMAIN.match(data["s3_secret"]):
-        problems.append(f"s3_secret: {data['s3_secret']!r} is not a valid Secret name (lowercase DNS-1123)")
+    for k in ("s3_secret", "mlflow_secret"):
+        if isinstance(data.get(k), str) and data[k] and not DNS1123_SUBDOMAIN.match(data[k]):
+            problems.append(f"{k}: {data[k]!r} is not a valid Secret name (lowercase DNS-1123)")
     keys = data.get("s3_keys")
     if keys is not None:
         if not isinstance(keys, dict):
@@ -186,14 +194,17 @@ def platform_env(platform: Platform, gpu: bool = False) -> dict[str, str]:
     return env
 
 
-def apply_platform(task, platform: Platform | None, gpu: bool = False):
+def apply_platform(task, platform: Platform | None, gpu: bool = False, mlflow: bool = False):
     """Attach the platform settings to one pipeline task (returns it, like kfp.kubernetes does).
-    ``gpu``: the task may train on GPUs itself (local backend) or start GPU pods (cluster backend)."""
+    ``gpu``: the task may train on GPUs itself (local backend) or start GPU pods (cluster backend).
+    ``mlflow``: the task talks to MLflow, and gets its credentials."""
     if platform is None:
         return task
     from kfp import kubernetes
 
     kubernetes.use_secret_as_env(task, platform.s3_secret, dict(platform.s3_keys))
+    if mlflow and platform.mlflow_secret:  # each key optional: a user and password, or a token
+        kubernetes.use_secret_as_env(task, platform.mlflow_secret, {k: k for k in MLFLOW_CREDENTIALS}, optional=True)
     if platform.s3_ca_configmap:
         kubernetes.use_config_map_as_volume(task, platform.s3_ca_configmap, mount_path=S3_CA_DIR)
     for k, v in platform_env(platform, gpu).items():

@@ -48,7 +48,7 @@ def build(platform: Platform | None = None):
                       checkpoint_every_s=checkpoint_every_s, run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
                       task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER)
         tr.set_display_name("train (PyTorchJob)")
-        apply_platform(tr, platform, gpu=True)  # with the local backend the workers run in this pod
+        apply_platform(tr, platform, gpu=True, mlflow=True)  # local backend: the workers run in this pod
         ev = evaluate_op(dataset=prep.outputs["dataset"], model=tr.outputs["model"], threshold=threshold)
         ev.set_display_name("evaluate")
         apply_platform(ev, platform)
@@ -57,7 +57,7 @@ def build(platform: Platform | None = None):
                               gate_passed=ev.outputs["Output"], tracking_uri=tracking_uri)
             reg.set_display_name("register (MLflow)")
             reg.set_caching_options(False)  # acts on MLflow: a cached step would register nothing
-            apply_platform(reg, platform)
+            apply_platform(reg, platform, mlflow=True)
             sv = serve_op(model=tr.outputs["model"], model_name=model_name, port=serve_port, backend=serve_backend,
                           canary_traffic_percent=canary_traffic_percent)
             sv.set_display_name("serve (KServe v2)")

@@ -480,6 +480,22 @@ def test_a_platform_with_a_private_s3_ca_trusts_it_in_every_pod(tmp_path):
     assert secret["metadata"]["annotations"]["serving.kserve.io/s3-usehttps"] == "1"
 
 
+def test_an_mlflow_with_auth_gets_its_credentials_in_the_steps_that_talk_to_it(tmp_path):
+    _, platform = _compile_with_platform(tmp_path, "mlflow_tracking_uri: https://mlflow.example.com\n"
+                                                   "mlflow_secret: mlflow-creds\n")
+    execs = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    for name, ex in execs.items():
+        secrets = {s["secretName"]: s for s in ex["secretAsEnv"]}
+        if name in ("exec-train-op", "exec-register-op"):
+            creds = secrets["mlflow-creds"]
+            # any of them: a user and password, or a token; a missing key must not stop the pod
+            assert {(k["secretKey"], k["envVar"]) for k in creds["keyToEnv"]} == {
+                (k, k) for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")}
+            assert creds["optional"] is True
+        else:  # least privilege: nothing else reads them
+            assert set(secrets) == {"kfp-pytorch-s3"}, name
+
+
 def _tasks(pipeline: dict) -> list[dict]:
     """Every task of a compiled pipeline, inside its condition branches too."""
     return [t for comp in [pipeline["root"], *pipeline["components"].values()]
@@ -517,6 +533,8 @@ def test_bad_platform_file_is_reported(tmp_path):
     ("retries: -1\nretry_backoff_s: soon\n", "retries: must be a whole number in [0, 10], got -1"),
     ("retry_backoff_s: 1.5\n", "retry_backoff_s: must be a whole number in [0, 3600], got 1.5"),
     ("s3_ca_configmap: Company_CA\n", "s3_ca_configmap: 'Company_CA' is not a ConfigMap name"),
+    ("mlflow_secret: MLflow Creds\n", "mlflow_secret: 'MLflow Creds' is not a valid Secret name"),
+    ("mlflow_secret: [a]\n", "mlflow_secret: must be a string, got ['a']"),
     ("mlflow_tracking_uri: sqlite:///mlflow.db\n",
      "mlflow_tracking_uri: 'sqlite:///mlflow.db' is not an MLflow server; write http(s)://HOST[:PORT]"),
 ])
