@@ -649,8 +649,9 @@ def manifest_cmd(kind, params, namespace, image, run_id, fairness, platform_file
         v = get_pipeline("train_and_serve").resolve(_parse_params(params))
         root = v["storage_root"] or "s3://kfp-pytorch/runs"
         if kind == "inferenceservice":
-            docs = [to_inference_service(cfg.serve_spec(join(root, run_id, "model"), v["model_name"],
-                                                        None if v["canary_traffic_percent"] < 0 else v["canary_traffic_percent"]))]
+            canary = None if v["canary_traffic_percent"] < 0 else v["canary_traffic_percent"]
+            docs = [to_inference_service(cfg.serve_spec(join(root, run_id, "model"), v["model_name"], canary,
+                                                        v["serve_min_replicas"], v["serve_max_replicas"]))]
         else:
             ts = TrainSpec(join(root, run_id, "dataset"), join(root, run_id, "train"), model=v["model_arch"],
                            epochs=v["epochs"], batch_size=v["batch_size"], lr=v["lr"], seed=v["seed"],

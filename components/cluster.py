@@ -495,9 +495,25 @@ class ClusterServeSpec:
             problems.append(f"model_uri: must be s3://, minio:// or pvc:// for KServe, got {self.model_uri!r}")
         if self.canary_traffic_percent is not None and not 0 <= self.canary_traffic_percent <= 100:
             problems.append(f"canary_traffic_percent: must be in [0, 100], got {self.canary_traffic_percent}")
-        if not 0 <= self.min_replicas <= self.max_replicas:
-            problems.append(f"replicas: need 0 <= min_replicas <= max_replicas, got {self.min_replicas}..{self.max_replicas}")
+        problems += replicas_problems(self.min_replicas, self.max_replicas, self.raw_deployment)
         return _finish_validation(problems, self.resources, "invalid serving settings")
+
+
+def replicas_problems(min_replicas, max_replicas, raw_deployment: bool = True,
+                      names: tuple[str, str] = ("min_replicas", "max_replicas")) -> list[str]:
+    """The predictor's replicas: KServe scales between them (in RawDeployment with an HPA on CPU
+    use, so the predictor's CPU request matters). Scale to zero is Knative's alone."""
+    lo, hi = names
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in (min_replicas, max_replicas)):
+        return [f"{lo}, {hi}: must be whole numbers, got {min_replicas!r}, {max_replicas!r}"]
+    if max_replicas < 1:
+        return [f"{hi}: must be >= 1, got {max_replicas}"]
+    if min_replicas == 0 and raw_deployment:
+        return [f"{lo}: 0 (scale to zero) needs KServe's Serverless mode (Knative), and the predictor runs as a "
+                "RawDeployment; use 1 or more"]
+    if not 0 <= min_replicas <= max_replicas:
+        return [f"{lo}: must be in [1, {hi}={max_replicas}], got {min_replicas}"]
+    return []
 
 
 def to_inference_service(spec: ClusterServeSpec) -> dict:
@@ -714,8 +730,10 @@ class ClusterConfig:
                                 node_selector=self.gpu_node_selector if gpu else {},
                                 tolerations=self.gpu_tolerations if gpu else [])
 
-    def serve_spec(self, model_uri: str, model_name: str, canary_traffic_percent: int | None = None) -> ClusterServeSpec:
+    def serve_spec(self, model_uri: str, model_name: str, canary_traffic_percent: int | None = None,
+                   min_replicas: int = 1, max_replicas: int = 1) -> ClusterServeSpec:
         return ClusterServeSpec(model_uri, model_name, self.image, self.namespace, self.service_account,
+                                min_replicas=min_replicas, max_replicas=max_replicas,
                                 canary_traffic_percent=canary_traffic_percent, labels=self.pod_labels,
                                 restricted=self.restricted)
 

@@ -47,9 +47,14 @@ class ServeSpec:
     startup_timeout_s: float = 120.0
     canary_traffic_percent: int = -1
     """Cluster backend: share of traffic for the new version (-1: all of it)."""
+    min_replicas: int = 1
+    max_replicas: int = 1
+    """Cluster backend: KServe scales the predictor between these (on CPU use); one server locally."""
 
     def validate(self) -> None:
         import re
+
+        from .cluster import replicas_problems
 
         problems = []
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", self.model_name or ""):
@@ -60,6 +65,7 @@ class ServeSpec:
             problems.append(f"backend: must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if not self.model_uri:
             problems.append("model_uri: must be set")
+        problems += replicas_problems(self.min_replicas, self.max_replicas)
         if self.backend == "cluster" and not self.model_uri.startswith(("s3://", "minio://")):
             problems.append(f"model_uri: the cluster backend needs s3:// or minio://, got {self.model_uri!r}; "
                             "set storage_root")
@@ -302,7 +308,8 @@ class ClusterServeBackend:
 
         cfg = ClusterConfig.from_env()
         canary = spec.canary_traffic_percent if spec.canary_traffic_percent >= 0 else None
-        res = ClusterServer(Kube()).run(cfg.serve_spec(spec.model_uri, spec.model_name, canary),
+        res = ClusterServer(Kube()).run(cfg.serve_spec(spec.model_uri, spec.model_name, canary, spec.min_replicas,
+                                                       spec.max_replicas),
                                         timeout_s=spec.startup_timeout_s)
         ep = Endpoint(spec.model_name, res["url"], res["infer_url"], None, spec.model_uri,
                       cluster_url=res.get("cluster_url"))

@@ -9,6 +9,7 @@ import re
 
 from kfp import dsl
 
+from kfp_pytorch.components.cluster import replicas_problems
 from kfp_pytorch.components.ops.evaluate import evaluate_op
 from kfp_pytorch.components.models import ZOO
 from kfp_pytorch.components.prepare_data import seed_problem
@@ -33,7 +34,8 @@ def build(platform: Platform | None = None):
                         threshold: float = 0.9, storage_root: str = "", tracking_uri: str = "",
                         train_backend: str = "local", serve_backend: str = "local", serve_port: int = 0,
                         nodes: int = 1, gpus_per_node: int = 0, canary_traffic_percent: int = -1,
-                        checkpoint_every_s: float = 600.0):
+                        checkpoint_every_s: float = 600.0, serve_min_replicas: int = 1,
+                        serve_max_replicas: int = 1):
         prep = prepare_data_op(dataset_uri=dataset_uri, seed=seed, storage_root=storage_root)
         prep.set_display_name("prepare data")
         # Never cached: KFP keys its cache on the inputs, and dataset_uri names data that changes
@@ -59,7 +61,8 @@ def build(platform: Platform | None = None):
             reg.set_caching_options(False)  # acts on MLflow: a cached step would register nothing
             apply_platform(reg, platform, mlflow=True)
             sv = serve_op(model=tr.outputs["model"], model_name=model_name, port=serve_port, backend=serve_backend,
-                          canary_traffic_percent=canary_traffic_percent)
+                          canary_traffic_percent=canary_traffic_percent, min_replicas=serve_min_replicas,
+                          max_replicas=serve_max_replicas)
             sv.set_display_name("serve (KServe v2)")
             sv.set_caching_options(False)  # acts on the cluster: a cached step would report a server it did not check
             apply_platform(sv, platform)
@@ -121,6 +124,8 @@ def validate_params(p: dict) -> list[str]:
         problems.append(problem)
     if not (p["canary_traffic_percent"] == -1 or 0 <= p["canary_traffic_percent"] <= 100):
         problems.append(f"canary_traffic_percent: -1 (all traffic) or 0..100, got {p['canary_traffic_percent']}")
+    problems += replicas_problems(p["serve_min_replicas"], p["serve_max_replicas"],
+                                  names=("serve_min_replicas", "serve_max_replicas"))
     return problems
 
 
@@ -128,6 +133,7 @@ def validate_params(p: dict) -> list[str]:
 _BACKEND_ONLY = (
     ("train_backend", "cluster", ("nodes", "gpus_per_node"), "a PyTorchJob's pods and their GPUs"),
     ("serve_backend", "cluster", ("canary_traffic_percent",), "a KServe canary rollout"),
+    ("serve_backend", "cluster", ("serve_min_replicas", "serve_max_replicas"), "the InferenceService's replicas"),
     ("serve_backend", "local", ("serve_port",), "the local model server's port"),
 )
 
@@ -163,6 +169,8 @@ PARAM_DOCS = {
     "nodes": "pods of the PyTorchJob (cluster backend); workers are spread over them",
     "gpus_per_node": "GPUs per pod (cluster backend)",
     "canary_traffic_percent": "KServe canary share for the new version (-1: all traffic)",
+    "serve_min_replicas": "KServe predictor replicas at least (cluster serving)",
+    "serve_max_replicas": "KServe predictor replicas at most: above the minimum, an HPA scales on CPU use",
     "checkpoint_every_s": "seconds between checkpoints within an epoch (0: at epoch ends only)",
 }
 

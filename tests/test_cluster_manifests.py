@@ -1,4 +1,5 @@
 """Cluster manifests: built by pure functions, valid against the upstream CRD schemas."""
+import dataclasses
 import json
 
 import jsonschema
@@ -103,6 +104,31 @@ def test_the_predictor_is_ready_when_its_model_answers_not_when_it_starts():
         validate_manifest(isvc)
         probe = isvc["spec"]["predictor"]["containers"][0]["readinessProbe"]
         assert probe["httpGet"] == {"path": "/v2/models/digits/ready", **port}  # Knative refuses a port
+
+
+@pytest.mark.parametrize("lo,hi,problem", [
+    (2, 5, None),
+    (3, 3, None),
+    (0, 2, "min_replicas: 0 (scale to zero) needs KServe's Serverless mode (Knative)"),
+    (3, 2, "min_replicas: must be in [1, max_replicas=2], got 3"),
+    (1, 0, "max_replicas: must be >= 1, got 0"),
+    (1.5, 2, "min_replicas, max_replicas: must be whole numbers, got 1.5, 2"),
+])
+def test_the_predictors_replicas_are_what_kserve_can_scale_between(lo, hi, problem):
+    spec = ClusterServeSpec("s3://models/run1/model", "digits", IMAGE, min_replicas=lo, max_replicas=hi)
+    if problem is None:
+        isvc = to_inference_service(spec)
+        validate_manifest(isvc)
+        assert (isvc["spec"]["predictor"]["minReplicas"], isvc["spec"]["predictor"]["maxReplicas"]) == (lo, hi)
+    else:
+        with pytest.raises(ConfigError) as e:
+            to_inference_service(spec)
+        assert any(p.startswith(problem) for p in e.value.problems), e.value.problems
+    # Knative scales to zero
+    if (lo, hi) == (0, 2):
+        isvc = to_inference_service(dataclasses.replace(spec, raw_deployment=False))
+        validate_manifest(isvc)
+        assert isvc["spec"]["predictor"]["minReplicas"] == 0
 
 
 def test_kserve_secret_annotations_without_credentials():

@@ -1076,9 +1076,12 @@ def test_the_serve_step_in_a_pod_smoke_tests_the_in_cluster_address(k8s, _fake_k
         monkeypatch.setenv("KFP_PYTORCH_IMAGE", "reg/kfp-pytorch:0.1.0")
         monkeypatch.setenv("KFP_PYTORCH_NAMESPACE", NS)
         monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")  # as in every pod
-        spec = ServeSpec("s3://models/run1/model", "digits", backend="cluster", startup_timeout_s=10)
+        spec = ServeSpec("s3://models/run1/model", "digits", backend="cluster", startup_timeout_s=10,
+                         min_replicas=2, max_replicas=5)
         ep = serve(spec, sample_row=[0.0] * 64)
         assert ep.url == f"http://digits.{NS}.example.com" and ep.infer_url.startswith(ep.url)
+        predictor_spec = fake.get("inferenceservices", NS, "digits")["spec"]["predictor"]
+        assert (predictor_spec["minReplicas"], predictor_spec["maxReplicas"]) == (2, 5)
         assert ep.cluster_url == predictor.url and ep.smoke_test["label"] is not None
         # off the cluster (a laptop with a kubeconfig), the external URL is what there is: said plainly
         monkeypatch.delenv("KUBERNETES_SERVICE_HOST")

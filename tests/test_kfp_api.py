@@ -496,6 +496,14 @@ def test_manifest_dry_runs_are_valid():
             validate_manifest(doc)
     r = cli("manifest", "pytorchjob")
     assert r.returncode == 2 and "image: required" in r.stderr
+    # the serving replicas reach the InferenceService; scale to zero is refused in RawDeployment
+    r = cli("manifest", "inferenceservice", "--image", "reg/kfp-pytorch:0.1.0", "--param", "serve_min_replicas=2",
+            "--param", "serve_max_replicas=6")
+    assert r.returncode == 0, r.stderr
+    [isvc] = yaml.safe_load_all(r.stdout)
+    assert (isvc["spec"]["predictor"]["minReplicas"], isvc["spec"]["predictor"]["maxReplicas"]) == (2, 6)
+    r = cli("manifest", "inferenceservice", "--image", "reg/kfp-pytorch:0.1.0", "--param", "serve_min_replicas=0")
+    assert r.returncode == 2 and "serve_min_replicas: 0 (scale to zero) needs KServe's Serverless mode" in r.stderr
 
 
 def test_a_manifest_dry_run_shows_the_platform_settings_the_pods_would_get(tmp_path):

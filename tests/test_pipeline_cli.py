@@ -140,6 +140,9 @@ def test_only_parameters_the_backends_do_not_read_get_a_note():
     assert inert_params({"nodes", "gpus_per_node"}, local) == [
         "nodes, gpus_per_node only apply with train_backend=cluster (a PyTorchJob's pods and their GPUs); "
         "this run has train_backend=local, so they change nothing"]
+    assert inert_params({"serve_max_replicas"}, local) == [
+        "serve_max_replicas only applies with serve_backend=cluster (the InferenceService's replicas); "
+        "this run has serve_backend=local, so it changes nothing"]
 
 
 def test_a_step_that_fails_is_named_and_its_partial_outputs_removed(tmp_path):
@@ -299,6 +302,8 @@ def test_failed_task_is_read_from_kfp_locals_coloured_message():
      "storage_root: URI 's3://b/runs': 'b' is not a valid bucket name (bucket names are 3-63 characters"),
     (["manifest", "pytorchjob", "--image", "reg/kfp-pytorch:0.1.0", "--param", "dataset_uri=s3://-data/x.csv"],
      "dataset_uri: URI 's3://-data/x.csv': '-data' is not a valid bucket name"),
+    (["run", "train_and_serve", "--local", "--param", "serve_min_replicas=4", "--param", "serve_max_replicas=2"],
+     "serve_min_replicas: must be in [1, serve_max_replicas=2], got 4"),
 ])
 def test_bad_input_is_a_clear_error(args, needle):
     r = run_cli(*args)

@@ -9,13 +9,15 @@ from .._kfp import COMPONENT_KW
 
 @dsl.component(**COMPONENT_KW)
 def serve_op(model: Input[Model], model_name: str, port: int = 0, backend: str = "local",
-             canary_traffic_percent: int = -1) -> NamedTuple("Outputs", [("endpoint", str), ("url", str)]):
+             canary_traffic_percent: int = -1, min_replicas: int = 1,
+             max_replicas: int = 1) -> NamedTuple("Outputs", [("endpoint", str), ("url", str)]):
     """Serve the model over the Open Inference Protocol v2 and smoke-test one prediction."""
     from collections import namedtuple
 
     from kfp_pytorch.components.serve import ServeSpec, serve
 
     ep = serve(ServeSpec(model_uri=model.metadata.get("uri", model.path + "/model"), model_name=model_name,
-                         port=port, backend=backend, canary_traffic_percent=canary_traffic_percent))
+                         port=port, backend=backend, canary_traffic_percent=canary_traffic_percent,
+                         min_replicas=min_replicas, max_replicas=max_replicas))
     print(f"serving {model_name} at {ep.infer_url} (pid {ep.pid}); smoke test: {ep.smoke_test}")
     return namedtuple("Outputs", ["endpoint", "url"])(ep.infer_url, ep.url)
