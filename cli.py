@@ -382,6 +382,10 @@ def _kfp_options(f=None, *, host_required: bool = True):
     def wrap(f):
         f = click.option("--token", envvar="KF_PIPELINES_TOKEN", default=None,
                          help="Bearer token (or KF_PIPELINES_TOKEN).")(f)
+        f = click.option("--ca-cert", envvar="KF_PIPELINES_CA_CERT", default=None,
+                         type=click.Path(exists=True, dir_okay=False),
+                         help="PEM file of the CA that signed an https KFP endpoint's certificate (or "
+                              "KF_PIPELINES_CA_CERT).")(f)
         f = click.option("--experiment", default="kfp-pytorch", show_default=True)(f)
         f = click.option("--namespace", default=None, callback=_namespace,
                          help="Kubeflow profile namespace (multi-user).")(f)
@@ -399,7 +403,7 @@ def _kfp_options(f=None, *, host_required: bool = True):
 @click.option("--run-name", default=None)
 @click.option("--wait/--no-wait", default=True, help="Follow the run until it ends.")
 @_platform_option
-def submit_cmd(pipeline, host, namespace, experiment, token, params, run_name, wait, platform_file):
+def submit_cmd(pipeline, host, namespace, experiment, token, ca_cert, params, run_name, wait, platform_file):
     """Upload PIPELINE to a KFP server, start a run and follow it."""
     from kfp_pytorch.components._kfp import check_component_image
     from kfp_pytorch.pipelines import get_pipeline
@@ -410,7 +414,7 @@ def submit_cmd(pipeline, host, namespace, experiment, token, params, run_name, w
     entry, platform = _with_platform(entry, platform_file)
     check_component_image()  # local problems before any call to the server
     _cluster_notes(values, platform)
-    api = KfpApi(host, namespace, token)
+    api = KfpApi(host, namespace, token, ca_cert=ca_cert)
     run_id = api.submit(entry, values, experiment, run_name)
     run_url = f"{host.rstrip('/')}/#/runs/details/{run_id}"
     click.echo(f"run {run_id} created: {run_url}")
@@ -439,8 +443,8 @@ def submit_cmd(pipeline, host, namespace, experiment, token, params, run_name, w
 @_platform_option
 @click.option("--replace", is_flag=True,
               help="Replace the experiment's recurring run of the same name (created first, the old one deleted after).")
-def schedule_cmd(pipeline, host, namespace, experiment, token, cron, params, name, max_concurrency, platform_file,
-                 replace):
+def schedule_cmd(pipeline, host, namespace, experiment, token, ca_cert, cron, params, name, max_concurrency,
+                 platform_file, replace):
     """Create a recurring run of PIPELINE (e.g. nightly retraining)."""
     from datetime import datetime, timezone
 
@@ -455,8 +459,8 @@ def schedule_cmd(pipeline, host, namespace, experiment, token, cron, params, nam
     entry, platform = _with_platform(entry, platform_file)
     check_component_image()
     _cluster_notes(values, platform)
-    rr, replaced = KfpApi(host, namespace, token).schedule(entry, values, cron, experiment, name, max_concurrency,
-                                                           replace)
+    api = KfpApi(host, namespace, token, ca_cert=ca_cert)
+    rr, replaced = api.schedule(entry, values, cron, experiment, name, max_concurrency, replace)
     click.echo(f"recurring run {rr} created: {pipeline} at '{cron}'"
                + (f" (replaced {', '.join(replaced)})" if replaced else ""))
     soon = next_runs(cron, datetime.now(timezone.utc).replace(microsecond=0))
@@ -467,14 +471,14 @@ def schedule_cmd(pipeline, host, namespace, experiment, token, cron, params, nam
 @cli.command("schedules")
 @_kfp_options
 @click.option("--json", "as_json", is_flag=True)
-def schedules_cmd(host, namespace, experiment, token, as_json):
+def schedules_cmd(host, namespace, experiment, token, ca_cert, as_json):
     """List the experiment's recurring runs: name, status, cron and the next run time."""
     from datetime import datetime, timezone
 
     from kfp_pytorch.pipelines.kfp_api import KfpApi
     from kfp_pytorch.pipelines.schedule import next_runs
 
-    api = KfpApi(host, namespace, token)
+    api = KfpApi(host, namespace, token, ca_cert=ca_cert)
     found = api.recurring_runs(experiment)
     now = datetime.now(timezone.utc).replace(microsecond=0)
     rows = []
@@ -506,11 +510,11 @@ def schedules_cmd(host, namespace, experiment, token, as_json):
 @cli.command("unschedule")
 @click.argument("name")
 @_kfp_options
-def unschedule_cmd(name, host, namespace, experiment, token):
+def unschedule_cmd(name, host, namespace, experiment, token, ca_cert):
     """Delete the recurring run NAME of the experiment (the runs it started stay)."""
     from kfp_pytorch.pipelines.kfp_api import KfpApi
 
-    for rid in KfpApi(host, namespace, token).unschedule(name, experiment):
+    for rid in KfpApi(host, namespace, token, ca_cert=ca_cert).unschedule(name, experiment):
         click.echo(f"deleted recurring run {rid} ({name})")
 
 
@@ -523,7 +527,7 @@ def unschedule_cmd(name, host, namespace, experiment, token):
 @click.option("--keep", default=None, type=click.IntRange(min=1), metavar="N",
               help="With --local: remove all but the newest N runs' outputs (a served model's run is kept).")
 @click.option("--dry-run", is_flag=True, help="With --keep: say what would be removed, remove nothing.")
-def runs_cmd(host, namespace, experiment, token, limit, as_json, local, keep, dry_run):
+def runs_cmd(host, namespace, experiment, token, ca_cert, limit, as_json, local, keep, dry_run):
     """List runs and their status, newest first (--local: this machine's, and prune them)."""
     if local:  # KFP_HOST exported for the other commands is no reason to refuse
         if host and click.get_current_context().get_parameter_source("host") != ParameterSource.ENVIRONMENT:
@@ -537,7 +541,7 @@ def runs_cmd(host, namespace, experiment, token, limit, as_json, local, keep, dr
                                "machine's runs")
     from kfp_pytorch.pipelines.kfp_api import KfpApi
 
-    api = KfpApi(host, namespace, token)
+    api = KfpApi(host, namespace, token, ca_cert=ca_cert)
     listed = api.runs(experiment, limit)
     why_none = "no runs"
     if listed is None:  # as `kubectl get` in an empty namespace: an answer, not a failure, and nothing created

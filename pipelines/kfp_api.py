@@ -3,6 +3,7 @@
 Reachability and authentication are checked first with one short request, so an unreachable
 or auth-protected host gets a clear error in seconds (``kfp.Client`` itself retries for ~25 s).
 """
+import re
 import sys
 import tempfile
 import time
@@ -44,10 +45,17 @@ def projected_token() -> tuple[str | None, str]:
         return None, path
 
 
-def _check_host(host: str, token: str | None, source: str = "--token / KF_PIPELINES_TOKEN") -> None:
+def _check_host(host: str, token: str | None, source: str = "--token / KF_PIPELINES_TOKEN",
+                ca_cert: str | None = None) -> None:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        r = requests.get(f"{host.rstrip('/')}/apis/v2beta1/healthz", headers=headers, timeout=5, allow_redirects=False)
+        r = requests.get(f"{host.rstrip('/')}/apis/v2beta1/healthz", headers=headers, timeout=5, allow_redirects=False,
+                         verify=ca_cert or True)
+    except requests.exceptions.SSLError as e:
+        why = re.search(r"certificate verify failed: ([^(')]+)", str(e))
+        raise KfpApiError(f"the KFP API at {host} has a TLS certificate this machine does not trust"
+                          + (f" ({why.group(1).strip()})" if why else ""),
+                          "pass --ca-cert (or set KF_PIPELINES_CA_CERT) with the PEM file of the CA that signed it") from e
     except requests.RequestException as e:
         raise KfpApiError(f"cannot reach the KFP API at {host} ({type(e).__name__})",
                           "check --host (e.g. kubectl -n kubeflow port-forward svc/ml-pipeline-ui 8080:80, then "
@@ -79,12 +87,14 @@ def _bound_requests(api_client, timeout: tuple[float, float]) -> None:
 
 class KfpApi:
     def __init__(self, host: str, namespace: str | None = None, token: str | None = None,
-                 request_timeout_s: float = 60.0):
+                 request_timeout_s: float = 60.0, ca_cert: str | None = None):
+        """``ca_cert``: the PEM file of the CA that signed an https endpoint's certificate (an
+        on-prem Kubeflow behind the company's CA)."""
         import kfp
 
         if token:
-            _check_host(host, token)
-            self.client = kfp.Client(host=host, namespace=namespace or "", existing_token=token)
+            _check_host(host, token, ca_cert=ca_cert)
+            self.client = kfp.Client(host=host, namespace=namespace or "", existing_token=token, ssl_ca_cert=ca_cert)
         else:
             # In a Kubeflow notebook the token is a projected file the kubelet rotates (about
             # hourly). kfp.Client reads it by itself only when no host is given, so with --host
@@ -93,8 +103,8 @@ class KfpApi:
             from kfp.client.set_volume_credentials import ServiceAccountTokenVolumeCredentials
 
             projected, path = projected_token()
-            _check_host(host, projected, f"the projected service-account token {path}")
-            self.client = kfp.Client(host=host, namespace=namespace or "", credentials=(
+            _check_host(host, projected, f"the projected service-account token {path}", ca_cert)
+            self.client = kfp.Client(host=host, namespace=namespace or "", ssl_ca_cert=ca_cert, credentials=(
                 ServiceAccountTokenVolumeCredentials(path) if projected else None))
         _bound_requests(self.client.runs.api_client, (min(10.0, request_timeout_s), request_timeout_s))
         self.host = host

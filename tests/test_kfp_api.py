@@ -417,6 +417,34 @@ def test_unreachable_host_and_auth(kfp_server):
     assert "s3cr3t-token" not in r.stdout + r.stderr
 
 
+def test_an_https_kfp_behind_a_private_ca_is_trusted_with_its_ca_cert(kfp_server, tmp_path):
+    # an on-prem Kubeflow behind the company's CA: refused as untrusted (not "cannot reach ... port-forward")
+    import ssl
+
+    from fake_trainer_status import _self_signed
+    from servers import tls_proxy
+
+    fake, url = kfp_server
+    ca, cert, key = _self_signed(tmp_path)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    listener, https = tls_proxy(int(url.rsplit(":", 1)[1]), tls)
+    try:
+        r = cli("runs", "--host", https)
+        assert r.returncode == 3, r.stderr
+        assert (f"the KFP API at {https} has a TLS certificate this machine does not trust (unable to get local "
+                "issuer certificate)") in r.stderr and "pass --ca-cert (or set KF_PIPELINES_CA_CERT)" in r.stderr
+        fake.require_token = "s3cr3t-token"
+        for how in (["--ca-cert", str(ca)], []):  # the option, or the environment
+            r = cli("runs", "--host", https, "--token", "s3cr3t-token", "--json", *how,
+                    env={} if how else {"KF_PIPELINES_CA_CERT": str(ca)})
+            assert r.returncode == 0 and json.loads(r.stdout) == [], r.stderr
+        r = cli("runs", "--host", https, "--ca-cert", str(tmp_path / "missing.pem"))
+        assert r.returncode == 2 and "'--ca-cert': File" in r.stderr and "does not exist" in r.stderr
+    finally:
+        listener.close()
+
+
 def test_a_kubeflow_notebook_authenticates_with_its_projected_service_account_token(kfp_server, tmp_path, monkeypatch):
     # In a Kubeflow notebook (PodDefault "access-ml-pipeline") the token is a projected file that
     # kfp.Client reads by itself; our reachability check did not, and refused with "requires
