@@ -465,6 +465,10 @@ def to_trainjob(spec: ClusterTrainSpec) -> dict:
             "spec": body}
 
 
+SERVE_RESOURCES = {"cpu": 1, "memory": "2Gi"}
+"""The predictor's requests (= limits) unless the platform sets ``serve_resources``."""
+
+
 @dataclass(frozen=True)
 class ClusterServeSpec:
     model_uri: str
@@ -474,7 +478,7 @@ class ClusterServeSpec:
     namespace: str = "kubeflow-user"
     service_account: str = "kfp-pytorch-s3"
     """ServiceAccount whose Secret carries the serving.kserve.io/s3-* annotations."""
-    resources: dict = field(default_factory=lambda: {"cpu": 1, "memory": "2Gi"})
+    resources: dict = field(default_factory=lambda: dict(SERVE_RESOURCES))
     min_replicas: int = 1
     max_replicas: int = 1
     canary_traffic_percent: int | None = None
@@ -497,6 +501,24 @@ class ClusterServeSpec:
             problems.append(f"canary_traffic_percent: must be in [0, 100], got {self.canary_traffic_percent}")
         problems += replicas_problems(self.min_replicas, self.max_replicas, self.raw_deployment)
         return _finish_validation(problems, self.resources, "invalid serving settings")
+
+
+def cpu_memory_problems(res, where: str, gpus: str) -> list[str]:
+    """A pod's CPU and memory from the platform file (``serve_resources``, ``train_resources``);
+    ``gpus`` says where its GPUs come from instead."""
+    if not isinstance(res, dict):
+        return [f"{where}: must be a mapping like {{cpu: 4, memory: 16Gi}}, got {res!r}"]
+    problems = [f"{where}.{k}: {gpus}" if k in ("gpu", "nvidia.com/gpu") else
+                f"{where}.{k}: unknown resource (use cpu, memory)" for k in res if k not in ("cpu", "memory")]
+    try:
+        parse_resources({k: v for k, v in res.items() if k in ("cpu", "memory")}, where)
+    except ConfigError as e:
+        problems += e.problems
+    return problems
+
+
+def serve_resources_problems(res, where: str) -> list[str]:
+    return cpu_memory_problems(res, where, "the predictor runs on CPU; give cpu and memory")
 
 
 def replicas_problems(min_replicas, max_replicas, raw_deployment: bool = True,
@@ -632,6 +654,7 @@ class ClusterConfig:
     istio_sidecar: bool = False
     restricted: bool = True
     shm: bool = True
+    serve_resources: dict = field(default_factory=lambda: dict(SERVE_RESOURCES))
 
     @classmethod
     def from_env(cls, env: dict | None = None) -> "ClusterConfig":
@@ -665,7 +688,8 @@ class ClusterConfig:
         for key, empty, check in (("KFP_PYTORCH_POD_LABELS", {}, label_problems),
                                   ("KFP_PYTORCH_GPU_NODE_SELECTOR", {}, label_problems),
                                   ("KFP_PYTORCH_GPU_TOLERATIONS", [], toleration_problems),
-                                  ("KFP_PYTORCH_S3_KEYS", {}, s3_keys_problems)):
+                                  ("KFP_PYTORCH_S3_KEYS", {}, s3_keys_problems),
+                                  ("KFP_PYTORCH_SERVE_RESOURCES", dict(SERVE_RESOURCES), serve_resources_problems)):
             loaded[key] = empty
             if env.get(key):
                 try:
@@ -711,6 +735,7 @@ class ClusterConfig:
             istio_sidecar=flag(env.get("KFP_PYTORCH_ISTIO_SIDECAR"), False),
             restricted=flag(env.get("KFP_PYTORCH_RESTRICTED_PODS"), True),
             shm=flag(env.get("KFP_PYTORCH_SHM_VOLUME"), True),
+            serve_resources={**SERVE_RESOURCES, **loaded["KFP_PYTORCH_SERVE_RESOURCES"]},
         )
 
     def train_spec(self, train: "TrainSpec") -> ClusterTrainSpec:
@@ -733,7 +758,8 @@ class ClusterConfig:
     def serve_spec(self, model_uri: str, model_name: str, canary_traffic_percent: int | None = None,
                    min_replicas: int = 1, max_replicas: int = 1) -> ClusterServeSpec:
         return ClusterServeSpec(model_uri, model_name, self.image, self.namespace, self.service_account,
-                                min_replicas=min_replicas, max_replicas=max_replicas,
+                                resources=dict(self.serve_resources), min_replicas=min_replicas,
+                                max_replicas=max_replicas,
                                 canary_traffic_percent=canary_traffic_percent, labels=self.pod_labels,
                                 restricted=self.restricted)
 

@@ -17,6 +17,8 @@ fairness labels (``add_pod_label``); GPU steps get node selectors and toleration
     istio_sidecar: false   # the training pods opt out of Istio's sidecar (the default; see below)
     restricted_pods: true  # training and predictor pods meet Pod Security "restricted" (the default)
     shm_volume: true       # training pods get a memory-backed /dev/shm for NCCL (the default)
+    train_resources: {cpu: 8, memory: 32Gi}  # each PyTorchJob/TrainJob pod's requests (= limits)
+    serve_resources: {cpu: 2, memory: 4Gi}   # the KServe predictor's (default cpu 1, memory 2Gi)
     retries: 2             # each step, again after a failure (KFP's retry policy) ...
     retry_backoff_s: 60    # ... after 60 s, then 120 s, ...
 """
@@ -25,8 +27,9 @@ from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
 from kfp_pytorch.components.cluster import (DNS1123_SUBDOMAIN, ISTIO_INJECT, KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL,
-                                            S3_CA_BUNDLE, S3_CA_DIR, label_problems, object_name_problems,
-                                            s3_keys_problems, toleration_problems)
+                                            S3_CA_BUNDLE, S3_CA_DIR, cpu_memory_problems, label_problems,
+                                            object_name_problems, s3_keys_problems, serve_resources_problems,
+                                            toleration_problems)
 from kfp_pytorch.components.errors import ConfigError
 from kfp_pytorch.components.storage import StorageError, parse_endpoint
 
@@ -75,6 +78,13 @@ class Platform:
     shm_volume: bool = True
     """The training pods get a memory-backed ``/dev/shm`` (a container's is 64 MiB, too small for
     NCCL between the GPUs of a pod). false: for a TrainJob runtime that mounts its own there."""
+    train_resources: dict = field(default_factory=dict)
+    """CPU and memory of each training pod (requests = limits: Guaranteed QoS, the last evicted, and
+    what Kueue counts against a queue's quota). Without them a CPU job's pods request nothing. Their
+    GPUs are the run's ``gpus_per_node``."""
+    serve_resources: dict = field(default_factory=dict)
+    """CPU and memory of the KServe predictor (default cpu 1, memory 2Gi); its HPA scales on CPU use
+    against this request."""
     retries: int = 0
     """KFP retries each step this many times after a failure (an evicted pod, a preempted node, a
     storage or API outage). The steps are safe to retry: a cluster step adopts the job or
@@ -155,6 +165,11 @@ def load_platform(data: dict | None) -> Platform:
         problems.append(f"labels.{ISTIO_INJECT}: the training pods' sidecar is set by istio_sidecar (false unless "
                         "you write istio_sidecar: true); KFP's step pods opt out of it themselves")
     problems += toleration_problems(data.get("gpu_tolerations") or [], "gpu_tolerations")
+    if data.get("train_resources") is not None:
+        problems += cpu_memory_problems(data["train_resources"], "train_resources",
+                                        "a training pod's GPUs are the run's gpus_per_node parameter")
+    if data.get("serve_resources") is not None:
+        problems += serve_resources_problems(data["serve_resources"], "serve_resources")
     if problems:
         raise ConfigError(problems, "fix the platform file", title="invalid platform settings")
     return Platform(**{k: v for k, v in data.items() if v is not None})
@@ -187,6 +202,11 @@ def platform_env(platform: Platform, gpu: bool = False) -> dict[str, str]:
         env["KFP_PYTORCH_RESTRICTED_PODS"] = "false"
     if not platform.shm_volume:
         env["KFP_PYTORCH_SHM_VOLUME"] = "false"
+    for key, env_name in (("cpu", "KFP_PYTORCH_CPU_PER_NODE"), ("memory", "KFP_PYTORCH_MEMORY_PER_NODE")):
+        if key in platform.train_resources:
+            env[env_name] = str(platform.train_resources[key])
+    if platform.serve_resources:
+        env["KFP_PYTORCH_SERVE_RESOURCES"] = json.dumps(platform.serve_resources)
     if gpu and platform.gpu_node_selector:
         env["KFP_PYTORCH_GPU_NODE_SELECTOR"] = json.dumps(platform.gpu_node_selector)
     if gpu and platform.gpu_tolerations:

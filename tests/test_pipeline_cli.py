@@ -501,6 +501,32 @@ def test_an_mlflow_with_auth_gets_its_credentials_in_the_steps_that_talk_to_it(t
             assert set(secrets) == {"kfp-pytorch-s3"}, name
 
 
+def test_a_platforms_pod_resources_reach_the_training_pods_and_the_predictor(tmp_path):
+    # without them a CPU job's pods requested nothing (BestEffort: evicted first, and nothing for
+    # Kueue to count against the queue's quota), and the predictor was fixed at 1 CPU and 2Gi
+    from kfp_pytorch.components.cluster import ClusterConfig, to_inference_service, to_pytorchjob
+    from kfp_pytorch.components.train import TrainSpec
+    from kfp_pytorch.pipelines.platform import load_platform, platform_env
+    from k8s_schemas import validate_manifest
+
+    text = "train_resources: {cpu: 8, memory: 32Gi}\nserve_resources: {memory: 4Gi}\n"
+    pipeline, _ = _compile_with_platform(tmp_path, text)
+    env = {e["name"]: e["value"] for e in pipeline["deploymentSpec"]["executors"]["exec-train-op"]["container"]["env"]}
+    assert (env["KFP_PYTORCH_CPU_PER_NODE"], env["KFP_PYTORCH_MEMORY_PER_NODE"]) == ("8", "32Gi")
+    cfg = ClusterConfig.from_env({"KFP_PYTORCH_IMAGE": "reg.example.com/kfp-pytorch:0.1",
+                                  **platform_env(load_platform(yaml.safe_load(text)))})
+    job = to_pytorchjob(cfg.train_spec(TrainSpec("s3://data/d", "s3://models/m", workers=4, nodes=2,
+                                                 backend="cluster", device="cpu")))
+    validate_manifest(job)
+    for role in ("Master", "Worker"):
+        res = job["spec"]["pytorchReplicaSpecs"][role]["template"]["spec"]["containers"][0]["resources"]
+        assert res["requests"] == res["limits"] == {"cpu": 8, "memory": "32Gi"}
+    isvc = to_inference_service(cfg.serve_spec("s3://models/m/model", "digits"))
+    validate_manifest(isvc)
+    res = isvc["spec"]["predictor"]["containers"][0]["resources"]
+    assert res["requests"] == res["limits"] == {"cpu": 1, "memory": "4Gi"}  # the default CPU stays: the HPA needs it
+
+
 def _tasks(pipeline: dict) -> list[dict]:
     """Every task of a compiled pipeline, inside its condition branches too."""
     return [t for comp in [pipeline["root"], *pipeline["components"].values()]
@@ -540,6 +566,10 @@ def test_bad_platform_file_is_reported(tmp_path):
     ("s3_ca_configmap: Company_CA\n", "s3_ca_configmap: 'Company_CA' is not a ConfigMap name"),
     ("mlflow_secret: MLflow Creds\n", "mlflow_secret: 'MLflow Creds' is not a valid Secret name"),
     ("mlflow_secret: [a]\n", "mlflow_secret: must be a string, got ['a']"),
+    ("train_resources: {gpu: 1, cpu: lots}\n", "train_resources.gpu: a training pod's GPUs are the run's gpus_per_node"),
+    ("train_resources: {cpu: lots}\n", "train_resources.cpu: 'lots' is not a Kubernetes quantity"),
+    ("serve_resources: {gpu: 1}\n", "serve_resources.gpu: the predictor runs on CPU; give cpu and memory"),
+    ("serve_resources: 2\n", "serve_resources: must be a mapping like {cpu: 4, memory: 16Gi}, got 2"),
     ("mlflow_tracking_uri: sqlite:///mlflow.db\n",
      "mlflow_tracking_uri: 'sqlite:///mlflow.db' is not an MLflow server; write http(s)://HOST[:PORT]"),
 ])
