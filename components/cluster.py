@@ -288,6 +288,8 @@ class ClusterTrainSpec:
     shm: bool = True
     """Mount a memory-backed ``/dev/shm`` (:func:`shm_volume`) in the training pods. Off for a
     TrainJob runtime that mounts its own there (two mounts at one path make the pods invalid)."""
+    image_pull_secrets: tuple = ()
+    """Secrets of the private registry the image comes from (``imagePullSecrets``)."""
     istio_sidecar: bool = False
     """Let Istio inject its sidecar into the training pods. Off (``sidecar.istio.io/inject:
     "false"``): a Kubeflow profile namespace has ``istio-injection=enabled``, and there the
@@ -378,10 +380,24 @@ def _pod_template(spec: ClusterTrainSpec, resources: dict) -> dict:
         pod["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
         pod["tolerations"] = list(spec.tolerations)
+    if spec.image_pull_secrets:
+        pod["imagePullSecrets"] = pull_secrets(spec.image_pull_secrets)
     if spec.fairness:
         pod["schedulingGates"] = [{"name": FAIRNESS_GATE}]
         pod["priorityClassName"] = spec.priority_class
     return {"metadata": _pod_metadata(spec), "spec": pod}
+
+
+def pull_secrets(names) -> list[dict]:
+    return [{"name": n} for n in names]
+
+
+def pull_secret_problems(names, where: str) -> list[str]:
+    """``image_pull_secrets``: a list of Secret names (of type kubernetes.io/dockerconfigjson)."""
+    if not isinstance(names, list):
+        return [f"{where}: must be a list of Secret names, got {names!r}"]
+    return [f"{where}[{i}]: {n!r} is not a valid Secret name (lowercase DNS-1123)" for i, n in enumerate(names)
+            if not isinstance(n, str) or not DNS1123_SUBDOMAIN.match(n)]
 
 
 def _pod_metadata(spec: ClusterTrainSpec) -> dict:
@@ -445,6 +461,8 @@ def to_trainjob(spec: ClusterTrainSpec) -> dict:
         pod["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
         pod["tolerations"] = list(spec.tolerations)
+    if spec.image_pull_secrets:
+        pod["imagePullSecrets"] = pull_secrets(spec.image_pull_secrets)
     if spec.fairness:  # the gate only: a runtime patch cannot set the pods' priority class
         pod["schedulingGates"] = [{"name": FAIRNESS_GATE}]
     node: dict = {"name": "node"}  # the torch-distributed runtime's trainer container, patched by name
@@ -488,6 +506,7 @@ class ClusterServeSpec:
     """The platform's labels: on the InferenceService and its predictor pods."""
     restricted: bool = True
     """As :attr:`ClusterTrainSpec.restricted`, for the predictor's pods."""
+    image_pull_secrets: tuple = ()
 
     def validate(self) -> dict:
         problems = []
@@ -573,6 +592,8 @@ def to_inference_service(spec: ClusterServeSpec) -> dict:
     }
     if spec.restricted:
         predictor["securityContext"], predictor["containers"][0]["securityContext"] = restricted_security_contexts()
+    if spec.image_pull_secrets:
+        predictor["imagePullSecrets"] = pull_secrets(spec.image_pull_secrets)
     if spec.canary_traffic_percent is not None:
         predictor["canaryTrafficPercent"] = spec.canary_traffic_percent
     if spec.labels:
@@ -655,6 +676,7 @@ class ClusterConfig:
     restricted: bool = True
     shm: bool = True
     serve_resources: dict = field(default_factory=lambda: dict(SERVE_RESOURCES))
+    image_pull_secrets: tuple = ()
 
     @classmethod
     def from_env(cls, env: dict | None = None) -> "ClusterConfig":
@@ -689,7 +711,8 @@ class ClusterConfig:
                                   ("KFP_PYTORCH_GPU_NODE_SELECTOR", {}, label_problems),
                                   ("KFP_PYTORCH_GPU_TOLERATIONS", [], toleration_problems),
                                   ("KFP_PYTORCH_S3_KEYS", {}, s3_keys_problems),
-                                  ("KFP_PYTORCH_SERVE_RESOURCES", dict(SERVE_RESOURCES), serve_resources_problems)):
+                                  ("KFP_PYTORCH_SERVE_RESOURCES", dict(SERVE_RESOURCES), serve_resources_problems),
+                                  ("KFP_PYTORCH_IMAGE_PULL_SECRETS", [], pull_secret_problems)):
             loaded[key] = empty
             if env.get(key):
                 try:
@@ -736,6 +759,7 @@ class ClusterConfig:
             restricted=flag(env.get("KFP_PYTORCH_RESTRICTED_PODS"), True),
             shm=flag(env.get("KFP_PYTORCH_SHM_VOLUME"), True),
             serve_resources={**SERVE_RESOURCES, **loaded["KFP_PYTORCH_SERVE_RESOURCES"]},
+            image_pull_secrets=tuple(loaded["KFP_PYTORCH_IMAGE_PULL_SECRETS"]),
         )
 
     def train_spec(self, train: "TrainSpec") -> ClusterTrainSpec:
@@ -752,14 +776,14 @@ class ClusterConfig:
                                 fairness=self.fairness, pod_labels=self.pod_labels, kueue_queue=self.kueue_queue,
                                 kueue_priority_class=self.kueue_priority_class, istio_sidecar=self.istio_sidecar,
                                 restricted=self.restricted, shm=self.shm,
-                                node_selector=self.gpu_node_selector if gpu else {},
+                                image_pull_secrets=self.image_pull_secrets, node_selector=self.gpu_node_selector if gpu else {},
                                 tolerations=self.gpu_tolerations if gpu else [])
 
     def serve_spec(self, model_uri: str, model_name: str, canary_traffic_percent: int | None = None,
                    min_replicas: int = 1, max_replicas: int = 1) -> ClusterServeSpec:
         return ClusterServeSpec(model_uri, model_name, self.image, self.namespace, self.service_account,
                                 resources=dict(self.serve_resources), min_replicas=min_replicas,
-                                max_replicas=max_replicas,
+                                max_replicas=max_replicas, image_pull_secrets=self.image_pull_secrets,
                                 canary_traffic_percent=canary_traffic_percent, labels=self.pod_labels,
                                 restricted=self.restricted)
 

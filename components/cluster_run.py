@@ -208,7 +208,8 @@ def _cannot_start_hint(ns: str, why: dict[str, str]) -> str:
     fix = ("the image runs as root (or as a user by name), and the pods must not, to meet Pod Security "
            "\"restricted\": give the image a numeric non-root USER (the project's Dockerfile has USER 1000), or set "
            "restricted_pods: false in the platform file" if any("runAsNonRoot" in w for w in why.values()) else
-           "check the image name and tag, and that the nodes can pull it (imagePullSecrets for a private registry)"
+           "check the image name and tag, and that the nodes can pull it (a private registry's pull Secret: "
+           "image_pull_secrets in the platform file)"
            if any("Image" in w for w in why.values()) else
            "create the Secret or ConfigMap the pods read (the S3 credentials: `kfp-pytorch manifest s3-secret`), or fix "
            "its name in the platform file")

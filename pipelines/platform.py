@@ -19,6 +19,7 @@ fairness labels (``add_pod_label``); GPU steps get node selectors and toleration
     shm_volume: true       # training pods get a memory-backed /dev/shm for NCCL (the default)
     train_resources: {cpu: 8, memory: 32Gi}  # each PyTorchJob/TrainJob pod's requests (= limits)
     serve_resources: {cpu: 2, memory: 4Gi}   # the KServe predictor's (default cpu 1, memory 2Gi)
+    image_pull_secrets: [harbor-pull]  # a private registry's pull Secrets: step, training, predictor pods
     retries: 2             # each step, again after a failure (KFP's retry policy) ...
     retry_backoff_s: 60    # ... after 60 s, then 120 s, ...
 """
@@ -28,7 +29,7 @@ from urllib.parse import urlsplit
 
 from kfp_pytorch.components.cluster import (DNS1123_SUBDOMAIN, ISTIO_INJECT, KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL,
                                             S3_CA_BUNDLE, S3_CA_DIR, cpu_memory_problems, label_problems,
-                                            object_name_problems, s3_keys_problems, serve_resources_problems,
+                                            object_name_problems, pull_secret_problems, s3_keys_problems, serve_resources_problems,
                                             toleration_problems)
 from kfp_pytorch.components.errors import ConfigError
 from kfp_pytorch.components.storage import StorageError, parse_endpoint
@@ -85,6 +86,9 @@ class Platform:
     serve_resources: dict = field(default_factory=dict)
     """CPU and memory of the KServe predictor (default cpu 1, memory 2Gi); its HPA scales on CPU use
     against this request."""
+    image_pull_secrets: list = field(default_factory=list)
+    """Secrets (``kubernetes.io/dockerconfigjson``) of the private registry the images come from:
+    every step pod, training pod and predictor pod pulls with them."""
     retries: int = 0
     """KFP retries each step this many times after a failure (an evicted pod, a preempted node, a
     storage or API outage). The steps are safe to retry: a cluster step adopts the job or
@@ -165,6 +169,8 @@ def load_platform(data: dict | None) -> Platform:
         problems.append(f"labels.{ISTIO_INJECT}: the training pods' sidecar is set by istio_sidecar (false unless "
                         "you write istio_sidecar: true); KFP's step pods opt out of it themselves")
     problems += toleration_problems(data.get("gpu_tolerations") or [], "gpu_tolerations")
+    if data.get("image_pull_secrets") is not None:
+        problems += pull_secret_problems(data["image_pull_secrets"], "image_pull_secrets")
     if data.get("train_resources") is not None:
         problems += cpu_memory_problems(data["train_resources"], "train_resources",
                                         "a training pod's GPUs are the run's gpus_per_node parameter")
@@ -207,6 +213,8 @@ def platform_env(platform: Platform, gpu: bool = False) -> dict[str, str]:
             env[env_name] = str(platform.train_resources[key])
     if platform.serve_resources:
         env["KFP_PYTORCH_SERVE_RESOURCES"] = json.dumps(platform.serve_resources)
+    if platform.image_pull_secrets:
+        env["KFP_PYTORCH_IMAGE_PULL_SECRETS"] = json.dumps(platform.image_pull_secrets)
     if gpu and platform.gpu_node_selector:
         env["KFP_PYTORCH_GPU_NODE_SELECTOR"] = json.dumps(platform.gpu_node_selector)
     if gpu and platform.gpu_tolerations:
@@ -223,6 +231,8 @@ def apply_platform(task, platform: Platform | None, gpu: bool = False, mlflow: b
     from kfp import kubernetes
 
     kubernetes.use_secret_as_env(task, platform.s3_secret, dict(platform.s3_keys))
+    if platform.image_pull_secrets:
+        kubernetes.set_image_pull_secrets(task, list(platform.image_pull_secrets))
     if mlflow and platform.mlflow_secret:  # each key optional: a user and password, or a token
         kubernetes.use_secret_as_env(task, platform.mlflow_secret, {k: k for k in MLFLOW_CREDENTIALS}, optional=True)
     if platform.s3_ca_configmap:

@@ -959,7 +959,9 @@ def test_inference_service_not_ready_times_out(k8s):
 
 @pytest.mark.parametrize("reason, message, init, says, hint", [
     ("ImagePullBackOff", 'Back-off pulling image "reg/kfp-pytorch:0.1.0"', False,
-     "its predictor pods cannot start ({pod}: ImagePullBackOff: Back-off pulling image", "check the image name"),
+     "its predictor pods cannot start ({pod}: ImagePullBackOff: Back-off pulling image",
+     "check the image name and tag, and that the nodes can pull it (a private registry's pull Secret: "
+     "image_pull_secrets in the platform file)"),
     ("CrashLoopBackOff", "back-off 40s restarting failed container=storage-initializer", True,
      "the storage initializer of {pod} cannot fetch the model (it failed 3 times)",
      "`kubectl -n team-a logs {pod} -c storage-initializer` says why: check the S3 endpoint and credentials of "

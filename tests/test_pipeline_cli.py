@@ -527,6 +527,31 @@ def test_a_platforms_pod_resources_reach_the_training_pods_and_the_predictor(tmp
     assert res["requests"] == res["limits"] == {"cpu": 1, "memory": "4Gi"}  # the default CPU stays: the HPA needs it
 
 
+def test_a_private_registrys_pull_secret_reaches_every_pod_that_runs_the_image(tmp_path):
+    # a Harbor behind auth: the step pods, the training pods and the predictor all pull the image
+    from kfp_pytorch.components.cluster import ClusterConfig, to_inference_service, to_pytorchjob, to_trainjob
+    from kfp_pytorch.components.train import TrainSpec
+    from kfp_pytorch.pipelines.platform import load_platform, platform_env
+    from k8s_schemas import validate_manifest
+
+    text = "image_pull_secrets: [harbor-pull]\n"
+    _, platform = _compile_with_platform(tmp_path, text)
+    for name, ex in platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"].items():
+        assert [s["secretName"] for s in ex["imagePullSecret"]] == ["harbor-pull"], name
+    cfg = ClusterConfig.from_env({"KFP_PYTORCH_IMAGE": "harbor.example.com/ml/kfp-pytorch:0.1",
+                                  **platform_env(load_platform(yaml.safe_load(text)))})
+    train = TrainSpec("s3://data/d", "s3://models/m", workers=2, nodes=2, backend="cluster", device="cpu")
+    pytorchjob, trainjob = to_pytorchjob(cfg.train_spec(train)), to_trainjob(cfg.train_spec(train))
+    isvc = to_inference_service(cfg.serve_spec("s3://models/m/model", "digits"))
+    pods = [pytorchjob["spec"]["pytorchReplicaSpecs"][r]["template"]["spec"] for r in ("Master", "Worker")] + [
+        trainjob["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0][
+            "template"]["spec"]["template"]["spec"], isvc["spec"]["predictor"]]
+    for doc in (pytorchjob, trainjob, isvc):
+        validate_manifest(doc)
+    for pod in pods:
+        assert pod["imagePullSecrets"] == [{"name": "harbor-pull"}]
+
+
 def _tasks(pipeline: dict) -> list[dict]:
     """Every task of a compiled pipeline, inside its condition branches too."""
     return [t for comp in [pipeline["root"], *pipeline["components"].values()]
@@ -570,6 +595,8 @@ def test_bad_platform_file_is_reported(tmp_path):
     ("train_resources: {cpu: lots}\n", "train_resources.cpu: 'lots' is not a Kubernetes quantity"),
     ("serve_resources: {gpu: 1}\n", "serve_resources.gpu: the predictor runs on CPU; give cpu and memory"),
     ("serve_resources: 2\n", "serve_resources: must be a mapping like {cpu: 4, memory: 16Gi}, got 2"),
+    ("image_pull_secrets: harbor\n", "image_pull_secrets: must be a list of Secret names, got 'harbor'"),
+    ("image_pull_secrets: [Harbor_Pull]\n", "image_pull_secrets[0]: 'Harbor_Pull' is not a valid Secret name"),
     ("mlflow_tracking_uri: sqlite:///mlflow.db\n",
      "mlflow_tracking_uri: 'sqlite:///mlflow.db' is not an MLflow server; write http(s)://HOST[:PORT]"),
 ])
