@@ -140,7 +140,19 @@ def compile_cmd(pipeline, output, platform_file):
 
 
 def _cluster_notes(values: dict, platform) -> None:
-    """Notes on a run bound for a KFP server whose results would not outlive its pods."""
+    """Notes on a run bound for a KFP server whose results would not outlive its pods; and, before
+    anything is sent, what its serve step would refuse in the platform's KServe mode."""
+    if values.get("serve_backend") == "cluster":
+        from kfp_pytorch.components.cluster import CANARY_NEEDS_SERVERLESS, replicas_problems
+        from kfp_pytorch.components.errors import ConfigError
+
+        raw = (platform.serving_mode if platform else "RawDeployment") == "RawDeployment"
+        problems = [CANARY_NEEDS_SERVERLESS] if raw and values.get("canary_traffic_percent", -1) >= 0 else []
+        problems += replicas_problems(values.get("serve_min_replicas", 1), values.get("serve_max_replicas", 1), raw,
+                                      names=("serve_min_replicas", "serve_max_replicas"))
+        if problems:
+            raise ConfigError(problems, "the serve step would refuse these in KServe's "
+                                        f"{'RawDeployment' if raw else 'Serverless'} mode", title="invalid parameters")
     if "tracking_uri" in values and not values["tracking_uri"] and not (platform and platform.mlflow_tracking_uri):
         click.echo("note: tracking_uri is empty: each step's pod would keep its MLflow runs and the registered model "
                    "in an embedded sqlite store that goes with the pod; pass --param tracking_uri=http://MLFLOW:5000 "

@@ -501,7 +501,8 @@ class ClusterServeSpec:
     max_replicas: int = 1
     canary_traffic_percent: int | None = None
     raw_deployment: bool = True
-    """RawDeployment mode (no Knative/Istio needed), the usual on-prem choice."""
+    """RawDeployment mode (no Knative/Istio needed), the usual on-prem choice; else Serverless
+    (Knative), which alone has canary rollouts and scale to zero."""
     labels: dict = field(default_factory=dict)
     """The platform's labels: on the InferenceService and its predictor pods."""
     restricted: bool = True
@@ -518,6 +519,8 @@ class ClusterServeSpec:
             problems.append(f"model_uri: must be s3://, minio:// or pvc:// for KServe, got {self.model_uri!r}")
         if self.canary_traffic_percent is not None and not 0 <= self.canary_traffic_percent <= 100:
             problems.append(f"canary_traffic_percent: must be in [0, 100], got {self.canary_traffic_percent}")
+        elif self.canary_traffic_percent is not None and self.raw_deployment:
+            problems.append(CANARY_NEEDS_SERVERLESS)
         problems += replicas_problems(self.min_replicas, self.max_replicas, self.raw_deployment)
         return _finish_validation(problems, self.resources, "invalid serving settings")
 
@@ -540,10 +543,18 @@ def serve_resources_problems(res, where: str) -> list[str]:
     return cpu_memory_problems(res, where, "the predictor runs on CPU; give cpu and memory")
 
 
-def replicas_problems(min_replicas, max_replicas, raw_deployment: bool = True,
+CANARY_NEEDS_SERVERLESS = (
+    "canary_traffic_percent: a canary rollout needs KServe's Serverless mode (Knative); in RawDeployment KServe "
+    "ignores it and sends all traffic to the new version. Set serving_mode: Serverless in the platform file, or "
+    "leave canary_traffic_percent at -1")
+SERVING_MODES = ("RawDeployment", "Serverless")
+
+
+def replicas_problems(min_replicas, max_replicas, raw_deployment: bool | None = True,
                       names: tuple[str, str] = ("min_replicas", "max_replicas")) -> list[str]:
     """The predictor's replicas: KServe scales between them (in RawDeployment with an HPA on CPU
-    use, so the predictor's CPU request matters). Scale to zero is Knative's alone."""
+    use, so the predictor's CPU request matters). Scale to zero is Knative's alone; ``None``: the
+    mode is not known yet (a pipeline's parameters), so 0 passes here and is judged by the step."""
     lo, hi = names
     if any(isinstance(v, bool) or not isinstance(v, int) for v in (min_replicas, max_replicas)):
         return [f"{lo}, {hi}: must be whole numbers, got {min_replicas!r}, {max_replicas!r}"]
@@ -551,7 +562,7 @@ def replicas_problems(min_replicas, max_replicas, raw_deployment: bool = True,
         return [f"{hi}: must be >= 1, got {max_replicas}"]
     if min_replicas == 0 and raw_deployment:
         return [f"{lo}: 0 (scale to zero) needs KServe's Serverless mode (Knative), and the predictor runs as a "
-                "RawDeployment; use 1 or more"]
+                "RawDeployment; use 1 or more, or set serving_mode: Serverless in the platform file"]
     if not 0 <= min_replicas <= max_replicas:
         return [f"{lo}: must be in [1, {hi}={max_replicas}], got {min_replicas}"]
     return []
@@ -600,8 +611,8 @@ def to_inference_service(spec: ClusterServeSpec) -> dict:
         predictor["labels"] = dict(spec.labels)  # KServe puts the component's labels on its pods
     meta: dict = {"name": spec.model_name, "namespace": spec.namespace,
                   "labels": {**spec.labels, "app.kubernetes.io/managed-by": "kfp-pytorch"}}
-    if spec.raw_deployment:
-        meta["annotations"] = {"serving.kserve.io/deploymentMode": "RawDeployment"}
+    # said either way, so the InferenceService does not depend on the cluster's default mode
+    meta["annotations"] = {"serving.kserve.io/deploymentMode": SERVING_MODES[0 if spec.raw_deployment else 1]}
     return {"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService", "metadata": meta,
             "spec": {"predictor": predictor}}
 
@@ -677,6 +688,7 @@ class ClusterConfig:
     shm: bool = True
     serve_resources: dict = field(default_factory=lambda: dict(SERVE_RESOURCES))
     image_pull_secrets: tuple = ()
+    serving_mode: str = "RawDeployment"
 
     @classmethod
     def from_env(cls, env: dict | None = None) -> "ClusterConfig":
@@ -691,7 +703,8 @@ class ClusterConfig:
                                                                       "KFP_PYTORCH_RESTRICTED_PODS",
                                                                       "KFP_PYTORCH_SHM_VOLUME")) if p]
         for key, allowed in (("KFP_PYTORCH_TRAIN_KIND", ("PyTorchJob", "TrainJob")),
-                             ("KFP_PYTORCH_DELETE_POLICY", ("on-success", "always", "never"))):
+                             ("KFP_PYTORCH_DELETE_POLICY", ("on-success", "always", "never")),
+                             ("KFP_PYTORCH_SERVING_MODE", SERVING_MODES)):
             if env.get(key) and env[key] not in allowed:
                 problems.append(f"{key}: must be one of {', '.join(allowed)}, got {env[key]!r}")
         for key, res in (("KFP_PYTORCH_CPU_PER_NODE", "cpu"), ("KFP_PYTORCH_MEMORY_PER_NODE", "memory")):
@@ -760,6 +773,7 @@ class ClusterConfig:
             shm=flag(env.get("KFP_PYTORCH_SHM_VOLUME"), True),
             serve_resources={**SERVE_RESOURCES, **loaded["KFP_PYTORCH_SERVE_RESOURCES"]},
             image_pull_secrets=tuple(loaded["KFP_PYTORCH_IMAGE_PULL_SECRETS"]),
+            serving_mode=env.get("KFP_PYTORCH_SERVING_MODE") or "RawDeployment",
         )
 
     def train_spec(self, train: "TrainSpec") -> ClusterTrainSpec:
@@ -784,6 +798,7 @@ class ClusterConfig:
         return ClusterServeSpec(model_uri, model_name, self.image, self.namespace, self.service_account,
                                 resources=dict(self.serve_resources), min_replicas=min_replicas,
                                 max_replicas=max_replicas, image_pull_secrets=self.image_pull_secrets,
+                                raw_deployment=self.serving_mode == "RawDeployment",
                                 canary_traffic_percent=canary_traffic_percent, labels=self.pod_labels,
                                 restricted=self.restricted)
 

@@ -20,6 +20,7 @@ fairness labels (``add_pod_label``); GPU steps get node selectors and toleration
     train_resources: {cpu: 8, memory: 32Gi}  # each PyTorchJob/TrainJob pod's requests (= limits)
     serve_resources: {cpu: 2, memory: 4Gi}   # the KServe predictor's (default cpu 1, memory 2Gi)
     image_pull_secrets: [harbor-pull]  # a private registry's pull Secrets: step, training, predictor pods
+    serving_mode: RawDeployment  # KServe's mode for the predictor; Serverless (Knative) for canaries, scale to 0
     retries: 2             # each step, again after a failure (KFP's retry policy) ...
     retry_backoff_s: 60    # ... after 60 s, then 120 s, ...
 """
@@ -29,7 +30,7 @@ from urllib.parse import urlsplit
 
 from kfp_pytorch.components.cluster import (DNS1123_SUBDOMAIN, ISTIO_INJECT, KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL,
                                             S3_CA_BUNDLE, S3_CA_DIR, cpu_memory_problems, label_problems,
-                                            object_name_problems, pull_secret_problems, s3_keys_problems, serve_resources_problems,
+                                            SERVING_MODES, object_name_problems, pull_secret_problems, s3_keys_problems, serve_resources_problems,
                                             toleration_problems)
 from kfp_pytorch.components.errors import ConfigError
 from kfp_pytorch.components.storage import StorageError, parse_endpoint
@@ -86,6 +87,9 @@ class Platform:
     serve_resources: dict = field(default_factory=dict)
     """CPU and memory of the KServe predictor (default cpu 1, memory 2Gi); its HPA scales on CPU use
     against this request."""
+    serving_mode: str = "RawDeployment"
+    """KServe's deployment mode of the predictor: RawDeployment (a Deployment and an HPA; no Knative
+    needed) or Serverless (Knative), which alone has canary rollouts and scale to zero."""
     image_pull_secrets: list = field(default_factory=list)
     """Secrets (``kubernetes.io/dockerconfigjson``) of the private registry the images come from:
     every step pod, training pod and predictor pod pulls with them."""
@@ -169,6 +173,8 @@ def load_platform(data: dict | None) -> Platform:
         problems.append(f"labels.{ISTIO_INJECT}: the training pods' sidecar is set by istio_sidecar (false unless "
                         "you write istio_sidecar: true); KFP's step pods opt out of it themselves")
     problems += toleration_problems(data.get("gpu_tolerations") or [], "gpu_tolerations")
+    if data.get("serving_mode") is not None and data["serving_mode"] not in SERVING_MODES:
+        problems.append(f"serving_mode: must be {' or '.join(SERVING_MODES)}, got {data['serving_mode']!r}")
     if data.get("image_pull_secrets") is not None:
         problems += pull_secret_problems(data["image_pull_secrets"], "image_pull_secrets")
     if data.get("train_resources") is not None:
@@ -213,6 +219,8 @@ def platform_env(platform: Platform, gpu: bool = False) -> dict[str, str]:
             env[env_name] = str(platform.train_resources[key])
     if platform.serve_resources:
         env["KFP_PYTORCH_SERVE_RESOURCES"] = json.dumps(platform.serve_resources)
+    if platform.serving_mode != "RawDeployment":
+        env["KFP_PYTORCH_SERVING_MODE"] = platform.serving_mode
     if platform.image_pull_secrets:
         env["KFP_PYTORCH_IMAGE_PULL_SECRETS"] = json.dumps(platform.image_pull_secrets)
     if gpu and platform.gpu_node_selector:

@@ -124,7 +124,7 @@ def validate_params(p: dict) -> list[str]:
         problems.append(problem)
     if not (p["canary_traffic_percent"] == -1 or 0 <= p["canary_traffic_percent"] <= 100):
         problems.append(f"canary_traffic_percent: -1 (all traffic) or 0..100, got {p['canary_traffic_percent']}")
-    problems += replicas_problems(p["serve_min_replicas"], p["serve_max_replicas"],
+    problems += replicas_problems(p["serve_min_replicas"], p["serve_max_replicas"], raw_deployment=None,
                                   names=("serve_min_replicas", "serve_max_replicas"))
     return problems
 

@@ -84,8 +84,10 @@ def test_trainjob_is_valid():
 
 
 def test_inference_service_is_valid():
-    isvc = to_inference_service(ClusterServeSpec("minio://models/run1/model", "digits", IMAGE, canary_traffic_percent=10))
+    isvc = to_inference_service(ClusterServeSpec("minio://models/run1/model", "digits", IMAGE, canary_traffic_percent=10,
+                                                 raw_deployment=False))
     validate_manifest(isvc)
+    assert isvc["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "Serverless"
     p = isvc["spec"]["predictor"]
     assert p["canaryTrafficPercent"] == 10 and p["serviceAccountName"] == "kfp-pytorch-s3"
     c = p["containers"][0]
@@ -95,6 +97,19 @@ def test_inference_service_is_valid():
     assert env["STORAGE_URI"] == "s3://models/run1/model" and env["PROTOCOL"] == "v2"
     assert "--model_uri" in c["args"] and "/mnt/models" in c["args"]
     assert c["command"][-1] == "kfp_pytorch.components.kserve_predictor"
+
+
+def test_a_canary_in_raw_deployment_is_refused_not_rolled_out_to_all_traffic():
+    # KServe's canary rollouts are Knative's: in RawDeployment it ignored canaryTrafficPercent and the
+    # "10% canary" took all traffic at once
+    spec = ClusterServeSpec("s3://models/run1/model", "digits", IMAGE, canary_traffic_percent=10)
+    with pytest.raises(ConfigError) as e:
+        to_inference_service(spec)
+    assert e.value.problems == ["canary_traffic_percent: a canary rollout needs KServe's Serverless mode (Knative); in "
+                                "RawDeployment KServe ignores it and sends all traffic to the new version. Set "
+                                "serving_mode: Serverless in the platform file, or leave canary_traffic_percent at -1"]
+    raw = to_inference_service(dataclasses.replace(spec, canary_traffic_percent=None))
+    assert raw["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "RawDeployment"
 
 
 def test_the_predictor_is_ready_when_its_model_answers_not_when_it_starts():

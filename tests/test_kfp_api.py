@@ -221,6 +221,33 @@ def test_submit_and_schedule_take_the_platform_file_that_compile_takes(kfp_serve
     assert len(fake.requests) == before  # refused before any call to the server
 
 
+def test_a_canary_is_refused_before_submit_unless_the_platform_serves_with_knative(kfp_server, tmp_path):
+    fake, url = kfp_server
+    canary = ["--param", "serve_backend=cluster", "--param", "storage_root=s3://kfp-pytorch/runs",
+              "--param", "canary_traffic_percent=10", "--param", "serve_min_replicas=0", "--param", "serve_max_replicas=3"]
+    before = len(fake.requests)
+    r = cli("submit", "train_and_serve", "--host", url, "--no-wait", *canary)
+    assert r.returncode == 2, r.stderr
+    assert "canary_traffic_percent: a canary rollout needs KServe's Serverless mode (Knative)" in r.stderr
+    assert "serve_min_replicas: 0 (scale to zero) needs KServe's Serverless mode" in r.stderr
+    assert len(fake.requests) == before  # nothing sent: the serve step would have refused it after training
+    plat = tmp_path / "platform.yaml"
+    plat.write_text("serving_mode: Serverless\n")
+    r = cli("submit", "train_and_serve", "--host", url, "--no-wait", "--platform", str(plat), *canary)
+    assert r.returncode == 0, r.stderr
+    [v] = fake.versions.values()
+    env = {e["name"]: e["value"] for e in v["pipeline_spec"]["deploymentSpec"]["executors"]["exec-serve-op"]["container"]["env"]}
+    assert env["KFP_PYTORCH_SERVING_MODE"] == "Serverless"  # what the serve step's InferenceService is made with
+    r = cli("manifest", "inferenceservice", "--image", "reg/kfp-pytorch:0.1.0", "--platform", str(plat), *canary)
+    assert r.returncode == 0, r.stderr
+    [isvc] = yaml.safe_load_all(r.stdout)
+    assert isvc["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "Serverless"
+    assert isvc["spec"]["predictor"]["canaryTrafficPercent"] == 10 and isvc["spec"]["predictor"]["minReplicas"] == 0
+    plat.write_text("serving_mode: Knative\n")
+    r = cli("submit", "train_and_serve", "--host", url, "--platform", str(plat))
+    assert r.returncode == 2 and "serving_mode: must be RawDeployment or Serverless, got 'Knative'" in r.stderr
+
+
 def test_schedule_with_six_field_cron(kfp_server):
     fake, url = kfp_server
     r = cli("schedule", "train_and_serve", "--host", url, "--cron", "0 0 3 * * *", "--param", "threshold=0.95")
@@ -531,7 +558,7 @@ def test_manifest_dry_runs_are_valid():
     [isvc] = yaml.safe_load_all(r.stdout)
     assert (isvc["spec"]["predictor"]["minReplicas"], isvc["spec"]["predictor"]["maxReplicas"]) == (2, 6)
     r = cli("manifest", "inferenceservice", "--image", "reg/kfp-pytorch:0.1.0", "--param", "serve_min_replicas=0")
-    assert r.returncode == 2 and "serve_min_replicas: 0 (scale to zero) needs KServe's Serverless mode" in r.stderr
+    assert r.returncode == 2 and "min_replicas: 0 (scale to zero) needs KServe's Serverless mode" in r.stderr
 
 
 def test_a_manifest_dry_run_shows_the_platform_settings_the_pods_would_get(tmp_path):
