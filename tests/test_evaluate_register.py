@@ -228,6 +228,23 @@ def test_an_mlflow_server_with_auth_and_tls_says_what_the_step_lacks(mlflow_auth
         listener.close()
 
 
+def test_the_train_step_checks_mlflow_before_it_trains(mlflow_auth_server, digits_data, tmp_path, monkeypatch):
+    # a step whose MLflow refused it trained for hours first, then failed to record the run
+    from kfp.dsl import Dataset, Metrics, Model
+
+    from kfp_pytorch.components.ops.train import train_op
+
+    for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    model = Model(uri=str(tmp_path / "model"))
+    model.path = str(tmp_path / "model")
+    with pytest.raises(RegistryError, match="requires credentials"):
+        train_op.python_func(dataset=Dataset(uri=digits_data, metadata={"uri": digits_data}), model=model,
+                             metrics=Metrics(uri=str(tmp_path / "metrics")), epochs=1, workers=1,
+                             tracking_uri=mlflow_auth_server.url)
+    assert not (tmp_path / "model").exists()  # nothing trained, no checkpoint written
+
+
 def test_register_validates_name_and_metric(trained_model):
     with pytest.raises(ConfigError) as e:
         register(RegisterSpec(trained_model.model_uri, "bad name!", {"accuracy": 1.0}, True, metric="auc"))

@@ -25,6 +25,9 @@ def train_op(dataset: Input[Dataset], model: Output[Model], metrics: Output[Metr
                      epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, workers=workers,
                      max_restarts=max_restarts, backend=backend, nodes=nodes, gpus_per_node=gpus_per_node,
                      run_id=run_id, task=task_name, checkpoint_every_s=checkpoint_every_s)
+    # MLflow first: a server that is down or refuses the credentials fails the step now, not after
+    # the hours of training it would then not record
+    tracker = Tracker(tracking_uri or None)
     result = train(spec)
     for h in result.history:
         for k in ("loss", "accuracy", "val_accuracy", "samples_per_second"):
@@ -32,7 +35,7 @@ def train_op(dataset: Input[Dataset], model: Output[Model], metrics: Output[Metr
     final = result.history[-1]
     metrics.log_metric("final_val_accuracy", float(final["val_accuracy"]))
     metrics.log_metric("restarts", result.restarts)
-    run_id = Tracker(tracking_uri or None).log_training(
+    run_id = tracker.log_training(
         f"train-{model_arch}", {k: getattr(spec, k) for k in ("model", "epochs", "batch_size", "lr", "seed", "workers")},
         result.history)
     model.metadata.update({"uri": result.model_uri, "framework": "pytorch", "model_arch": model_arch,
