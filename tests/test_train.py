@@ -208,6 +208,35 @@ def test_sigterm_to_torchrun_checkpoints_the_step_it_stops_at_and_the_next_run_r
     assert f"epoch 2, step {state['step']}/{first['steps']} (restart 0)" in capfd.readouterr().out
 
 
+def test_ctrl_c_on_a_local_run_checkpoints_where_the_workers_stop(digits_data, tmp_path):
+    """Ctrl-C reaches only the foreground process (the workers have their own session): it stops
+    them with SIGTERM, and they checkpoint the step they agree on before they go."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    code = ("from kfp_pytorch.components.train import TrainSpec, train\n"
+            f"train(TrainSpec({digits_data!r}, {str(out)!r}, model='factories:slow', epochs=2, batch_size=16, "
+            "workers=2, max_restarts=0, progress='off', checkpoint_every_s=0))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    state_file = out / "checkpoints" / "last.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not state_file.exists() and proc.poll() is None:
+        time.sleep(0.02)
+    time.sleep(0.5)  # inside epoch 2
+    proc.send_signal(signal.SIGINT)
+    text, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in text, text[-2000:]
+    state = json.loads(state_file.read_text())
+    assert state["epoch"] == 1 and state["step"] > 0, state
+    assert f"stopped on SIGTERM epoch 2, step {state['step']}/" in text
+    left = []  # no worker outlives the run (orphans would be reparented, not our children)
+    for p in psutil.process_iter(["cmdline"]):
+        if str(out) in " ".join(p.info["cmdline"] or []):
+            left.append(p)
+    assert not left
+
+
 def test_a_mid_epoch_resume_trains_on_the_rest_of_that_very_epoch():
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
