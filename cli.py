@@ -247,6 +247,8 @@ def _print_summary(s: dict) -> None:
         click.echo(f"model:     {m['registry_uri']} (version {m['version']}, champion={m['champion']})")
     if "endpoint" in s:
         click.echo(f"endpoint:  {s['endpoint']}")
+    elif "not_served" in s:
+        click.echo(f"serve:     skipped: {s['not_served']}; `kfp-pytorch serve list` shows what serves")
     click.echo("artifacts:")
     for k, v in s.get("artifacts", {}).items():
         click.echo(f"  {k:<28} {v}")

@@ -317,9 +317,12 @@ def summarize(run: LocalRun) -> dict:
         s["model"] = {"registry_uri": reg.get("registry_uri"), "version": reg.get("version"),
                       "champion": reg.get("champion")}
     sv = o.get("serve-op", {}).get("parameterValues", {})
-    if sv:
+    if sv.get("endpoint"):
         s["endpoint"] = sv.get("endpoint")
         s["server_url"] = sv.get("url")
+    elif reg and reg.get("champion") is False:
+        s["not_served"] = (f"version {reg.get('version')} did not beat the champion, which stays served "
+                           "(only a new champion is served)")
     return s
 
 

@@ -60,13 +60,16 @@ def build(platform: Platform | None = None):
             reg.set_display_name("register (MLflow)")
             reg.set_caching_options(False)  # acts on MLflow: a cached step would register nothing
             apply_platform(reg, platform, mlflow=True)
+            # Only a new champion is served: a retraining that passes the gate but does not beat the
+            # champion replaced it at the endpoint, while the registry kept the better one. The step
+            # decides, given register's verdict: kfp.local (2.17) cannot read a NamedTuple output in
+            # a condition nested in another, so a dsl.If here never served locally.
             sv = serve_op(model=tr.outputs["model"], model_name=model_name, port=serve_port, backend=serve_backend,
                           canary_traffic_percent=canary_traffic_percent, min_replicas=serve_min_replicas,
-                          max_replicas=serve_max_replicas)
+                          max_replicas=serve_max_replicas, champion=reg.outputs["champion"])
             sv.set_display_name("serve (KServe v2)")
             sv.set_caching_options(False)  # acts on the cluster: a cached step would report a server it did not check
             apply_platform(sv, platform)
-            sv.after(reg)
 
     train_and_serve.pipeline_func.param_docs = PARAM_DOCS
     return train_and_serve

@@ -69,7 +69,8 @@ def test_steps_that_read_changing_data_or_act_on_the_world_are_never_cached(tmp_
     out = tmp_path / "p.yaml"
     assert run_cli("compile", "train-and-serve", "-o", str(out)).returncode == 0
     doc = yaml.safe_load(out.read_text())
-    tasks = {**doc["root"]["dag"]["tasks"], **doc["components"]["comp-condition-1"]["dag"]["tasks"]}
+    tasks = {name: t for comp in [doc["root"], *doc["components"].values()]
+             for name, t in ((comp.get("dag") or {}).get("tasks") or {}).items()}
     cached = {name: t["cachingOptions"].get("enableCache", False) for name, t in tasks.items() if "cachingOptions" in t}
     assert cached == {"prepare-data-op": False, "train-op": True, "evaluate-op": True, "register-op": False,
                       "serve-op": False}
@@ -106,6 +107,20 @@ def test_end_to_end_on_s3_and_mlflow_server(s3, bucket, mlflow_server):
         for f in Path(s["run_dir"]).rglob("*.json"):
             assert secret not in f.read_text()
         assert secret not in r.stdout and secret not in r.stderr
+        # A nightly retraining that passes the gate but does not beat the champion: registered, not
+        # served; the champion's server goes on answering
+        r = run_cli("run", "train_and_serve", "--local", "--json", "--param", "epochs=1", "--param", "threshold=0.5",
+                    "--param", f"storage_root=s3://{bucket}/runs", "--param", f"tracking_uri={mlflow_server.url}",
+                    "--param", "model_name=digits-e2e")
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        again = summary_of(r.stdout)
+        assert again["gate_passed"] is True and again["metrics"]["accuracy"] < s["metrics"]["accuracy"]
+        assert again["model"] == {"registry_uri": "models:/digits-e2e/2", "version": 2, "champion": False}
+        assert "endpoint" not in again and "prediction" not in again
+        assert again["not_served"] == "version 2 did not beat the champion, which stays served (only a new champion is served)"
+        listed = json.loads(run_cli("serve", "list", "--json").stdout)
+        assert [(x["name"], x["model_uri"]) for x in listed if x["name"] == "digits-e2e"] == [
+            ("digits-e2e", s["artifacts"]["train-op.model"])], listed  # the first run's model
     finally:
         run_cli("serve", "stop", "digits-e2e")
 

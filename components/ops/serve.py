@@ -9,10 +9,16 @@ from .._kfp import COMPONENT_KW
 
 @dsl.component(**COMPONENT_KW)
 def serve_op(model: Input[Model], model_name: str, port: int = 0, backend: str = "local",
-             canary_traffic_percent: int = -1, min_replicas: int = 1,
-             max_replicas: int = 1) -> NamedTuple("Outputs", [("endpoint", str), ("url", str)]):
-    """Serve the model over the Open Inference Protocol v2 and smoke-test one prediction."""
+             canary_traffic_percent: int = -1, min_replicas: int = 1, max_replicas: int = 1,
+             champion: bool = True) -> NamedTuple("Outputs", [("endpoint", str), ("url", str)]):
+    """Serve the model over the Open Inference Protocol v2 and smoke-test one prediction.
+    ``champion`` False (register's verdict: it did not beat the champion): serve nothing, so the
+    champion stays served; the outputs are empty."""
     from collections import namedtuple
+
+    if not champion:
+        print(f"not served: this model did not beat the champion of {model_name!r}, which stays served")
+        return namedtuple("Outputs", ["endpoint", "url"])("", "")
 
     from kfp_pytorch.components.serve import ServeSpec, serve
 
