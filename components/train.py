@@ -261,6 +261,10 @@ class LocalBackend:
                 signal.signal(signal.SIGTERM, prev)
             reader.join(timeout=5)
         if rc != 0:
+            stopped = next((m for m in map(_STOPPED_LINE.search, reversed(tail)) if m), None)
+            if stopped:  # a SIGTERM to torchrun (a kill, a terminated step): the workers checkpointed and left
+                raise TrainingError(f"training stopped on SIGTERM {stopped.group(1)}, checkpointed",
+                                    "run it again into the same output_uri: it resumes there")
             cause = worker_error(list(tail))
             last = "\n".join(f"    {t}" for t in list(tail)[-12:])
             raise TrainingError(f"training workers failed (torchrun exit code {rc})"
@@ -268,6 +272,7 @@ class LocalBackend:
                                 "read the worker error above; after fixing it, the job resumes from its checkpoint")
 
 
+_STOPPED_LINE = re.compile(r"\[kfp-pytorch\] stopped on SIGTERM (.+?), checkpointed to ")
 _ERROR_LINE = re.compile(r"^\s*(?:\[[^\]]*\]:?\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b.*)$")
 
 

@@ -198,6 +198,8 @@ def test_sigterm_to_torchrun_checkpoints_the_step_it_stops_at_and_the_next_run_r
     state = json.loads(state_file.read_text())
     # stopped within epoch 2 at a step the ranks agreed on, with that step checkpointed
     assert state["epoch"] == 1 and state["step"] > 0 and state["step"] % STOP_CHECK_STEPS == 0
+    assert box["error"].message.startswith(f"training stopped on SIGTERM epoch 2, step {state['step']}/")
+    assert box["error"].hint == "run it again into the same output_uri: it resumes there"
     logs = capfd.readouterr()
     assert f"stopped on SIGTERM epoch 2, step {state['step']}/" in logs.out
 
