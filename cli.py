@@ -139,7 +139,7 @@ def compile_cmd(pipeline, output, platform_file):
     click.echo(f"wrote {output}")
 
 
-def _cluster_notes(values: dict, platform) -> None:
+def _before_submit(values: dict, platform) -> None:
     """Notes on a run bound for a KFP server whose results would not outlive its pods; and, before
     anything is sent, what its serve step would refuse in the platform's KServe mode."""
     if values.get("serve_backend") == "cluster":
@@ -427,7 +427,7 @@ def submit_cmd(pipeline, host, namespace, experiment, token, ca_cert, params, ru
     values = _resolve_params(entry, params)
     entry, platform = _with_platform(entry, platform_file)
     check_component_image()  # local problems before any call to the server
-    _cluster_notes(values, platform)
+    _before_submit(values, platform)
     api = KfpApi(host, namespace, token, ca_cert=ca_cert)
     run_id = api.submit(entry, values, experiment, run_name)
     run_url = f"{host.rstrip('/')}/#/runs/details/{run_id}"
@@ -472,7 +472,7 @@ def schedule_cmd(pipeline, host, namespace, experiment, token, ca_cert, cron, pa
     values = _resolve_params(entry, params)
     entry, platform = _with_platform(entry, platform_file)
     check_component_image()
-    _cluster_notes(values, platform)
+    _before_submit(values, platform)
     api = KfpApi(host, namespace, token, ca_cert=ca_cert)
     rr, replaced = api.schedule(entry, values, cron, experiment, name, max_concurrency, replace)
     click.echo(f"recurring run {rr} created: {pipeline} at '{cron}'"
