@@ -143,13 +143,14 @@ def _before_submit(values: dict, platform) -> None:
     """Notes on a run bound for a KFP server whose results would not outlive its pods; and, before
     anything is sent, what its serve step would refuse in the platform's KServe mode."""
     if values.get("serve_backend") == "cluster":
-        from kfp_pytorch.components.cluster import CANARY_NEEDS_SERVERLESS, replicas_problems
+        from kfp_pytorch.components.cluster import serving_mode_problems
         from kfp_pytorch.components.errors import ConfigError
 
         raw = (platform.serving_mode if platform else "RawDeployment") == "RawDeployment"
-        problems = [CANARY_NEEDS_SERVERLESS] if raw and values.get("canary_traffic_percent", -1) >= 0 else []
-        problems += replicas_problems(values.get("serve_min_replicas", 1), values.get("serve_max_replicas", 1), raw,
-                                      names=("serve_min_replicas", "serve_max_replicas"))
+        canary = values.get("canary_traffic_percent", -1)
+        problems = serving_mode_problems(canary if canary >= 0 else None, values.get("serve_min_replicas", 1),
+                                         values.get("serve_max_replicas", 1), raw,
+                                         names=("serve_min_replicas", "serve_max_replicas"))
         if problems:
             raise ConfigError(problems, "the serve step would refuse these in KServe's "
                                         f"{'RawDeployment' if raw else 'Serverless'} mode", title="invalid parameters")

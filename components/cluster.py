@@ -517,11 +517,11 @@ class ClusterServeSpec:
             problems.append(f"model_name: must be a DNS-1123 label of at most 45 characters, got {self.model_name!r}")
         if not self.model_uri.startswith(("s3://", "minio://", "pvc://")):
             problems.append(f"model_uri: must be s3://, minio:// or pvc:// for KServe, got {self.model_uri!r}")
-        if self.canary_traffic_percent is not None and not 0 <= self.canary_traffic_percent <= 100:
-            problems.append(f"canary_traffic_percent: must be in [0, 100], got {self.canary_traffic_percent}")
-        elif self.canary_traffic_percent is not None and self.raw_deployment:
-            problems.append(CANARY_NEEDS_SERVERLESS)
-        problems += replicas_problems(self.min_replicas, self.max_replicas, self.raw_deployment)
+        canary = self.canary_traffic_percent
+        if canary is not None and not 0 <= canary <= 100:
+            problems.append(f"canary_traffic_percent: must be in [0, 100], got {canary}")
+            canary = None
+        problems += serving_mode_problems(canary, self.min_replicas, self.max_replicas, self.raw_deployment)
         return _finish_validation(problems, self.resources, "invalid serving settings")
 
 
@@ -543,11 +543,22 @@ def serve_resources_problems(res, where: str) -> list[str]:
     return cpu_memory_problems(res, where, "the predictor runs on CPU; give cpu and memory")
 
 
+def train_resources_problems(res, where: str) -> list[str]:
+    return cpu_memory_problems(res, where, "a training pod's GPUs are the run's gpus_per_node parameter")
+
+
 CANARY_NEEDS_SERVERLESS = (
     "canary_traffic_percent: a canary rollout needs KServe's Serverless mode (Knative); in RawDeployment KServe "
     "ignores it and sends all traffic to the new version. Set serving_mode: Serverless in the platform file, or "
     "leave canary_traffic_percent at -1")
 SERVING_MODES = ("RawDeployment", "Serverless")
+
+
+def serving_mode_problems(canary_traffic_percent: int | None, min_replicas, max_replicas, raw_deployment: bool,
+                          names: tuple[str, str] = ("min_replicas", "max_replicas")) -> list[str]:
+    """What KServe's mode allows: a canary and scale to zero are Knative's (Serverless) alone."""
+    problems = [CANARY_NEEDS_SERVERLESS] if canary_traffic_percent is not None and raw_deployment else []
+    return problems + replicas_problems(min_replicas, max_replicas, raw_deployment, names)
 
 
 def replicas_problems(min_replicas, max_replicas, raw_deployment: bool | None = True,

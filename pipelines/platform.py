@@ -29,9 +29,9 @@ from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
 from kfp_pytorch.components.cluster import (DNS1123_SUBDOMAIN, ISTIO_INJECT, KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL,
-                                            S3_CA_BUNDLE, S3_CA_DIR, cpu_memory_problems, label_problems,
-                                            SERVING_MODES, object_name_problems, pull_secret_problems, s3_keys_problems, serve_resources_problems,
-                                            toleration_problems)
+                                            S3_CA_BUNDLE, S3_CA_DIR, SERVING_MODES, label_problems,
+                                            object_name_problems, pull_secret_problems, s3_keys_problems,
+                                            serve_resources_problems, toleration_problems, train_resources_problems)
 from kfp_pytorch.components.errors import ConfigError
 from kfp_pytorch.components.storage import StorageError, parse_endpoint
 
@@ -178,8 +178,7 @@ def load_platform(data: dict | None) -> Platform:
     if data.get("image_pull_secrets") is not None:
         problems += pull_secret_problems(data["image_pull_secrets"], "image_pull_secrets")
     if data.get("train_resources") is not None:
-        problems += cpu_memory_problems(data["train_resources"], "train_resources",
-                                        "a training pod's GPUs are the run's gpus_per_node parameter")
+        problems += train_resources_problems(data["train_resources"], "train_resources")
     if data.get("serve_resources") is not None:
         problems += serve_resources_problems(data["serve_resources"], "serve_resources")
     if problems:
