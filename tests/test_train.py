@@ -87,16 +87,21 @@ def test_s3_dataset_checkpoints_and_model(s3, bucket, tmp_path):
     assert result.model_uri == f"s3://{bucket}/run/model" and len(result.history) == 2
 
 
-def _worker_pids() -> list[psutil.Process]:
+def _children(want) -> list[psutil.Process]:
+    """This test process's descendants whose command line ``want`` accepts."""
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
             cmd = p.cmdline()
-        except psutil.Error:  # exited while we looked
+        except psutil.Error:  # exited while we looked, or a zombie not yet reaped
             continue
-        if "kfp_pytorch.components.train_worker" in cmd and "torch.distributed.run" not in cmd:
+        if want(cmd):
             out.append(p)
     return out
+
+
+def _worker_pids() -> list[psutil.Process]:
+    return _children(lambda cmd: "kfp_pytorch.components.train_worker" in cmd and "torch.distributed.run" not in cmd)
 
 
 def test_killed_worker_resumes_from_checkpoint(digits_data, tmp_path):
@@ -190,7 +195,7 @@ def test_sigterm_to_torchrun_checkpoints_the_step_it_stops_at_and_the_next_run_r
         time.sleep(0.02)
     assert json.loads(state_file.read_text())["epoch"] == 1  # epoch 1 done, none of epoch 2 saved
     time.sleep(0.5)  # about a dozen steps into epoch 2
-    agents = [p for p in psutil.Process().children(recursive=True) if "torch.distributed.run" in p.cmdline()]
+    agents = _children(lambda cmd: "torch.distributed.run" in cmd)
     assert len(agents) == 1
     agents[0].send_signal(signal.SIGTERM)
     t.join(timeout=60)
