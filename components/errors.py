@@ -102,3 +102,12 @@ class CrdNotInstalled(KubernetesError):
     """The API group of a CRD (Training Operator, Trainer, KServe) is not served by the cluster."""
 
     exit_code = 3
+
+
+def untrusted_certificate(server: str, error: BaseException) -> str:
+    """How an https server whose certificate failed verification is named, with OpenSSL's reason
+    (``unable to get local issuer certificate``, a hostname mismatch) when the error carries it."""
+    import re
+
+    why = re.search(r"certificate verify failed: ([^(')]+)", str(error))
+    return f"{server} has a TLS certificate this machine does not trust" + (f" ({why.group(1).strip()})" if why else "")

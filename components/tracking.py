@@ -12,7 +12,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import RegistryError
+from .errors import RegistryError, untrusted_certificate
 from .paths import home
 
 CHAMPION = "champion"
@@ -47,9 +47,7 @@ def _mapped(action: str, uri: str):
 
         text = str(e)
         if isinstance(e, requests.exceptions.SSLError) or "CERTIFICATE_VERIFY_FAILED" in text:
-            why = re.search(r"certificate verify failed: ([^(')]+)", text)
-            raise RegistryError(f"{action}: the MLflow server at {uri} has a TLS certificate this machine does not "
-                                "trust" + (f" ({why.group(1).strip()})" if why else ""),
+            raise RegistryError(f"{action}: " + untrusted_certificate(f"the MLflow server at {uri}", e),
                                 "set MLFLOW_TRACKING_SERVER_CERT_PATH to the PEM file of the CA that signed it") from e
         if isinstance(e, requests.exceptions.ConnectionError) or "Max retries exceeded" in text \
                 or "Connection refused" in text:

@@ -3,7 +3,6 @@
 Reachability and authentication are checked first with one short request, so an unreachable
 or auth-protected host gets a clear error in seconds (``kfp.Client`` itself retries for ~25 s).
 """
-import re
 import sys
 import tempfile
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import requests
 
-from kfp_pytorch.components.errors import KfpPytorchError, TemporaryError
+from kfp_pytorch.components.errors import KfpPytorchError, TemporaryError, untrusted_certificate
 
 from .registry import PipelineEntry
 
@@ -52,9 +51,7 @@ def _check_host(host: str, token: str | None, source: str = "--token / KF_PIPELI
         r = requests.get(f"{host.rstrip('/')}/apis/v2beta1/healthz", headers=headers, timeout=5, allow_redirects=False,
                          verify=ca_cert or True)
     except requests.exceptions.SSLError as e:
-        why = re.search(r"certificate verify failed: ([^(')]+)", str(e))
-        raise KfpApiError(f"the KFP API at {host} has a TLS certificate this machine does not trust"
-                          + (f" ({why.group(1).strip()})" if why else ""),
+        raise KfpApiError(untrusted_certificate(f"the KFP API at {host}", e),
                           "pass --ca-cert (or set KF_PIPELINES_CA_CERT) with the PEM file of the CA that signed it") from e
     except requests.RequestException as e:
         raise KfpApiError(f"cannot reach the KFP API at {host} ({type(e).__name__})",
