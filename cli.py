@@ -322,8 +322,9 @@ def serve_stop(names, stop_all):
               help="With --url pointing at the ingress gateway: the InferenceService's host (its status.url's).")
 @click.option("--token", envvar="KFP_PYTORCH_SERVE_TOKEN", default=None,
               help="With --url: a bearer token for a gateway that authenticates (or KFP_PYTORCH_SERVE_TOKEN).")
-@click.option("--label-column", default="label", show_default=True,
-              help="Compared with the predictions when present; never sent.")
+@click.option("--label-column", default=None,
+              help="Compared with the predictions when present; never sent. Default: the column the model "
+                   "was trained to predict (its metadata's), else 'label'.")
 @click.option("--batch-size", default=256, show_default=True, type=click.IntRange(1, 65536))
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write the predictions as CSV here (default: stdout).")
@@ -334,11 +335,12 @@ def serve_predict(name, table, url, model_uri, host_header, token, label_column,
     from kfp_pytorch.components.prepare_data import load_table
 
     target = resolve_target(name, url, model_uri, host_header, token)
-    frame = load_table(table, label_column=label_column)
+    frame = load_table(table, label_column=label_column or "label")
     show = sys.stderr.isatty() and len(frame) > batch_size
     with click.progressbar(length=len(frame), label="predicting", file=sys.stderr) if show else nullcontext() as bar:
-        preds, accuracy = predict_table(target, frame, label_column, source=table, batch_size=batch_size,
-                                        on_batch=bar.update if bar is not None else None)
+        preds, accuracy, label_column = predict_table(target, frame, label_column, source=table,
+                                                      batch_size=batch_size,
+                                                      on_batch=bar.update if bar is not None else None)
     if output:
         preds.to_csv(output, index=False)
     else:

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import numpy as np
 
 from .errors import DatasetError, ServingError
 from .serve import infer, read_server
 from .storage import Storage, join
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 @dataclass
@@ -126,16 +129,26 @@ def predict_rows(target: Target, x: np.ndarray, batch_size: int = 256,
     return {"label": labels, "class": names or None, "confidence": conf}
 
 
-def predict_table(target: Target, table, label_column: str = "label", source: str = "the table",
-                  batch_size: int = 256, on_batch: Callable[[int], None] | None = None,
-                  storage: Storage | None = None):
-    """Predict every row of ``table``; returns (DataFrame of predictions, accuracy or None).
+class Predictions(NamedTuple):
+    frame: "pd.DataFrame"
+    """row, prediction, confidence, and the row's label when the table has one."""
+    accuracy: float | None
+    label_column: str
+    """The column compared with the predictions: the one given, or the model's own."""
 
-    Accuracy is given when the table has ``label_column``: a predicted class name (or id, for a
-    model trained on numeric labels) against the row's label."""
+
+def predict_table(target: Target, table, label_column: str | None = None, source: str = "the table",
+                  batch_size: int = 256, on_batch: Callable[[int], None] | None = None,
+                  storage: Storage | None = None) -> Predictions:
+    """Predict every row of ``table``.
+
+    Accuracy is given when the table has the label column: a predicted class name (or id, for a
+    model trained on numeric labels) against the row's label. ``label_column`` None: the column
+    the model was trained to predict (its metadata's), else ``label``."""
     import pandas as pd
 
     meta = model_features(target.model_uri, storage) if target.model_uri else {}
+    label_column = label_column or meta.get("label_column") or "label"
     x, truth = feature_matrix(table, meta.get("features"), label_column, source)
     res = predict_rows(target, x, batch_size, on_batch)
     shown = res["class"] if res["class"] is not None else res["label"]
@@ -145,4 +158,4 @@ def predict_table(target: Target, table, label_column: str = "label", source: st
     if truth:
         out["label"] = truth
         accuracy = float(np.mean([str(p) == str(t) for p, t in zip(shown, truth)]))
-    return out, accuracy
+    return Predictions(out, accuracy, label_column)

@@ -1,10 +1,11 @@
 """``prepare_data``: dataset URI -> validated, stratified, normalised shards in the store.
 
-Input: a table (CSV or Parquet) with numeric feature columns and one label column, of integer
-class ids or of class names (text: numbered in sorted order, the names kept in the metadata and
+Input: a table (CSV or Parquet) with numeric feature columns and one label column (``label``
+unless named: ``label_column``), of integer class ids or of class names (text: numbered in sorted order, the names kept in the metadata and
 answered by the served model), read from a local path, ``s3://`` / ``minio://`` (through
 :mod:`.storage`), or ``sample://digits``, scikit-learn's 8x8 digits, which ships inside
-scikit-learn so nothing is downloaded.
+scikit-learn so nothing is downloaded. The features are every other column, or those named in
+``feature_columns`` (an export's id, timestamp and free-text columns stay out of the model).
 
 Output, below ``output_uri``::
 
@@ -17,6 +18,7 @@ Normalisation statistics come from the train split only (no test leakage); they 
 metadata so the predictor normalises raw requests the same way.
 """
 
+import difflib
 import hashlib
 import io
 import itertools
@@ -57,7 +59,9 @@ class PrepareSpec:
     output_uri: str
     """Directory URI (local or s3://) that receives metadata.json and the shards."""
     label_column: str = "label"
-    """Label column, class ids (integers >= 0) or class names (text); every other column is a numeric feature."""
+    """Label column, class ids (integers >= 0) or class names (text)."""
+    feature_columns: tuple[str, ...] = ()
+    """The numeric feature columns, in the model's input order; empty: every column but the label."""
     val_fraction: float = 0.15
     test_fraction: float = 0.15
     seed: int = 42
@@ -71,6 +75,7 @@ class PrepareSpec:
             problems.append("dataset_uri: must be set (a path, s3://bucket/key or sample://digits)")
         if not self.output_uri:
             problems.append("output_uri: must be set")
+        problems += columns_problems(self.label_column, self.feature_columns)
         for name in ("val_fraction", "test_fraction"):
             v = getattr(self, name)
             if not 0 < v < 0.5:
@@ -81,6 +86,52 @@ class PrepareSpec:
             problems.append(problem)
         if problems:
             raise ConfigError(problems, title="invalid prepare_data settings")
+
+
+def parse_columns(text: str) -> tuple[str, ...]:
+    """A comma-separated column list (a pipeline parameter is a string) as names; blanks around
+    a name are dropped, as a spreadsheet user types ``a, b``."""
+    return tuple(name.strip() for name in text.split(",")) if text.strip() else ()
+
+
+def columns_problems(label_column: str, feature_columns, names=("label_column", "feature_columns")) -> list[str]:
+    """What is wrong with a label column and a feature list, before any table is read."""
+    label_name, features_name = names
+    problems = []
+    if not label_column.strip():
+        problems.append(f"{label_name}: must name the table's label column, got {label_column!r}")
+    if any(not c for c in feature_columns):
+        problems.append(f"{features_name}: an empty column name in {', '.join(feature_columns)!r} "
+                        "(write names separated by commas: a,b,c)")
+    if dupes := sorted({c for c in feature_columns if c and list(feature_columns).count(c) > 1}):
+        problems.append(f"{features_name}: {', '.join(map(repr, dupes))} given more than once")
+    if label_column in feature_columns:
+        problems.append(f"{features_name}: must not hold the label column {label_column!r} (the model would "
+                        "be given the answer)")
+    return problems
+
+
+def _missing_column(what: str, name: str, columns: list[str], parameter: str) -> str:
+    """A column that the table lacks, with the closest names it has and the parameter to change."""
+    by_lower = {c.lower(): c for c in reversed(columns)}  # 'Species' is near 'species'
+    near = [by_lower[c] for c in difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.6)]
+    shown = ", ".join(columns[:12]) + (", ..." if len(columns) > 12 else "")
+    return (f"{what} {name!r} is missing (columns: {shown})"
+            + (f"; did you mean {' or '.join(map(repr, near))}? (set {parameter})" if near
+               else f"; {parameter} must name one of them"))
+
+
+def feature_names(df, label_column: str, feature_columns=()) -> list[str]:
+    """The feature columns, by name: those chosen, or every column but the label."""
+    return list(feature_columns) if feature_columns else [str(c) for c in df.columns if str(c) != label_column]
+
+
+def image_shape(df, label_column: str, feature_columns=()):
+    """The table's image shape (C, H, W) when its features are all its pixels, in order; None for a
+    chosen subset or order of them, which is no longer that image."""
+    shape = df.attrs.get("image_shape")
+    every = [str(c) for c in df.columns if str(c) != label_column]
+    return shape if shape and feature_names(df, label_column, feature_columns) == every else None
 
 
 def load_table(uri: str, storage: Storage | None = None, label_column: str = "label"):
@@ -139,23 +190,30 @@ def _too_few_rows(n: int, k: int, val_fraction: float, test_fraction: float) -> 
             f"stratified split needs every class in every split; give at least {need} rows")
 
 
-def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fraction: float = 0.15) -> list[str]:
-    """Every problem with the table, each with its column; empty when the table is usable."""
+def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fraction: float = 0.15,
+                   feature_columns=()) -> list[str]:
+    """Every problem with the table, each with its column; empty when the table is usable. Only
+    the label and the feature columns are read: the others may hold anything."""
     import pandas as pd
 
+    df = df.rename(columns=str)  # a Parquet file's column names may be numbers; parameters are text
+    columns = list(df.columns)
+    missing = [_missing_column("label column", label_column, columns, "label_column")] if label_column not in columns else []
+    missing += [_missing_column("feature column", c, columns, "feature_columns") for c in feature_columns
+                if c not in columns]
+    if missing:
+        return missing
+    features = feature_names(df, label_column, feature_columns)
     problems: list[str] = []
-    if label_column not in df.columns:
-        return [f"label column {label_column!r} is missing (columns: {', '.join(map(str, df.columns[:12]))}"
-                f"{', ...' if len(df.columns) > 12 else ''})"]
-    features = [c for c in df.columns if c != label_column]
     if not features:
         problems.append("no feature columns: the table has only the label column")
     if len(df) == 0:
         problems.append("the table has no rows")
     for c in features:
         if not pd.api.types.is_numeric_dtype(df[c]):
-            problems.append(f"column {c!r}: must be numeric, got dtype {df[c].dtype}")
-    nan_cols = [c for c in df.columns if df[c].isna().any()]
+            problems.append(f"column {c!r}: must be numeric, got dtype {df[c].dtype}"
+                            + ("" if feature_columns else " (leave it out: list the features in feature_columns)"))
+    nan_cols = [c for c in [*features, label_column] if df[c].isna().any()]
     for c in nan_cols:
         problems.append(f"column {c!r}: {int(df[c].isna().sum())} NaN value(s)")
     fp32_max = float(np.finfo(np.float32).max)
@@ -210,9 +268,10 @@ def encode_labels(labels) -> tuple[np.ndarray, list[str] | None]:
     return np.fromiter((index[t] for t in text), dtype=np.int64, count=len(text)), names
 
 
-def check_table(uri: str, df, label_column: str, val_fraction: float = 0.15, test_fraction: float = 0.15) -> None:
+def check_table(uri: str, df, label_column: str, val_fraction: float = 0.15, test_fraction: float = 0.15,
+                feature_columns=()) -> None:
     """:func:`validate_table` as one DatasetError listing every problem."""
-    problems = validate_table(df, label_column, val_fraction, test_fraction)
+    problems = validate_table(df, label_column, val_fraction, test_fraction, feature_columns)
     if problems:
         raise DatasetError(f"dataset {uri} failed validation:\n" + "\n".join(f"  - {p}" for p in problems),
                            "fix the problems above (finite numeric features, class ids or names as labels, no NaNs, enough rows) and run again")
@@ -243,9 +302,9 @@ def prepare_data(spec: PrepareSpec, storage: Storage | None = None) -> dict:
 
     spec.validate()
     storage = storage or Storage()
-    df = load_table(spec.dataset_uri, storage, spec.label_column)
-    check_table(spec.dataset_uri, df, spec.label_column, spec.val_fraction, spec.test_fraction)
-    features = [str(c) for c in df.columns if c != spec.label_column]
+    df = load_table(spec.dataset_uri, storage, spec.label_column).rename(columns=str)
+    check_table(spec.dataset_uri, df, spec.label_column, spec.val_fraction, spec.test_fraction, spec.feature_columns)
+    features = feature_names(df, spec.label_column, spec.feature_columns)
     x = df[features].to_numpy(dtype=np.float32)
     y, class_names = encode_labels(df[spec.label_column])
     parts = _split(y, spec)
@@ -264,7 +323,7 @@ def prepare_data(spec: PrepareSpec, storage: Storage | None = None) -> dict:
         "num_classes": max(classes) + 1,
         "class_names": class_names,  # of a text label column, by class id (None: the labels were ids)
         "label_column": spec.label_column,
-        "image_shape": df.attrs.get("image_shape"),
+        "image_shape": image_shape(df, spec.label_column, spec.feature_columns),
         "normalization": {"mean": mean.tolist(), "std": std.tolist()},
         "split": {"seed": spec.seed, "val_fraction": spec.val_fraction, "test_fraction": spec.test_fraction,
                   "stratified": True},

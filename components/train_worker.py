@@ -379,6 +379,7 @@ def run(args: argparse.Namespace) -> dict:
             "format": "kfp-pytorch-model/v1", "model": args.model, "input_shape": [meta["num_features"]],
             "image_shape": meta.get("image_shape"), "classes": meta["classes"],
             "num_classes": meta["num_classes"], "class_names": meta.get("class_names"), "features": meta["features"],
+            "label_column": meta.get("label_column", "label"),
             "normalization": meta["normalization"], "dataset_uri": args.dataset_uri,
             "program": "model.pt2", "weights": "weights.pt", "training": summary,
         }

@@ -17,7 +17,8 @@ from pathlib import Path
 from kfp_pytorch.components.errors import DatasetError, KfpPytorchError, PortInUseError, RegistryError
 from kfp_pytorch.components.models import build_model, resolve_factory
 from kfp_pytorch.components.paths import home
-from kfp_pytorch.components.prepare_data import SAMPLE_SCHEME, check_table, encode_labels, load_table
+from kfp_pytorch.components.prepare_data import (SAMPLE_SCHEME, check_table, encode_labels, feature_names, image_shape,
+                                                 load_table, parse_columns)
 from kfp_pytorch.components.serve import port_is_free, read_server
 from kfp_pytorch.components.storage import Storage
 from kfp_pytorch.components.tracking import resolve_tracking_uri
@@ -33,20 +34,23 @@ def preflight(params: dict, storage: Storage | None = None) -> None:
     needs_s3 = uri.startswith(("s3://", "minio://")) or params.get("storage_root")
     storage = storage or (Storage() if needs_s3 or not uri.startswith(SAMPLE_SCHEME) else None)
     label = params.get("label_column", "label")
+    chosen = parse_columns(params.get("feature_columns", ""))
     table = None
     if uri and not uri.startswith(SAMPLE_SCHEME):
         if not storage.exists(uri):
             raise DatasetError(f"dataset not found: {uri}",
                                "check dataset_uri (a CSV/Parquet path, s3://bucket/key or sample://digits)")
-        table = load_table(uri, storage, label)
-        check_table(uri, table, label)
+        table = load_table(uri, storage, label).rename(columns=str)
+        check_table(uri, table, label, feature_columns=chosen)
     custom = ":" in params.get("model_arch", "")
-    if uri and table is None and custom:  # a bundled sample: its shape, for the check below
-        table = load_table(uri, storage, label)
+    if uri and table is None and (custom or chosen):  # a bundled sample: its columns, for the checks below
+        table = load_table(uri, storage, label).rename(columns=str)
+        check_table(uri, table, label, feature_columns=chosen)
     if table is not None and custom:
         # a model of the user's own, built once for this table's shape: the workers would build it the same
         ids, _ = encode_labels(table[label])  # as prepare_data numbers the classes
-        build_model(params["model_arch"], table.shape[1] - 1, int(ids.max()) + 1, table.attrs.get("image_shape"))
+        build_model(params["model_arch"], len(feature_names(table, label, chosen)), int(ids.max()) + 1,
+                    image_shape(table, label, chosen))
     if params.get("storage_root"):
         storage.ensure_bucket(params["storage_root"])
     if "tracking_uri" in params:

@@ -12,7 +12,7 @@ from kfp import dsl
 from kfp_pytorch.components.cluster import replicas_problems
 from kfp_pytorch.components.ops.evaluate import evaluate_op
 from kfp_pytorch.components.models import ZOO
-from kfp_pytorch.components.prepare_data import seed_problem
+from kfp_pytorch.components.prepare_data import columns_problems, parse_columns, seed_problem
 from kfp_pytorch.components.storage import StorageError, parse_uri
 from kfp_pytorch.components.train import checkpoint_every_problem, gpu_share_problem
 from kfp_pytorch.components.ops.prepare_data import prepare_data_op
@@ -35,8 +35,9 @@ def build(platform: Platform | None = None):
                         train_backend: str = "local", serve_backend: str = "local", serve_port: int = 0,
                         nodes: int = 1, gpus_per_node: int = 0, canary_traffic_percent: int = -1,
                         checkpoint_every_s: float = 600.0, serve_min_replicas: int = 1,
-                        serve_max_replicas: int = 1):
-        prep = prepare_data_op(dataset_uri=dataset_uri, seed=seed, storage_root=storage_root)
+                        serve_max_replicas: int = 1, label_column: str = "label", feature_columns: str = ""):
+        prep = prepare_data_op(dataset_uri=dataset_uri, label_column=label_column, feature_columns=feature_columns,
+                               seed=seed, storage_root=storage_root)
         prep.set_display_name("prepare data")
         # Never cached: KFP keys its cache on the inputs, and dataset_uri names data that changes
         # under it (a nightly export to the same key), so a scheduled retraining would reuse the
@@ -93,6 +94,7 @@ def validate_params(p: dict) -> list[str]:
             problems.append(f"{k}: must be >= 1, got {p[k]}")
     if not 0 < p["lr"] < math.inf:  # NaN too
         problems.append(f"lr: must be a finite number > 0, got {p['lr']}")
+    problems += columns_problems(p["label_column"], parse_columns(p["feature_columns"]))
     if problem := seed_problem(p["seed"]):
         problems.append(problem)
     if problem := checkpoint_every_problem(p["checkpoint_every_s"]):
@@ -175,6 +177,8 @@ PARAM_DOCS = {
     "serve_min_replicas": "KServe predictor replicas at least (cluster serving)",
     "serve_max_replicas": "KServe predictor replicas at most: above the minimum, an HPA scales on CPU use",
     "checkpoint_every_s": "seconds between checkpoints within an epoch (0: at epoch ends only)",
+    "label_column": "the table's label column: class ids (0, 1, ...) or class names",
+    "feature_columns": "comma-separated feature columns, in order (empty: every column but the label)",
 }
 
 

@@ -319,6 +319,11 @@ def test_failed_task_is_read_from_kfp_locals_coloured_message():
      "dataset_uri: URI 's3://-data/x.csv': '-data' is not a valid bucket name"),
     (["run", "train_and_serve", "--local", "--param", "serve_min_replicas=4", "--param", "serve_max_replicas=2"],
      "serve_min_replicas: must be in [1, serve_max_replicas=2], got 4"),
+    (["run", "train_and_serve", "--local", "--param", "feature_columns=pixel_0_0, label"],
+     "feature_columns: must not hold the label column 'label' (the model would be given the answer)"),
+    # a bundled sample's columns are checked before any step too
+    (["run", "train_and_serve", "--local", "--param", "feature_columns=pixel_0_0,pixel_9_9"],
+     "feature column 'pixel_9_9' is missing (columns: pixel_0_0, pixel_0_1,"),
 ])
 def test_bad_input_is_a_clear_error(args, needle):
     r = run_cli(*args)
@@ -371,6 +376,51 @@ def test_bad_table_is_rejected_before_any_step(tmp_path):
     r = run_cli("run", "train_and_serve", "--local", "--param", f"dataset_uri={bad}")
     assert r.returncode == 2 and "column 'b': 1 NaN" in r.stderr and "column 'a': must be numeric" in r.stderr
     assert "Traceback" not in r.stderr
+    # a table whose label has its own name: said, with the parameter to set
+    named = tmp_path / "named.csv"
+    named.write_text("a,b,Outcome\n1,2,0\n3,4,1\n")
+    r = run_cli("run", "train_and_serve", "--local", "--param", f"dataset_uri={named}")
+    assert r.returncode == 2 and "label column 'label' is missing (columns: a, b, Outcome); label_column must " \
+                                 "name one of them" in r.stderr, r.stderr
+    assert not (Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").exists()  # nothing ran
+
+
+def test_a_table_of_ones_own_with_a_named_label_and_chosen_features_end_to_end(tmp_path):
+    """A data scientist's export: an id and a free-text column beside the features, the label named
+    'species' and written as names. Trained, served, and predicted with the label found by itself."""
+    import pandas as pd
+    from sklearn.datasets import load_iris
+
+    from kfp_pytorch.components.batch_predict import model_features
+
+    iris = load_iris(as_frame=True)
+    table = iris.frame.rename(columns=lambda c: c.replace(" (cm)", "").replace(" ", "_"))
+    table["species"] = [iris.target_names[t] for t in table.pop("target")]
+    table.insert(0, "sample_id", [f"s{i:03d}" for i in range(len(table))])
+    table["note"] = ["checked", None, "re-measured"] * (len(table) // 3)
+    path = tmp_path / "iris.csv"
+    table.to_csv(path, index=False)
+    features = "petal_length,petal_width,sepal_length,sepal_width"
+    r = run_cli("run", "train_and_serve", "--local", "--json", "--param", f"dataset_uri={path}",
+                "--param", "label_column=species", "--param", f"feature_columns={features}",
+                "--param", "model_name=iris", "--param", "epochs=30", "--param", "batch_size=16",
+                "--param", "lr=0.02", "--param", "threshold=0.8")
+    try:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        s = summary_of(r.stdout)
+        assert s["status"] == "SUCCEEDED" and s["gate_passed"] is True and s["metrics"]["accuracy"] >= 0.8
+        assert s["prediction"]["label"] in iris.target_names and s["prediction"]["true_label"] in iris.target_names
+        model_meta = model_features(s["artifacts"]["train-op.model"])
+        assert model_meta["features"] == features.split(",") and model_meta["label_column"] == "species"
+        # the served model takes the table as it is (columns by name) and scores it against 'species'
+        p = run_cli("serve", "predict", "iris", str(path), "-o", str(tmp_path / "p.csv"))
+        assert p.returncode == 0, p.stderr
+        preds = pd.read_csv(tmp_path / "p.csv")
+        accuracy = float((preds["prediction"] == table["species"]).mean())
+        assert "150 rows predicted by iris at " in p.stderr and f"accuracy against 'species': {accuracy:.4f}" in p.stderr
+        assert accuracy >= 0.8 and set(preds["prediction"]) <= set(iris.target_names)
+    finally:
+        run_cli("serve", "stop", "iris")
 
 
 def test_unreachable_s3_and_wrong_credentials(s3_server, bucket):

@@ -143,3 +143,71 @@ def test_class_names_are_numbered_in_sorted_order_and_checked_like_ids(tmp_path)
         prepare_data(PrepareSpec(str(path), str(tmp_path / "f")))
     assert read_metadata(str(tmp_path / "b"))["class_names"] == ["False", "True"]
     assert prepare_data(PrepareSpec("sample://digits", str(tmp_path / "e")))["class_names"] is None  # ids stay ids
+
+
+def test_a_named_label_and_chosen_features_leave_other_columns_out_of_the_model(tmp_path):
+    # an export as a data scientist has it: an id, a free-text note with gaps, a label called 'species'
+    d = _table().rename(columns={"label": "species"})
+    d["species"] = d["species"].map({0: "setosa", 1: "versicolor", 2: "virginica"})
+    d.insert(0, "customer_id", [f"c{i}" for i in range(len(d))])
+    d["note"] = ["ok", None] * (len(d) // 2)
+    path = tmp_path / "t.csv"
+    d.to_csv(path, index=False)
+    meta = prepare_data(PrepareSpec(str(path), str(tmp_path / "o"), label_column="species", feature_columns=("d", "a")))
+    assert meta["features"] == ["d", "a"] and meta["num_features"] == 2 and meta["label_column"] == "species"
+    assert meta["class_names"] == ["setosa", "versicolor", "virginica"]
+    x, _ = load_split(str(tmp_path / "o"), "train")
+    assert x.shape[1] == 2  # in the order given: d's normalisation first
+    assert meta["normalization"]["mean"][0] == pytest.approx(float(d.loc[:, "d"].iloc[_train_rows(tmp_path)].mean()), abs=1e-5)
+    # without a choice, the id column is refused with the way out; the note's gaps are named too
+    with pytest.raises(DatasetError) as e:
+        prepare_data(PrepareSpec(str(path), str(tmp_path / "p"), label_column="species"))
+    assert ("column 'customer_id': must be numeric, got dtype object (leave it out: list the features in "
+            "feature_columns)") in str(e.value) and "column 'note': 30 NaN value(s)" in str(e.value)
+    assert not (tmp_path / "p").exists()
+
+
+def _train_rows(tmp_path):
+    """The table rows of the train split prepare_data wrote to tmp_path/o (same seed, same split)."""
+    from kfp_pytorch.components.prepare_data import _split
+
+    meta = read_metadata(str(tmp_path / "o"))
+    y = np.arange(60) % 3
+    return _split(y, PrepareSpec("x", "y", seed=meta["split"]["seed"]))["train"]
+
+
+@pytest.mark.parametrize("label,features,expect", [
+    ("species", (), "label column 'species' is missing (columns: a, b, c, d, Species); did you mean 'Species'? "
+                    "(set label_column)"),
+    ("label", (), "label column 'label' is missing (columns: a, b, c, d, Species); label_column must name one of them"),
+    ("Species", ("a", "bb", "zz"), "feature column 'bb' is missing (columns: a, b, c, d, Species); did you mean 'b'? "
+                                   "(set feature_columns)"),
+    ("Species", ("a", "bb", "zz"), "feature column 'zz' is missing (columns: a, b, c, d, Species); feature_columns "
+                                   "must name one of them"),
+])
+def test_a_column_the_table_lacks_is_named_with_the_nearest_it_has(tmp_path, label, features, expect):
+    path = tmp_path / "t.csv"
+    _table().rename(columns={"label": "Species"}).to_csv(path, index=False)
+    with pytest.raises(DatasetError) as e:
+        prepare_data(PrepareSpec(str(path), str(tmp_path / "o"), label_column=label, feature_columns=features))
+    assert expect in str(e.value) and e.value.hint
+    assert not (tmp_path / "o").exists()
+
+
+def test_column_settings_are_checked_before_the_table_is_read(tmp_path):
+    from kfp_pytorch.components.prepare_data import parse_columns
+
+    assert parse_columns(" a, b ,c") == ("a", "b", "c") and parse_columns("  ") == ()
+    with pytest.raises(ConfigError) as e:
+        prepare_data(PrepareSpec(str(tmp_path / "absent.csv"), str(tmp_path / "o"), label_column="y",
+                                 feature_columns=parse_columns("a,,a,y")))
+    assert e.value.problems == [
+        "feature_columns: an empty column name in 'a, , a, y' (write names separated by commas: a,b,c)",
+        "feature_columns: 'a' given more than once",
+        "feature_columns: must not hold the label column 'y' (the model would be given the answer)"]
+
+
+def test_a_subset_of_an_images_pixels_is_no_longer_an_image(tmp_path):
+    meta = prepare_data(PrepareSpec("sample://digits", str(tmp_path / "o"),
+                                    feature_columns=tuple(f"pixel_{r}_{c}" for r in range(2, 6) for c in range(8))))
+    assert meta["num_features"] == 32 and meta["image_shape"] is None

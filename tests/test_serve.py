@@ -435,7 +435,7 @@ def test_a_text_label_column_is_trained_evaluated_and_served_by_name(tmp_path):
         # a whole table: predictions by class name, scored against the table's own text labels
         from kfp_pytorch.components.batch_predict import predict_table, resolve_target
 
-        preds, accuracy = predict_table(resolve_target("named"), table.head(50), batch_size=16)
+        preds, accuracy, _ = predict_table(resolve_target("named"), table.head(50), batch_size=16)
         assert list(preds["prediction"][:20]) == out["class"]["data"] and list(preds["label"]) == list(table["label"][:50])
         assert accuracy == pytest.approx(float(np.mean(preds["prediction"] == preds["label"]))) and accuracy > 0.8
     finally:

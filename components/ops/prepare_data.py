@@ -7,15 +7,16 @@ from .._kfp import COMPONENT_KW
 
 @dsl.component(**COMPONENT_KW)
 def prepare_data_op(dataset_uri: str, dataset: Output[Dataset], label_column: str = "label",
-                    val_fraction: float = 0.15, test_fraction: float = 0.15, seed: int = 42,
+                    feature_columns: str = "", val_fraction: float = 0.15, test_fraction: float = 0.15, seed: int = 42,
                     shard_rows: int = 512, storage_root: str = ""):
-    """Validate a table, split it (seeded, stratified), normalise and write shards."""
+    """Validate a table, split it (seeded, stratified), normalise and write shards. ``feature_columns``:
+    comma-separated names (empty: every column but the label)."""
     from kfp_pytorch.components._kfp import artifact_store_uri
-    from kfp_pytorch.components.prepare_data import PrepareSpec, prepare_data
+    from kfp_pytorch.components.prepare_data import PrepareSpec, parse_columns, prepare_data
 
     out = artifact_store_uri(dataset, storage_root)
     meta = prepare_data(PrepareSpec(dataset_uri=dataset_uri, output_uri=out, label_column=label_column,
-                                    val_fraction=val_fraction, test_fraction=test_fraction, seed=seed,
+                                    feature_columns=parse_columns(feature_columns), val_fraction=val_fraction, test_fraction=test_fraction, seed=seed,
                                     shard_rows=shard_rows))
     dataset.metadata.update({"uri": out, "rows": meta["rows"], "num_features": meta["num_features"],
                              "classes": meta["classes"], "split_seed": seed})
