@@ -100,8 +100,9 @@ class Tracker:
                 exp_id = exp.experiment_id
         self.experiment_id = exp_id
 
-    def log_training(self, run_name: str, params: dict, history: list[dict]) -> str:
-        """One run with the params and per-epoch loss / accuracy / samples per second."""
+    def log_training(self, run_name: str, params: dict, history: list[dict], summary: dict | None = None) -> str:
+        """One run with the params, per-epoch loss / accuracy / samples per second, and ``summary``
+        figures (the exported epoch) as metrics of their own."""
         from mlflow.entities import Metric, Param
 
         with _mapped("log training run", self.uri):
@@ -111,6 +112,7 @@ class Tracker:
             now_ms = int(time.time() * 1000)
             metrics = [Metric(k, float(h[k]), now_ms, h["epoch"])
                        for h in history for k in ("loss", "accuracy", "val_loss", "val_accuracy", "samples_per_second")]
+            metrics += [Metric(k, float(v), now_ms, 0) for k, v in (summary or {}).items()]
             self.client.log_batch(rid, metrics=metrics,
                                   params=[Param(k, str(v)[:500]) for k, v in params.items()])
             self.client.set_terminated(rid)

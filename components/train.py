@@ -43,6 +43,26 @@ DIVERGED = "diverged.json"
 once (a restart from the last checkpoint would only diverge again) and no model is exported."""
 
 
+def early_stop(history: list[dict], patience: int) -> tuple[int | None, bool]:
+    """(the best epoch by validation loss, whether to stop). Pure: every rank reads the same
+    (reduced) history, so every rank decides the same.
+
+    The best is the first epoch with the lowest ``val_loss`` (a later equal one is no improvement,
+    as in Keras's and Lightning's EarlyStopping). With ``patience`` > 0, training stops once that
+    many epochs have passed without improving on it; 0 never stops early."""
+    if not history:
+        return None, False
+    best = min(range(len(history)), key=lambda i: (history[i]["val_loss"], i))
+    return history[best]["epoch"], patience > 0 and len(history) - 1 - best >= patience
+
+
+def patience_problem(patience) -> str | None:
+    """What is wrong with an early-stopping patience, or None (the step and the pipeline both ask)."""
+    if not isinstance(patience, int) or isinstance(patience, bool) or patience < 0:
+        return f"early_stopping_patience: must be an integer >= 0 (0: train every epoch), got {patience!r}"
+    return None
+
+
 def checkpoint_every_problem(seconds) -> str | None:
     """What is wrong with a mid-epoch checkpoint interval, or None (the step and the pipeline both ask)."""
     if not 0 <= seconds < math.inf:  # NaN too
@@ -84,6 +104,9 @@ class TrainSpec:
     checkpoint_every_s: float = 600.0
     """Within an epoch, rank 0 checkpoints this often too (0: at the end of each epoch only), so a
     preempted or restarted job loses minutes, not a long epoch."""
+    early_stopping_patience: int = 0
+    """Stop once this many epochs have not lowered the validation loss, and export the best epoch's
+    weights (Keras's ``EarlyStopping(restore_best_weights=True)``); 0: train every epoch, export the last."""
 
     def validate(self) -> None:
         problems = []
@@ -105,6 +128,8 @@ class TrainSpec:
         if self.device not in ("auto", "cpu", "cuda"):
             problems.append(f"device: must be auto, cpu or cuda, got {self.device!r}")
         if problem := checkpoint_every_problem(self.checkpoint_every_s):
+            problems.append(problem)
+        if problem := patience_problem(self.early_stopping_patience):
             problems.append(problem)
         if not self.timeout_s > 0:
             problems.append(f"timeout_s: must be > 0, got {self.timeout_s}")
@@ -132,6 +157,14 @@ class TrainResult:
     wall_seconds: float = 0.0
     train_seconds: float = 0.0
     """Sum of the epochs' training-loop time: the part compared with a bare torchrun script."""
+    best_epoch: int | None = None
+    """The epoch whose weights were exported: the best by validation loss with early stopping,
+    else the last."""
+
+    @property
+    def exported(self) -> dict:
+        """The history entry of the exported weights."""
+        return next((h for h in self.history if h["epoch"] == self.best_epoch), self.history[-1])
 
 
 def worker_args(spec: TrainSpec) -> list[str]:
@@ -139,7 +172,8 @@ def worker_args(spec: TrainSpec) -> list[str]:
     return ["--dataset-uri", spec.dataset_uri, "--output-uri", spec.output_uri, "--model", spec.model,
             "--epochs", str(spec.epochs), "--batch-size", str(spec.batch_size), "--lr", repr(spec.lr),
             "--seed", str(spec.seed), "--device", spec.device, "--progress", spec.progress,
-            "--checkpoint-every-s", f"{spec.checkpoint_every_s:g}"]
+            "--checkpoint-every-s", f"{spec.checkpoint_every_s:g}",
+            "--early-stopping-patience", str(spec.early_stopping_patience)]
 
 
 def worker_command(spec: TrainSpec, python: str = "python") -> list[str]:
@@ -380,7 +414,9 @@ def train(spec: TrainSpec, storage: Storage | None = None) -> TrainResult:
                             f"lower lr (e.g. lr={d['lr'] / 10:g}) or check the features for extreme values")
     history = json.loads(storage.read_bytes(join(spec.output_uri, "history.json")))
     restarts = max((h.get("attempt", 0) for h in history), default=0)
+    model_meta = json.loads(storage.read_bytes(join(spec.output_uri, "model", "metadata.json")))
     return TrainResult(model_uri=join(spec.output_uri, "model"), history=history, restarts=restarts,
                        wall_seconds=time.perf_counter() - t0,
-                       train_seconds=sum(h["seconds"] for h in history))
+                       train_seconds=sum(h["seconds"] for h in history),
+                       best_epoch=model_meta["training"].get("exported_epoch", history[-1]["epoch"]))
 

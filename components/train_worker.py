@@ -11,6 +11,10 @@ it exists, so a job restarted after a worker died resumes from the last finished
 the step of the epoch it was in (``torchrun --max-restarts`` locally, ``backoffLimit`` in a
 cluster; a Kueue preemption deletes the pods, which resume the same way).
 
+With ``--early-stopping-patience N``, training stops once N epochs have not lowered the validation
+loss, and the best epoch's weights are exported; rank 0 keeps them (on the CPU, and in the
+checkpoint, so a resumed job still exports them).
+
 SIGTERM (a preemption, a drained node, a terminated run: the kubelet signals torchrun, which
 forwards it to every worker and waits 30 s before SIGKILL) stops the job at the next step the
 ranks agree on, after rank 0 has checkpointed it: a preemption costs nothing trained.
@@ -49,7 +53,7 @@ from .exported_model import EXPORT_MAX_BATCH
 from .models import build_model
 from .prepare_data import load_split, read_metadata
 from .storage import Storage, join
-from .train import DIVERGED, RESUME_KEYS, RESUME_STATE, cuda_problem
+from .train import DIVERGED, RESUME_KEYS, RESUME_STATE, cuda_problem, early_stop
 from .trainer_status import TrainerStatusReporter
 
 CHECKPOINT = "checkpoints/last.pt"
@@ -100,6 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--progress", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--checkpoint-every-s", type=float, default=600.0)
+    p.add_argument("--early-stopping-patience", type=int, default=0)
     return p.parse_args(argv)
 
 
@@ -239,6 +244,8 @@ def run(args: argparse.Namespace) -> dict:
     loader = DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler, pin_memory=use_cuda)
     steps = len(loader)
     start_epoch, history, skip = 0, [], 0
+    patience = args.early_stopping_patience
+    best: dict | None = None  # rank 0, with patience: {"epoch", "model": CPU state_dict} of the best epoch
     diverged_uri = join(args.output_uri, DIVERGED)
     if rank == 0:
         storage.delete(diverged_uri)  # a mark from an earlier run into this output
@@ -258,6 +265,7 @@ def run(args: argparse.Namespace) -> dict:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start_epoch, history = state["epoch"] + 1, state["history"]
+        best = state.get("best") if rank == 0 else None
         within = state.get("within")  # a mid-epoch checkpoint: {"epoch", "step", "world"}
         where = f"after epoch {start_epoch}"
         if within and within["epoch"] == start_epoch and within["world"] == world and within["step"] < steps:
@@ -275,6 +283,8 @@ def run(args: argparse.Namespace) -> dict:
         done = epoch if step is None else epoch - 1
         state = {"epoch": done, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "history": history, "args": vars(args)}
+        if best is not None:
+            state["best"] = best
         if step is not None:
             state["within"] = {"epoch": epoch, "step": step, "world": world}
         storage.write_bytes(ckpt_uri, _save_torch(state))
@@ -294,6 +304,14 @@ def run(args: argparse.Namespace) -> dict:
     every = args.checkpoint_every_s
     next_ckpt = time.monotonic() + every
     for epoch in range(start_epoch, args.epochs):
+        best_epoch, stop_early = early_stop(history, patience)
+        if stop_early:  # after the last epoch that counted, or at once on resuming a job that had stopped
+            if rank == 0:
+                print(f"[kfp-pytorch] early stopping after epoch {epoch}: the validation loss has not improved "
+                      f"for {epoch - best_epoch} epoch(s) since epoch {best_epoch} "
+                      f"(val_loss {history[best_epoch - 1]['val_loss']:.4f}); exporting epoch {best_epoch}'s weights",
+                      flush=True)
+            break
         sampler.set_epoch(epoch)
         first = skip if epoch == start_epoch else 0
         epoch_loader = loader if not first else DataLoader(
@@ -336,8 +354,11 @@ def run(args: argparse.Namespace) -> dict:
                 _stop(progress, f"epoch {epoch + 1}, step {i + 1}/{steps}", rank, ckpt_uri)
         loss_total, n_correct = loss_sum.item(), correct.item()  # waits for the epoch's last step
         elapsed = time.perf_counter() - t0
-        g_loss, g_acc, g_rate = _all_mean([loss_total / max(1, seen), n_correct / max(1, seen), seen / elapsed], device)
         val_loss, val_acc = _evaluate(model, xv, yv)
+        # the validation figures too: every rank's are the same up to rounding, and early stopping
+        # must decide the same on every rank (one that left would hang the others in an all-reduce)
+        g_loss, g_acc, g_rate, val_loss, val_acc = _all_mean(
+            [loss_total / max(1, seen), n_correct / max(1, seen), seen / elapsed, val_loss, val_acc], device)
         if not (math.isfinite(g_loss) and math.isfinite(val_loss)):  # all ranks read the same reduced loss
             if bar is not None:
                 bar.close()
@@ -356,6 +377,9 @@ def run(args: argparse.Namespace) -> dict:
         if first:  # loss and accuracy are of the steps after the resume (the others' sums were lost)
             entry["resumed_at_step"] = first
         history.append(entry)
+        if rank == 0 and patience and early_stop(history, patience)[0] == entry["epoch"]:
+            best = {"epoch": entry["epoch"], "model": {k: v.detach().to("cpu", copy=True)
+                                                       for k, v in model.state_dict().items()}}
         if bar is not None:
             bar.set_postfix(loss=f"{g_loss:.4f}", val_acc=f"{val_acc:.3f}")
             bar.close()
@@ -369,10 +393,21 @@ def run(args: argparse.Namespace) -> dict:
         if epoch + 1 < args.epochs and stop.agreed():
             _stop(progress, f"after epoch {epoch + 1}", rank, ckpt_uri)
 
+    best_epoch, stopped_early = early_stop(history, patience)
     summary = {"epochs": args.epochs, "world_size": world, "backend": backend,
-               "final": history[-1] if history else None}
+               "final": history[-1] if history else None, "epochs_trained": len(history),
+               "early_stopping_patience": patience, "stopped_early": stopped_early,
+               "exported_epoch": history[-1]["epoch"] if history else None}
     if rank == 0:
         cpu_model = model.to("cpu").eval()
+        if patience and best is not None and best["epoch"] == best_epoch:
+            cpu_model.load_state_dict(best["model"])
+            summary["exported_epoch"] = best_epoch
+        elif patience and best_epoch != summary["exported_epoch"]:
+            # resumed from a checkpoint written without early stopping: the best weights were not kept
+            print(f"[kfp-pytorch] epoch {best_epoch} had the lowest validation loss, but its weights were not kept "
+                  "(the checkpoint resumed from was written without early stopping); exporting the last epoch's",
+                  flush=True)
         storage.write_bytes(join(args.output_uri, "model/weights.pt"), _save_torch(cpu_model.state_dict()))
         storage.write_bytes(join(args.output_uri, "model/model.pt2"), export_program(cpu_model, meta["num_features"]))
         model_meta = {

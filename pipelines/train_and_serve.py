@@ -14,7 +14,7 @@ from kfp_pytorch.components.ops.evaluate import evaluate_op
 from kfp_pytorch.components.models import ZOO
 from kfp_pytorch.components.prepare_data import columns_problems, parse_columns, seed_problem
 from kfp_pytorch.components.storage import StorageError, parse_uri
-from kfp_pytorch.components.train import checkpoint_every_problem, gpu_share_problem
+from kfp_pytorch.components.train import checkpoint_every_problem, gpu_share_problem, patience_problem
 from kfp_pytorch.components.ops.prepare_data import prepare_data_op
 from kfp_pytorch.components.ops.register import register_op
 from kfp_pytorch.components.ops.serve import serve_op
@@ -35,7 +35,8 @@ def build(platform: Platform | None = None):
                         train_backend: str = "local", serve_backend: str = "local", serve_port: int = 0,
                         nodes: int = 1, gpus_per_node: int = 0, canary_traffic_percent: int = -1,
                         checkpoint_every_s: float = 600.0, serve_min_replicas: int = 1,
-                        serve_max_replicas: int = 1, label_column: str = "label", feature_columns: str = ""):
+                        serve_max_replicas: int = 1, label_column: str = "label", feature_columns: str = "",
+                        early_stopping_patience: int = 0):
         prep = prepare_data_op(dataset_uri=dataset_uri, label_column=label_column, feature_columns=feature_columns,
                                seed=seed, storage_root=storage_root)
         prep.set_display_name("prepare data")
@@ -48,7 +49,8 @@ def build(platform: Platform | None = None):
         tr = train_op(dataset=prep.outputs["dataset"], model_arch=model_arch, epochs=epochs, batch_size=batch_size,
                       lr=lr, seed=seed, workers=workers, backend=train_backend, storage_root=storage_root,
                       tracking_uri=tracking_uri, nodes=nodes, gpus_per_node=gpus_per_node,
-                      checkpoint_every_s=checkpoint_every_s, run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+                      checkpoint_every_s=checkpoint_every_s, early_stopping_patience=early_stopping_patience,
+                      run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
                       task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER)
         tr.set_display_name("train (PyTorchJob)")
         apply_platform(tr, platform, gpu=True, mlflow=True)  # local backend: the workers run in this pod
@@ -98,6 +100,8 @@ def validate_params(p: dict) -> list[str]:
     if problem := seed_problem(p["seed"]):
         problems.append(problem)
     if problem := checkpoint_every_problem(p["checkpoint_every_s"]):
+        problems.append(problem)
+    if problem := patience_problem(p["early_stopping_patience"]):
         problems.append(problem)
     if not 0 <= p["threshold"] <= 1:
         problems.append(f"threshold: must be in [0, 1], got {p['threshold']}")
@@ -179,6 +183,8 @@ PARAM_DOCS = {
     "checkpoint_every_s": "seconds between checkpoints within an epoch (0: at epoch ends only)",
     "label_column": "the table's label column: class ids (0, 1, ...) or class names",
     "feature_columns": "comma-separated feature columns, in order (empty: every column but the label)",
+    "early_stopping_patience": "stop after this many epochs without a lower validation loss, and keep the best "
+                               "epoch's model (0: train every epoch, keep the last)",
 }
 
 

@@ -319,6 +319,8 @@ def test_failed_task_is_read_from_kfp_locals_coloured_message():
      "dataset_uri: URI 's3://-data/x.csv': '-data' is not a valid bucket name"),
     (["run", "train_and_serve", "--local", "--param", "serve_min_replicas=4", "--param", "serve_max_replicas=2"],
      "serve_min_replicas: must be in [1, serve_max_replicas=2], got 4"),
+    (["run", "train_and_serve", "--local", "--param", "early_stopping_patience=-2"],
+     "early_stopping_patience: must be an integer >= 0 (0: train every epoch), got -2"),
     (["run", "train_and_serve", "--local", "--param", "feature_columns=pixel_0_0, label"],
      "feature_columns: must not hold the label column 'label' (the model would be given the answer)"),
     # a bundled sample's columns are checked before any step too
@@ -404,7 +406,7 @@ def test_a_table_of_ones_own_with_a_named_label_and_chosen_features_end_to_end(t
     r = run_cli("run", "train_and_serve", "--local", "--json", "--param", f"dataset_uri={path}",
                 "--param", "label_column=species", "--param", f"feature_columns={features}",
                 "--param", "model_name=iris", "--param", "epochs=30", "--param", "batch_size=16",
-                "--param", "lr=0.02", "--param", "threshold=0.8")
+                "--param", "lr=0.02", "--param", "threshold=0.8", "--param", "early_stopping_patience=5")
     try:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         s = summary_of(r.stdout)
@@ -412,6 +414,7 @@ def test_a_table_of_ones_own_with_a_named_label_and_chosen_features_end_to_end(t
         assert s["prediction"]["label"] in iris.target_names and s["prediction"]["true_label"] in iris.target_names
         model_meta = model_features(s["artifacts"]["train-op.model"])
         assert model_meta["features"] == features.split(",") and model_meta["label_column"] == "species"
+        assert model_meta["training"]["early_stopping_patience"] == 5  # the pipeline's setting reached the workers
         # the served model takes the table as it is (columns by name) and scores it against 'species'
         p = run_cli("serve", "predict", "iris", str(path), "-o", str(tmp_path / "p.csv"))
         assert p.returncode == 0, p.stderr

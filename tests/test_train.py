@@ -385,6 +385,11 @@ def test_invalid_settings_listed_together(tmp_path):
     for every in (-1.0, math.nan, math.inf):
         with pytest.raises(ConfigError, match="checkpoint_every_s: must be a finite number >= 0"):
             train(TrainSpec("d", "o", checkpoint_every_s=every))
+    for patience in (-1, 1.5, True):
+        with pytest.raises(ConfigError) as e:
+            train(TrainSpec("d", "o", early_stopping_patience=patience))
+        assert e.value.problems == [f"early_stopping_patience: must be an integer >= 0 (0: train every epoch), "
+                                    f"got {patience!r}"]
 
 
 def _trainjob_with_progress(trainer_status, tmp_path, name_run="run-progress"):
@@ -456,3 +461,54 @@ def test_a_refused_progress_report_is_said_once_and_training_goes_on(trainer_sta
     sent, err = report(url, token, ca)
     assert sent == 2 and err == ""
     assert fake.get("trainjobs", "team-a", name)["status"]["trainerStatus"]["progressPercentage"] == 20
+
+
+def test_early_stopping_reads_the_first_lowest_validation_loss():
+    from kfp_pytorch.components.train import early_stop
+
+    h = lambda *losses: [{"epoch": i + 1, "val_loss": v} for i, v in enumerate(losses)]  # noqa: E731
+    assert early_stop([], 2) == (None, False)
+    assert early_stop(h(1.0, 0.8, 0.9), 2) == (2, False)  # one epoch without improvement: not yet
+    assert early_stop(h(1.0, 0.8, 0.9, 0.85), 2) == (2, True)
+    assert early_stop(h(1.0, 0.8, 0.8, 0.8), 2) == (2, True)  # an equal loss is no improvement
+    assert early_stop(h(1.0, 0.8, 0.9, 0.7), 2) == (4, False)  # improved: patience starts again
+    assert early_stop(h(1.0, 0.8, 0.9, 0.95, 0.99), 0) == (2, False)  # 0: never stops early
+
+
+def test_early_stopping_stops_an_overfitting_run_and_exports_its_best_epoch(tmp_path, capfd):
+    # random labels: the model learns the train rows by heart and the validation loss climbs
+    import numpy as np
+    import pandas as pd
+
+    from kfp_pytorch.components.prepare_data import PrepareSpec, load_split, prepare_data
+
+    rng = np.random.default_rng(3)
+    table = pd.DataFrame(rng.normal(size=(400, 24)), columns=[f"f{i}" for i in range(24)])
+    table["label"] = rng.integers(0, 3, size=len(table))
+    table.to_csv(tmp_path / "noise.csv", index=False)
+    data = str(tmp_path / "data")
+    prepare_data(PrepareSpec(str(tmp_path / "noise.csv"), data))
+    spec = TrainSpec(data, str(tmp_path / "out"), epochs=40, lr=0.02, batch_size=16, workers=2, progress="off",
+                     early_stopping_patience=3)
+    result = train(spec)
+    h = result.history
+    best = min(h, key=lambda e: e["val_loss"])
+    assert len(h) < 40 and len(h) == best["epoch"] + 3  # stopped 3 epochs after the best
+    assert result.best_epoch == best["epoch"] and result.exported is best
+    assert h[-1]["val_loss"] > best["val_loss"]
+    out = capfd.readouterr().out
+    assert (f"early stopping after epoch {len(h)}: the validation loss has not improved for 3 epoch(s) since "
+            f"epoch {best['epoch']} (val_loss {best['val_loss']:.4f}); exporting epoch {best['epoch']}'s weights") in out
+    # the exported program is the best epoch's: its validation loss is that epoch's, not the last's
+    module = torch.export.load(f"{result.model_uri}/model.pt2").module()
+    meta = json.loads(open(f"{result.model_uri}/metadata.json").read())
+    x, y = load_split(data, "val")
+    loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(y)).item()
+    assert loss == pytest.approx(best["val_loss"], rel=1e-5)
+    assert meta["training"]["exported_epoch"] == best["epoch"] and meta["training"]["stopped_early"] is True
+    weights = torch.load(tmp_path / "out" / "model" / "weights.pt")
+    # run again into the same output (a retried step): it resumes, stops at once, exports the same weights
+    again = train(spec)
+    assert [e["epoch"] for e in again.history] == [e["epoch"] for e in h] and again.best_epoch == best["epoch"]
+    exported = torch.load(tmp_path / "out" / "model" / "weights.pt")
+    assert exported.keys() == weights.keys() and all(torch.equal(exported[k], weights[k]) for k in weights)

@@ -12,8 +12,11 @@ def train_op(dataset: Input[Dataset], model: Output[Model], metrics: Output[Metr
              epochs: int = 8, batch_size: int = 64, lr: float = 0.005, seed: int = 42, workers: int = 2,
              max_restarts: int = 3, backend: str = "local", storage_root: str = "",
              tracking_uri: str = "", nodes: int = 1, gpus_per_node: int = 0, run_id: str = "",
-             task_name: str = "train", checkpoint_every_s: float = 600.0) -> NamedTuple("Outputs", [("mlflow_run_id", str), ("samples_per_second", float)]):
-    """Distributed training as a PyTorchJob-shaped job; logs per-epoch metrics to KFP and MLflow."""
+             task_name: str = "train", checkpoint_every_s: float = 600.0,
+             early_stopping_patience: int = 0) -> NamedTuple("Outputs", [("mlflow_run_id", str), ("samples_per_second", float)]):
+    """Distributed training as a PyTorchJob-shaped job; logs per-epoch metrics to KFP and MLflow.
+    ``early_stopping_patience`` > 0: stop once that many epochs have not lowered the validation
+    loss, and export the best epoch's weights."""
     from collections import namedtuple
 
     from kfp_pytorch.components._kfp import artifact_store_uri
@@ -24,7 +27,8 @@ def train_op(dataset: Input[Dataset], model: Output[Model], metrics: Output[Metr
     spec = TrainSpec(dataset_uri=dataset.metadata.get("uri", dataset.path), output_uri=out, model=model_arch,
                      epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, workers=workers,
                      max_restarts=max_restarts, backend=backend, nodes=nodes, gpus_per_node=gpus_per_node,
-                     run_id=run_id, task=task_name, checkpoint_every_s=checkpoint_every_s)
+                     run_id=run_id, task=task_name, checkpoint_every_s=checkpoint_every_s,
+                     early_stopping_patience=early_stopping_patience)
     # MLflow first: a server that is down or refuses the credentials fails the step now, not after
     # the hours of training it would then not record
     tracker = Tracker(tracking_uri or None)
@@ -32,12 +36,15 @@ def train_op(dataset: Input[Dataset], model: Output[Model], metrics: Output[Metr
     for h in result.history:
         for k in ("loss", "accuracy", "val_accuracy", "samples_per_second"):
             metrics.log_metric(f"epoch{h['epoch']:02d}_{k}", round(float(h[k]), 6))
-    final = result.history[-1]
+    final = result.exported  # the last epoch's, or with early stopping the best one's
     metrics.log_metric("final_val_accuracy", float(final["val_accuracy"]))
+    metrics.log_metric("exported_epoch", final["epoch"])
+    metrics.log_metric("epochs_trained", len(result.history))
     metrics.log_metric("restarts", result.restarts)
     run_id = tracker.log_training(
-        f"train-{model_arch}", {k: getattr(spec, k) for k in ("model", "epochs", "batch_size", "lr", "seed", "workers")},
-        result.history)
+        f"train-{model_arch}", {k: getattr(spec, k) for k in ("model", "epochs", "batch_size", "lr", "seed", "workers",
+                                                              "early_stopping_patience")},
+        result.history, summary={"exported_epoch": final["epoch"], "epochs_trained": len(result.history)})
     model.metadata.update({"uri": result.model_uri, "framework": "pytorch", "model_arch": model_arch,
                            "mlflow_run_id": run_id, "val_accuracy": float(final["val_accuracy"])})
     rate = sum(h["samples_per_second"] for h in result.history) / len(result.history)
