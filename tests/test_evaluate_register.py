@@ -245,6 +245,25 @@ def test_the_train_step_checks_mlflow_before_it_trains(mlflow_auth_server, digit
     assert not (tmp_path / "model").exists()  # nothing trained, no checkpoint written
 
 
+def test_the_train_step_records_each_epoch_and_the_exported_one_in_mlflow(mlflow_server, digits_data, tmp_path):
+    from kfp.dsl import Dataset, Metrics, Model
+    from mlflow import MlflowClient
+
+    from kfp_pytorch.components.ops.train import train_op
+
+    model, metrics = Model(uri=str(tmp_path / "model")), Metrics(uri=str(tmp_path / "metrics"))
+    model.path = str(tmp_path / "model")
+    out = train_op.python_func(dataset=Dataset(uri=digits_data, metadata={"uri": digits_data}), model=model,
+                               metrics=metrics, epochs=2, workers=1, early_stopping_patience=4,
+                               tracking_uri=mlflow_server.url)
+    run = MlflowClient(mlflow_server.url).get_run(out.mlflow_run_id)
+    assert run.data.params["early_stopping_patience"] == "4" and run.data.params["epochs"] == "2"
+    assert [m.step for m in MlflowClient(mlflow_server.url).get_metric_history(run.info.run_id, "val_loss")] == [1, 2]
+    assert run.data.metrics["exported_epoch"] == 2 and run.data.metrics["epochs_trained"] == 2
+    assert metrics.metadata["exported_epoch"] == 2 and metrics.metadata["epochs_trained"] == 2
+    assert model.metadata["mlflow_run_id"] == out.mlflow_run_id
+
+
 def test_register_validates_name_and_metric(trained_model):
     with pytest.raises(ConfigError) as e:
         register(RegisterSpec(trained_model.model_uri, "bad name!", {"accuracy": 1.0}, True, metric="auc"))
