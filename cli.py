@@ -178,14 +178,16 @@ def run_cmd(pipeline, local, params, predict, as_json):
     preflight(values)
     run = run_local(entry, values)
     summary = summarize(run)
+    if "gate_passed" in summary:  # what the gate read, for the summary's gate line
+        summary["gate"] = {"metric": values.get("gate_metric", "accuracy"), "threshold": values["threshold"]}
     if run.succeeded and predict and summary.get("server_url"):
         summary["prediction"] = _predict_sample(summary, values)
     if as_json:
         click.echo(json.dumps(summary, indent=1, default=str))
     else:
         _print_summary(summary)
-    if "gate_passed" in summary and (why := gate_note({"metric": "accuracy", "threshold": values["threshold"],
-                                                       "passed": summary["gate_passed"]}, summary.get("metrics", {}))):
+    if "gate_passed" in summary and (why := gate_note({**summary["gate"], "passed": summary["gate_passed"]},
+                                                      summary.get("metrics", {}))):
         click.echo(f"note: {why}", err=True)
     if note := pile_note():
         click.echo(f"note: {note}", err=True)
@@ -242,7 +244,11 @@ def _print_summary(s: dict) -> None:
             shown.append(f"{k}={v:.4f}{ci}")
         click.echo("metrics:   " + ", ".join(shown))
     if "gate_passed" in s:
-        click.echo(f"gate:      {'passed' if s['gate_passed'] else 'FAILED (model not registered nor served)'}")
+        g, value = s.get("gate", {}), s.get("metrics", {}).get(s.get("gate", {}).get("metric"))
+        read = (f" ({g['metric']} {value:.4f} {'>=' if s['gate_passed'] else '<'} threshold {g['threshold']:.4f})"
+                if value is not None else "")
+        click.echo(f"gate:      {'passed' if s['gate_passed'] else 'FAILED'}{read}"
+                   + ("" if s["gate_passed"] else ": the model was neither registered nor served"))
     if "model" in s:
         m = s["model"]
         click.echo(f"model:     {m['registry_uri']} (version {m['version']}, champion={m['champion']})")

@@ -18,13 +18,18 @@ from .prepare_data import load_split, read_metadata
 from .storage import Storage, join
 
 
+GATE_METRICS = ("accuracy", "macro_f1")
+"""The test metrics a gate may read: macro F1 weighs every class the same, so a model that never
+predicts a rare class does not pass on the common ones' accuracy."""
+
+
 @dataclass(frozen=True)
 class EvaluateSpec:
     dataset_uri: str
     model_uri: str
     """The ``model/`` directory written by train (holds model.pt2 and metadata.json)."""
     threshold: float = 0.9
-    """Minimum test accuracy for the gate to pass."""
+    """Minimum test ``metric`` for the gate to pass."""
     metric: str = "accuracy"
     """Gate metric: accuracy or macro_f1."""
 
@@ -32,8 +37,8 @@ class EvaluateSpec:
         problems = []
         if not 0 <= self.threshold <= 1:
             problems.append(f"threshold: must be in [0, 1], got {self.threshold}")
-        if self.metric not in ("accuracy", "macro_f1"):
-            problems.append(f"metric: must be accuracy or macro_f1, got {self.metric!r}")
+        if self.metric not in GATE_METRICS:
+            problems.append(f"metric: must be one of {', '.join(GATE_METRICS)}, got {self.metric!r}")
         if problems:
             raise ConfigError(problems, title="invalid evaluate settings")
 

@@ -10,6 +10,7 @@ import re
 from kfp import dsl
 
 from kfp_pytorch.components.cluster import replicas_problems
+from kfp_pytorch.components.evaluate import GATE_METRICS
 from kfp_pytorch.components.ops.evaluate import evaluate_op
 from kfp_pytorch.components.models import ZOO
 from kfp_pytorch.components.prepare_data import columns_problems, parse_columns, seed_problem
@@ -36,7 +37,7 @@ def build(platform: Platform | None = None):
                         nodes: int = 1, gpus_per_node: int = 0, canary_traffic_percent: int = -1,
                         checkpoint_every_s: float = 600.0, serve_min_replicas: int = 1,
                         serve_max_replicas: int = 1, label_column: str = "label", feature_columns: str = "",
-                        early_stopping_patience: int = 0):
+                        early_stopping_patience: int = 0, gate_metric: str = "accuracy"):
         prep = prepare_data_op(dataset_uri=dataset_uri, label_column=label_column, feature_columns=feature_columns,
                                seed=seed, storage_root=storage_root)
         prep.set_display_name("prepare data")
@@ -54,12 +55,13 @@ def build(platform: Platform | None = None):
                       task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER)
         tr.set_display_name("train (PyTorchJob)")
         apply_platform(tr, platform, gpu=True, mlflow=True)  # local backend: the workers run in this pod
-        ev = evaluate_op(dataset=prep.outputs["dataset"], model=tr.outputs["model"], threshold=threshold)
+        ev = evaluate_op(dataset=prep.outputs["dataset"], model=tr.outputs["model"], threshold=threshold,
+                         gate_metric=gate_metric)
         ev.set_display_name("evaluate")
         apply_platform(ev, platform)
         with dsl.If(ev.outputs["Output"] == True, name="gate-passed"):  # noqa: E712 (KFP condition syntax)
             reg = register_op(model=tr.outputs["model"], metrics=ev.outputs["metrics"], model_name=model_name,
-                              gate_passed=ev.outputs["Output"], tracking_uri=tracking_uri)
+                              gate_passed=ev.outputs["Output"], gate_metric=gate_metric, tracking_uri=tracking_uri)
             reg.set_display_name("register (MLflow)")
             reg.set_caching_options(False)  # acts on MLflow: a cached step would register nothing
             apply_platform(reg, platform, mlflow=True)
@@ -105,6 +107,8 @@ def validate_params(p: dict) -> list[str]:
         problems.append(problem)
     if not 0 <= p["threshold"] <= 1:
         problems.append(f"threshold: must be in [0, 1], got {p['threshold']}")
+    if p["gate_metric"] not in GATE_METRICS:
+        problems.append(f"gate_metric: must be one of {', '.join(GATE_METRICS)}, got {p['gate_metric']!r}")
     if p["storage_root"] and not re.match(r"^(s3|minio)://[^/]+", p["storage_root"]):
         problems.append(f"storage_root: must be s3://BUCKET[/PREFIX] or minio://..., got {p['storage_root']!r}")
     for k in ("storage_root", "dataset_uri"):  # a bucket name S3 would refuse, found before any step or pod
@@ -169,7 +173,7 @@ PARAM_DOCS = {
     "lr": "Adam learning rate",
     "seed": "seed of the split and of training",
     "workers": "DDP worker processes (PyTorchJob replicas x nprocPerNode)",
-    "threshold": "minimum test accuracy for register and serve to run",
+    "threshold": "minimum test gate_metric for register and serve to run",
     "storage_root": "s3://bucket/prefix for shards, checkpoints and models (empty: the KFP artifact store)",
     "tracking_uri": "MLflow tracking URI (empty: embedded sqlite under KFP_PYTORCH_HOME)",
     "train_backend": "local (torchrun here) or cluster (PyTorchJob)",
@@ -183,6 +187,8 @@ PARAM_DOCS = {
     "checkpoint_every_s": "seconds between checkpoints within an epoch (0: at epoch ends only)",
     "label_column": "the table's label column: class ids (0, 1, ...) or class names",
     "feature_columns": "comma-separated feature columns, in order (empty: every column but the label)",
+    "gate_metric": "the test metric the threshold applies to and a new champion must beat: accuracy, or "
+                   "macro_f1 for a table where some classes are rare",
     "early_stopping_patience": "stop after this many epochs without a lower validation loss, and keep the best "
                                "epoch's model (0: train every epoch, keep the last)",
 }

@@ -128,10 +128,11 @@ def test_end_to_end_on_s3_and_mlflow_server(s3, bucket, mlflow_server):
 def test_gate_failure_skips_register_and_serve():
     # ... and parameters the local backends do not read are named, while the run goes ahead
     r = run_cli("run", "train_and_serve", "--local", "--json", "--param", "epochs=1", "--param", "threshold=0.999",
-                "--param", "gpus_per_node=1", "--param", "canary_traffic_percent=20")
+                "--param", "gpus_per_node=1", "--param", "canary_traffic_percent=20", "--param", "gate_metric=macro_f1")
     assert r.returncode == 0, r.stderr[-2000:]
     s = summary_of(r.stdout)
     assert s["gate_passed"] is False and "model" not in s and "endpoint" not in s
+    assert s["gate"] == {"metric": "macro_f1", "threshold": 0.999} and s["metrics"]["macro_f1"] < 0.999
     assert not _project_processes()
     # the run is recorded where it wrote, and listed with its parameters
     [listed] = json.loads(run_cli("runs", "--local", "--json").stdout)
@@ -267,8 +268,12 @@ def test_the_summary_says_how_to_use_and_stop_the_served_model(capsys):
     assert "metrics:   accuracy=0.9700 (95% 0.944-0.985 on 270 test rows)\n" in out
     assert "predict a table with:  kfp-pytorch serve predict digits-x TABLE.csv\n" in out
     assert "stop the server with:  kfp-pytorch serve stop digits-x\n" in out  # with --no-predict too
-    _print_summary({**s, "gate_passed": False, "endpoint": None})
-    assert "serve stop" not in capsys.readouterr().out
+    assert "gate:      passed\n" in out  # a summary without the gate's figures (an older run's)
+    _print_summary({**s, "gate_passed": False, "endpoint": None, "gate": {"metric": "accuracy", "threshold": 0.98}})
+    out = capsys.readouterr().out
+    assert "serve stop" not in out
+    assert ("gate:      FAILED (accuracy 0.9700 < threshold 0.9800): the model was neither registered nor served\n"
+            in out)
 
 
 def test_a_steps_error_is_read_from_its_log_with_its_problems_and_hint():
@@ -319,6 +324,8 @@ def test_failed_task_is_read_from_kfp_locals_coloured_message():
      "dataset_uri: URI 's3://-data/x.csv': '-data' is not a valid bucket name"),
     (["run", "train_and_serve", "--local", "--param", "serve_min_replicas=4", "--param", "serve_max_replicas=2"],
      "serve_min_replicas: must be in [1, serve_max_replicas=2], got 4"),
+    (["run", "train_and_serve", "--local", "--param", "gate_metric=auc"],
+     "gate_metric: must be one of accuracy, macro_f1, got 'auc'"),
     (["run", "train_and_serve", "--local", "--param", "early_stopping_patience=-2"],
      "early_stopping_patience: must be an integer >= 0 (0: train every epoch), got -2"),
     (["run", "train_and_serve", "--local", "--param", "feature_columns=pixel_0_0, label"],
