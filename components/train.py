@@ -63,6 +63,16 @@ def patience_problem(patience) -> str | None:
     return None
 
 
+CLASS_WEIGHTS = ("none", "balanced")
+
+
+def class_weight_problem(value) -> str | None:
+    """What is wrong with a class weighting, or None (the step and the pipeline both ask)."""
+    if value not in CLASS_WEIGHTS:
+        return f"class_weight: must be one of {', '.join(CLASS_WEIGHTS)}, got {value!r}"
+    return None
+
+
 def checkpoint_every_problem(seconds) -> str | None:
     """What is wrong with a mid-epoch checkpoint interval, or None (the step and the pipeline both ask)."""
     if not 0 <= seconds < math.inf:  # NaN too
@@ -107,6 +117,9 @@ class TrainSpec:
     early_stopping_patience: int = 0
     """Stop once this many epochs have not lowered the validation loss, and export the best epoch's
     weights (Keras's ``EarlyStopping(restore_best_weights=True)``); 0: train every epoch, export the last."""
+    class_weight: str = "none"
+    """``balanced``: weigh each class's loss by ``n / (k * n_c)`` (scikit-learn's "balanced"), so a
+    rare class counts as much as a common one; ``none``: every row weighs the same."""
 
     def validate(self) -> None:
         problems = []
@@ -130,6 +143,8 @@ class TrainSpec:
         if problem := checkpoint_every_problem(self.checkpoint_every_s):
             problems.append(problem)
         if problem := patience_problem(self.early_stopping_patience):
+            problems.append(problem)
+        if problem := class_weight_problem(self.class_weight):
             problems.append(problem)
         if not self.timeout_s > 0:
             problems.append(f"timeout_s: must be > 0, got {self.timeout_s}")
@@ -173,7 +188,7 @@ def worker_args(spec: TrainSpec) -> list[str]:
             "--epochs", str(spec.epochs), "--batch-size", str(spec.batch_size), "--lr", repr(spec.lr),
             "--seed", str(spec.seed), "--device", spec.device, "--progress", spec.progress,
             "--checkpoint-every-s", f"{spec.checkpoint_every_s:g}",
-            "--early-stopping-patience", str(spec.early_stopping_patience)]
+            "--early-stopping-patience", str(spec.early_stopping_patience), "--class-weight", spec.class_weight]
 
 
 def worker_command(spec: TrainSpec, python: str = "python") -> list[str]:

@@ -105,6 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--progress", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--checkpoint-every-s", type=float, default=600.0)
     p.add_argument("--early-stopping-patience", type=int, default=0)
+    p.add_argument("--class-weight", default="none", choices=["none", "balanced"])
     return p.parse_args(argv)
 
 
@@ -135,16 +136,31 @@ def _all_mean(values: list[float], device) -> list[float]:
     return (t / dist.get_world_size()).tolist()
 
 
-def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 1024) -> tuple[float, float]:
+def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 1024,
+              weight: torch.Tensor | None = None) -> tuple[float, float]:
+    """(loss, accuracy) over ``x``; with class ``weight``, the loss is the weighted mean that
+    training minimises (``cross_entropy(weight=...)``), so early stopping watches that objective."""
     model.eval()
     loss_sum, correct = 0.0, 0
     with torch.no_grad():
         for i in range(0, len(x), batch):
             logits = model(x[i:i + batch])
-            loss_sum += nn.functional.cross_entropy(logits, y[i:i + batch], reduction="sum").item()
+            loss_sum += nn.functional.cross_entropy(logits, y[i:i + batch], weight=weight, reduction="sum").item()
             correct += (logits.argmax(1) == y[i:i + batch]).sum().item()
     model.train()
-    return loss_sum / max(1, len(x)), correct / max(1, len(x))
+    total = float(weight[y].sum()) if weight is not None else len(x)
+    return loss_sum / max(1e-12, total) if len(x) else 0.0, correct / max(1, len(x))
+
+
+def class_weights(y, num_classes: int) -> torch.Tensor:
+    """scikit-learn's ``compute_class_weight("balanced")``: ``n / (k * n_c)`` for each of the k
+    classes present, so every class weighs as much in the loss as if the classes were even; an id
+    no row has (class ids with gaps) weighs 0."""
+    counts = torch.bincount(torch.as_tensor(y), minlength=num_classes).double()
+    present = counts > 0
+    w = torch.zeros(num_classes, dtype=torch.float64)
+    w[present] = counts.sum() / (present.sum() * counts[present])
+    return w.float()
 
 
 def export_program(model: nn.Module, num_features: int) -> bytes:
@@ -238,6 +254,8 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     model = build_model(args.model, meta["num_features"], meta["num_classes"], meta.get("image_shape")).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    # every rank holds the whole train split, so every rank computes the same weights
+    weight = class_weights(y_train, meta["num_classes"]).to(device) if args.class_weight == "balanced" else None
 
     train_ds = TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train))
     sampler = DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
@@ -333,7 +351,7 @@ def run(args: argparse.Namespace) -> dict:
             xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             logits = ddp(xb)
-            loss = nn.functional.cross_entropy(logits, yb)
+            loss = nn.functional.cross_entropy(logits, yb, weight=weight)
             loss.backward()
             optimizer.step()
             loss_sum += loss.detach() * len(yb)
@@ -354,7 +372,7 @@ def run(args: argparse.Namespace) -> dict:
                 _stop(progress, f"epoch {epoch + 1}, step {i + 1}/{steps}", rank, ckpt_uri)
         loss_total, n_correct = loss_sum.item(), correct.item()  # waits for the epoch's last step
         elapsed = time.perf_counter() - t0
-        val_loss, val_acc = _evaluate(model, xv, yv)
+        val_loss, val_acc = _evaluate(model, xv, yv, weight=weight)
         # the validation figures too: every rank's are the same up to rounding, and early stopping
         # must decide the same on every rank (one that left would hang the others in an all-reduce)
         g_loss, g_acc, g_rate, val_loss, val_acc = _all_mean(
@@ -397,6 +415,7 @@ def run(args: argparse.Namespace) -> dict:
     summary = {"epochs": args.epochs, "world_size": world, "backend": backend,
                "final": history[-1] if history else None, "epochs_trained": len(history),
                "early_stopping_patience": patience, "stopped_early": stopped_early,
+               "class_weight": None if weight is None else [round(float(w), 6) for w in weight],
                "exported_epoch": history[-1]["epoch"] if history else None}
     if rank == 0:
         cpu_model = model.to("cpu").eval()

@@ -15,7 +15,8 @@ from kfp_pytorch.components.ops.evaluate import evaluate_op
 from kfp_pytorch.components.models import ZOO
 from kfp_pytorch.components.prepare_data import columns_problems, parse_columns, seed_problem
 from kfp_pytorch.components.storage import StorageError, parse_uri
-from kfp_pytorch.components.train import checkpoint_every_problem, gpu_share_problem, patience_problem
+from kfp_pytorch.components.train import (checkpoint_every_problem, class_weight_problem, gpu_share_problem,
+                                          patience_problem)
 from kfp_pytorch.components.ops.prepare_data import prepare_data_op
 from kfp_pytorch.components.ops.register import register_op
 from kfp_pytorch.components.ops.serve import serve_op
@@ -37,7 +38,8 @@ def build(platform: Platform | None = None):
                         nodes: int = 1, gpus_per_node: int = 0, canary_traffic_percent: int = -1,
                         checkpoint_every_s: float = 600.0, serve_min_replicas: int = 1,
                         serve_max_replicas: int = 1, label_column: str = "label", feature_columns: str = "",
-                        early_stopping_patience: int = 0, gate_metric: str = "accuracy"):
+                        early_stopping_patience: int = 0, gate_metric: str = "accuracy",
+                        class_weight: str = "none"):
         prep = prepare_data_op(dataset_uri=dataset_uri, label_column=label_column, feature_columns=feature_columns,
                                seed=seed, storage_root=storage_root)
         prep.set_display_name("prepare data")
@@ -51,7 +53,7 @@ def build(platform: Platform | None = None):
                       lr=lr, seed=seed, workers=workers, backend=train_backend, storage_root=storage_root,
                       tracking_uri=tracking_uri, nodes=nodes, gpus_per_node=gpus_per_node,
                       checkpoint_every_s=checkpoint_every_s, early_stopping_patience=early_stopping_patience,
-                      run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+                      class_weight=class_weight, run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
                       task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER)
         tr.set_display_name("train (PyTorchJob)")
         apply_platform(tr, platform, gpu=True, mlflow=True)  # local backend: the workers run in this pod
@@ -104,6 +106,8 @@ def validate_params(p: dict) -> list[str]:
     if problem := checkpoint_every_problem(p["checkpoint_every_s"]):
         problems.append(problem)
     if problem := patience_problem(p["early_stopping_patience"]):
+        problems.append(problem)
+    if problem := class_weight_problem(p["class_weight"]):
         problems.append(problem)
     if not 0 <= p["threshold"] <= 1:
         problems.append(f"threshold: must be in [0, 1], got {p['threshold']}")
@@ -189,6 +193,7 @@ PARAM_DOCS = {
     "feature_columns": "comma-separated feature columns, in order (empty: every column but the label)",
     "gate_metric": "the test metric the threshold applies to and a new champion must beat: accuracy, or "
                    "macro_f1 for a table where some classes are rare",
+    "class_weight": "none, or balanced: each class weighs as much in the loss, however rare (with gate_metric=macro_f1)",
     "early_stopping_patience": "stop after this many epochs without a lower validation loss, and keep the best "
                                "epoch's model (0: train every epoch, keep the last)",
 }

@@ -385,6 +385,8 @@ def test_invalid_settings_listed_together(tmp_path):
     for every in (-1.0, math.nan, math.inf):
         with pytest.raises(ConfigError, match="checkpoint_every_s: must be a finite number >= 0"):
             train(TrainSpec("d", "o", checkpoint_every_s=every))
+    with pytest.raises(ConfigError, match="class_weight: must be one of none, balanced, got 'auto'"):
+        train(TrainSpec("d", "o", class_weight="auto"))
     for patience in (-1, 1.5, True):
         with pytest.raises(ConfigError) as e:
             train(TrainSpec("d", "o", early_stopping_patience=patience))
@@ -512,3 +514,42 @@ def test_early_stopping_stops_an_overfitting_run_and_exports_its_best_epoch(tmp_
     assert [e["epoch"] for e in again.history] == [e["epoch"] for e in h] and again.best_epoch == best["epoch"]
     exported = torch.load(tmp_path / "out" / "model" / "weights.pt")
     assert exported.keys() == weights.keys() and all(torch.equal(exported[k], weights[k]) for k in weights)
+
+
+def test_balanced_class_weights_make_a_rare_class_found(tmp_path):
+    # 5% of the rows are the class that matters (a fault, a fraud): unweighted, the model mostly
+    # answers the common class; balanced, the rare one weighs as much in the loss and is found
+    import numpy as np
+    import pandas as pd
+    from sklearn.utils.class_weight import compute_class_weight
+
+    from kfp_pytorch.components.evaluate import EvaluateSpec, evaluate
+    from kfp_pytorch.components.prepare_data import PrepareSpec, load_split, prepare_data
+    from kfp_pytorch.components.train_worker import class_weights
+
+    rng = np.random.default_rng(5)
+    y = (rng.random(1200) < 0.05).astype(int)
+    x = rng.normal(size=(len(y), 6))
+    x[:, 0] += 1.5 * y
+    x[:, 1] -= 1.0 * y
+    table = pd.DataFrame(x, columns=[f"f{i}" for i in range(6)]).assign(label=y)
+    table.to_csv(tmp_path / "rare.csv", index=False)
+    data = str(tmp_path / "data")
+    prepare_data(PrepareSpec(str(tmp_path / "rare.csv"), data))
+    recall = {}
+    for weighting in ("none", "balanced"):
+        r = train(TrainSpec(data, str(tmp_path / weighting), epochs=6, lr=0.005, batch_size=32, workers=2,
+                            progress="off", class_weight=weighting))
+        cm = np.asarray(evaluate(EvaluateSpec(data, r.model_uri))["metrics"]["confusion_matrix"])
+        recall[weighting] = cm[1, 1] / cm[1].sum()
+        meta = json.loads(open(f"{r.model_uri}/metadata.json").read())
+        if weighting == "balanced":  # scikit-learn's "balanced" weights of the train split, recorded
+            _, y_train = load_split(data, "train")
+            expected = compute_class_weight("balanced", classes=np.array([0, 1]), y=y_train)
+            assert meta["training"]["class_weight"] == pytest.approx(expected.tolist(), rel=1e-5)
+        else:
+            assert meta["training"]["class_weight"] is None
+    assert recall["none"] < 0.5 and recall["balanced"] >= 0.8, recall
+    # a class id no row has (ids with gaps) weighs nothing; the others as scikit-learn weighs them
+    w = class_weights(np.array([0, 0, 0, 2]), 3)
+    assert w.tolist() == pytest.approx([2 / 3, 0.0, 2.0])
