@@ -661,6 +661,7 @@ def manifest_cmd(kind, params, namespace, image, run_id, fairness, platform_file
     from kfp_pytorch.components.storage import join
     from kfp_pytorch.components.train import TrainSpec
     from kfp_pytorch.pipelines import get_pipeline
+    from kfp_pytorch.pipelines.train_and_serve import TRAIN_SPEC_PARAMS
 
     env = dict(os.environ)
     if platform_file:  # what the pipeline's steps would pass on to the pods they create
@@ -680,10 +681,8 @@ def manifest_cmd(kind, params, namespace, image, run_id, fairness, platform_file
             docs = [to_inference_service(cfg.serve_spec(join(root, run_id, "model"), v["model_name"], canary,
                                                         v["serve_min_replicas"], v["serve_max_replicas"]))]
         else:
-            ts = TrainSpec(join(root, run_id, "dataset"), join(root, run_id, "train"), model=v["model_arch"],
-                           epochs=v["epochs"], batch_size=v["batch_size"], lr=v["lr"], seed=v["seed"],
-                           workers=v["workers"], nodes=v["nodes"], gpus_per_node=v["gpus_per_node"], run_id=run_id,
-                           task="train-op")
+            ts = TrainSpec(join(root, run_id, "dataset"), join(root, run_id, "train"), run_id=run_id, task="train-op",
+                           **{field: v[param] for field, param in TRAIN_SPEC_PARAMS.items()})
             cs = cfg.train_spec(ts)
             docs = [to_pytorchjob(cs) if kind == "pytorchjob" else to_trainjob(cs)]
     click.echo(dump_yaml(docs), nl=False)

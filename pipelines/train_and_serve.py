@@ -82,6 +82,14 @@ def build(platform: Platform | None = None):
     return train_and_serve
 
 
+# The pipeline's parameters that shape the training job, by the TrainSpec field each sets: the train
+# step gets them through train_op, and `manifest`'s dry run builds the same job from them.
+TRAIN_SPEC_PARAMS = {
+    "model": "model_arch", "epochs": "epochs", "batch_size": "batch_size", "lr": "lr", "seed": "seed",
+    "workers": "workers", "nodes": "nodes", "gpus_per_node": "gpus_per_node", "checkpoint_every_s": "checkpoint_every_s",
+    "early_stopping_patience": "early_stopping_patience", "class_weight": "class_weight",
+}
+
 # The tracking URIs MLflow opens a store for (a driver may follow '+': postgresql+psycopg2://).
 _TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "file")
 

@@ -561,6 +561,29 @@ def test_manifest_dry_runs_are_valid():
     assert r.returncode == 2 and "min_replicas: 0 (scale to zero) needs KServe's Serverless mode" in r.stderr
 
 
+def test_a_manifest_dry_run_builds_the_job_the_train_step_would_from_every_training_parameter():
+    # the dry run left out checkpoint_every_s: it showed the default 600 s for a pipeline that set 60
+    from kfp_pytorch.components.ops.train import train_op
+    from kfp_pytorch.pipelines import get_pipeline
+    from kfp_pytorch.pipelines.train_and_serve import TRAIN_SPEC_PARAMS
+
+    r = cli("manifest", "pytorchjob", "--image", "reg/kfp-pytorch:0.1.0", "--param", "checkpoint_every_s=60",
+            "--param", "early_stopping_patience=3", "--param", "class_weight=balanced", "--param", "lr=0.01",
+            "--param", "model_arch=cnn")
+    assert r.returncode == 0, r.stderr
+    [job] = yaml.safe_load_all(r.stdout)
+    args = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["args"]
+    given = dict(zip(args[::2], args[1::2]))
+    assert (given["--checkpoint-every-s"], given["--early-stopping-patience"], given["--class-weight"],
+            given["--lr"], given["--model"]) == ("60", "3", "balanced", "0.01", "cnn")
+    # every pipeline parameter the train step reads, beside where the data and the outputs go
+    pipeline = get_pipeline("train_and_serve").func.pipeline_spec
+    bound = {k: v.component_input_parameter for k, v in
+             pipeline.root.dag.tasks["train-op"].inputs.parameters.items() if v.component_input_parameter}
+    assert set(bound.values()) - {"train_backend", "storage_root", "tracking_uri"} == set(TRAIN_SPEC_PARAMS.values())
+    assert set(bound) <= set(train_op.component_spec.inputs)
+
+
 def test_a_manifest_dry_run_shows_the_platform_settings_the_pods_would_get(tmp_path):
     plat = tmp_path / "platform.yaml"
     plat.write_text("s3_secret: minio-creds\nlabels: {team: vision}\n"
