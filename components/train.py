@@ -429,7 +429,12 @@ def train(spec: TrainSpec, storage: Storage | None = None) -> TrainResult:
                             f"lower lr (e.g. lr={d['lr'] / 10:g}) or check the features for extreme values")
     history = json.loads(storage.read_bytes(join(spec.output_uri, "history.json")))
     restarts = max((h.get("attempt", 0) for h in history), default=0)
-    model_meta = json.loads(storage.read_bytes(join(spec.output_uri, "model", "metadata.json")))
+    meta_uri = join(spec.output_uri, "model", "metadata.json")
+    if not storage.exists(meta_uri):  # the workers write it last, before they exit 0
+        raise TrainingError(f"the training job finished but exported no model ({meta_uri} is missing)",
+                            "check that the image runs kfp_pytorch.components.train_worker (the workers' "
+                            "logs say what they did), then run the step again")
+    model_meta = json.loads(storage.read_bytes(meta_uri))
     return TrainResult(model_uri=join(spec.output_uri, "model"), history=history, restarts=restarts,
                        wall_seconds=time.perf_counter() - t0,
                        train_seconds=sum(h["seconds"] for h in history),

@@ -1,4 +1,5 @@
 """Submit, watch, stream, fail, time out and terminate cluster jobs against the fake API server."""
+import dataclasses
 import io
 import os
 import signal
@@ -1050,7 +1051,7 @@ def test_train_runtime_uses_the_cluster_backend(k8s, _fake_k8s_server, s3, bucke
     ts = TrainSpec(f"s3://{bucket}/data", out, workers=2, nodes=2, gpus_per_node=1, backend="cluster",
                    run_id="8f14e45f", task="train-op", timeout_s=20)
 
-    def kubelet():  # the pods "run" the worker: they write the history, then succeed
+    def kubelet(out=out, export=True):  # the pods "run" the worker: they write the history, then succeed
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and len(fake.list("pods", NS)) < 2:
             time.sleep(0.02)
@@ -1058,13 +1059,23 @@ def test_train_runtime_uses_the_cluster_backend(k8s, _fake_k8s_server, s3, bucke
         for p in pods:
             fake.set_pod_phase(NS, p, "Running")
         s3.write_bytes(f"{out}/history.json", json.dumps([{"epoch": 1, "loss": 0.3, "seconds": 1.0}]).encode())
+        if export:
+            s3.write_bytes(f"{out}/model/metadata.json", json.dumps({"training": {"exported_epoch": 1}}).encode())
         fake.set_pod_phase(NS, [p for p in pods if "master" in p][0], "Succeeded")
 
     threading.Thread(target=kubelet, daemon=True).start()
     result = train(ts)
-    assert result.history[0]["loss"] == 0.3 and result.model_uri == f"{out}/model"
+    assert result.history[0]["loss"] == 0.3 and result.model_uri == f"{out}/model" and result.best_epoch == 1
     created = [r for r in fake.requests if r == ("create", "pytorchjobs")]
     assert created == [("create", "pytorchjobs")]
+    # a job that succeeds without exporting a model (an image whose command does something else)
+    for kind in ("pytorchjobs", "pods"):
+        for obj in fake.list(kind, NS):
+            fake.delete(kind, NS, obj["metadata"]["name"])
+    threading.Thread(target=kubelet, kwargs={"out": f"{out}-2", "export": False}, daemon=True).start()
+    with pytest.raises(TrainingError) as e:
+        train(dataclasses.replace(ts, output_uri=f"{out}-2", run_id="c9f0f895"))
+    assert e.value.message == f"the training job finished but exported no model ({out}-2/model/metadata.json is missing)"
 
 
 def test_the_serve_step_in_a_pod_smoke_tests_the_in_cluster_address(k8s, _fake_k8s_server, trained_model, tmp_path,
