@@ -64,6 +64,24 @@ def patience_problem(patience) -> str | None:
 
 
 CLASS_WEIGHTS = ("none", "balanced")
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def scheduled_lr(lr: float, schedule: str, step: int, total_steps: int) -> float:
+    """The learning rate of global step ``step`` (0-based) of ``total_steps``. ``cosine`` anneals
+    from ``lr`` to 0 over the run (Loshchilov and Hutter's SGDR without restarts, as
+    ``torch.optim.lr_scheduler.CosineAnnealingLR``), so the last epochs take small steps. A pure
+    function of the step, so a job resumed mid-epoch goes on from the very rate it stopped at."""
+    if schedule == "constant" or total_steps <= 0:
+        return lr
+    return lr * 0.5 * (1.0 + math.cos(math.pi * min(step, total_steps) / total_steps))
+
+
+def lr_schedule_problem(value) -> str | None:
+    """What is wrong with a learning-rate schedule, or None (the step and the pipeline both ask)."""
+    if value not in LR_SCHEDULES:
+        return f"lr_schedule: must be one of {', '.join(LR_SCHEDULES)}, got {value!r}"
+    return None
 
 
 def class_weight_problem(value) -> str | None:
@@ -120,6 +138,8 @@ class TrainSpec:
     class_weight: str = "none"
     """``balanced``: weigh each class's loss by ``n / (k * n_c)`` (scikit-learn's "balanced"), so a
     rare class counts as much as a common one; ``none``: every row weighs the same."""
+    lr_schedule: str = "constant"
+    """``cosine``: the learning rate anneals from ``lr`` to 0 over the epochs (:func:`scheduled_lr`)."""
 
     def validate(self) -> None:
         problems = []
@@ -145,6 +165,8 @@ class TrainSpec:
         if problem := patience_problem(self.early_stopping_patience):
             problems.append(problem)
         if problem := class_weight_problem(self.class_weight):
+            problems.append(problem)
+        if problem := lr_schedule_problem(self.lr_schedule):
             problems.append(problem)
         if not self.timeout_s > 0:
             problems.append(f"timeout_s: must be > 0, got {self.timeout_s}")
@@ -188,7 +210,8 @@ def worker_args(spec: TrainSpec) -> list[str]:
             "--epochs", str(spec.epochs), "--batch-size", str(spec.batch_size), "--lr", repr(spec.lr),
             "--seed", str(spec.seed), "--device", spec.device, "--progress", spec.progress,
             "--checkpoint-every-s", f"{spec.checkpoint_every_s:g}",
-            "--early-stopping-patience", str(spec.early_stopping_patience), "--class-weight", spec.class_weight]
+            "--early-stopping-patience", str(spec.early_stopping_patience), "--class-weight", spec.class_weight,
+            "--lr-schedule", spec.lr_schedule]
 
 
 def worker_command(spec: TrainSpec, python: str = "python") -> list[str]:

@@ -53,7 +53,7 @@ from .exported_model import EXPORT_MAX_BATCH
 from .models import build_model
 from .prepare_data import load_split, read_metadata
 from .storage import Storage, join
-from .train import DIVERGED, RESUME_KEYS, RESUME_STATE, cuda_problem, early_stop
+from .train import DIVERGED, RESUME_KEYS, RESUME_STATE, cuda_problem, early_stop, scheduled_lr
 from .trainer_status import TrainerStatusReporter
 
 CHECKPOINT = "checkpoints/last.pt"
@@ -106,6 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every-s", type=float, default=600.0)
     p.add_argument("--early-stopping-patience", type=int, default=0)
     p.add_argument("--class-weight", default="none", choices=["none", "balanced"])
+    p.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"])
     return p.parse_args(argv)
 
 
@@ -282,6 +283,8 @@ def run(args: argparse.Namespace) -> dict:
                                 + f", so it is not loaded, since it could run code: {fix}", fix) from e
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        for group in optimizer.param_groups:  # the saved rate is the schedule's at that step: set anew
+            group["lr"] = args.lr
         start_epoch, history = state["epoch"] + 1, state["history"]
         best = state.get("best") if rank == 0 else None
         within = state.get("within")  # a mid-epoch checkpoint: {"epoch", "step", "world"}
@@ -321,6 +324,7 @@ def run(args: argparse.Namespace) -> dict:
     # are the same (DDP), so its state is the job's. The others wait at the next all-reduce.
     every = args.checkpoint_every_s
     next_ckpt = time.monotonic() + every
+    cosine = args.lr_schedule != "constant"
     for epoch in range(start_epoch, args.epochs):
         best_epoch, stop_early = early_stop(history, patience)
         if stop_early:  # after the last epoch that counted, or at once on resuming a job that had stopped
@@ -349,6 +353,9 @@ def run(args: argparse.Namespace) -> dict:
                        mininterval=1.0, leave=True, dynamic_ncols=False, ncols=100)
         for i, (xb, yb) in enumerate(epoch_loader, start=first):
             xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+            if cosine:
+                for group in optimizer.param_groups:
+                    group["lr"] = scheduled_lr(args.lr, args.lr_schedule, epoch * steps + i, args.epochs * steps)
             optimizer.zero_grad(set_to_none=True)
             logits = ddp(xb)
             loss = nn.functional.cross_entropy(logits, yb, weight=weight)
@@ -391,7 +398,7 @@ def run(args: argparse.Namespace) -> dict:
             return {"epochs": epoch + 1, "world_size": world, "backend": backend, "final": None, "diverged": True}
         entry = {"epoch": epoch + 1, "loss": g_loss, "accuracy": g_acc, "val_loss": val_loss,
                  "val_accuracy": val_acc, "samples_per_second": g_rate * world, "seconds": elapsed,
-                 "attempt": attempt, "steps": steps - first}
+                 "attempt": attempt, "steps": steps - first, "lr": optimizer.param_groups[0]["lr"]}
         if first:  # loss and accuracy are of the steps after the resume (the others' sums were lost)
             entry["resumed_at_step"] = first
         history.append(entry)
@@ -416,6 +423,7 @@ def run(args: argparse.Namespace) -> dict:
                "final": history[-1] if history else None, "epochs_trained": len(history),
                "early_stopping_patience": patience, "stopped_early": stopped_early,
                "class_weight": None if weight is None else [round(float(w), 6) for w in weight],
+               "lr_schedule": args.lr_schedule,
                "exported_epoch": history[-1]["epoch"] if history else None}
     if rank == 0:
         cpu_model = model.to("cpu").eval()

@@ -1,4 +1,5 @@
 """Distributed training through the local backend: real torchrun, real gloo, real processes."""
+import dataclasses
 import json
 import math
 import os
@@ -553,3 +554,23 @@ def test_balanced_class_weights_make_a_rare_class_found(tmp_path):
     # a class id no row has (ids with gaps) weighs nothing; the others as scikit-learn weighs them
     w = class_weights(np.array([0, 0, 0, 2]), 3)
     assert w.tolist() == pytest.approx([2 / 3, 0.0, 2.0])
+
+
+def test_a_cosine_schedule_anneals_the_rate_to_zero_and_resumes_at_the_step_it_stopped(digits_data, tmp_path):
+    from kfp_pytorch.components.train import scheduled_lr
+
+    assert [scheduled_lr(0.1, "cosine", s, 4) for s in range(5)] == pytest.approx(
+        [0.1, 0.1 * (1 + math.cos(math.pi / 4)) / 2, 0.05, 0.1 * (1 + math.cos(3 * math.pi / 4)) / 2, 0.0])
+    assert scheduled_lr(0.1, "constant", 3, 4) == 0.1
+    # the rate each epoch ends at is the schedule's at that epoch's last step, resumed or not
+    spec = TrainSpec(digits_data, str(tmp_path / "out"), epochs=2, lr=0.01, workers=1, progress="off",
+                     lr_schedule="cosine")
+    first = train(spec)
+    steps = first.history[0]["steps"]
+    assert first.history[0]["lr"] == pytest.approx(scheduled_lr(0.01, "cosine", steps - 1, 2 * steps))
+    more = train(dataclasses.replace(spec, epochs=4))  # on for more epochs: the schedule spans all 4
+    assert [h["lr"] for h in more.history[2:]] == pytest.approx(
+        [scheduled_lr(0.01, "cosine", (e + 1) * steps - 1, 4 * steps) for e in (2, 3)])
+    assert more.history[-1]["lr"] < 1e-5 < more.history[2]["lr"]
+    with pytest.raises(ConfigError, match="lr_schedule: must be one of constant, cosine, got 'step'"):
+        train(TrainSpec("d", "o", lr_schedule="step"))
