@@ -21,10 +21,27 @@ class MlflowPredictor(mlflow.pyfunc.PythonModel):
         self.model = ExportedModel(context.artifacts["model_dir"])
 
     def predict(self, context, model_input, params=None):
-        rows = model_input.to_numpy() if hasattr(model_input, "to_numpy") else np.asarray(model_input)
+        rows = np.asarray(_by_name(model_input, self.model.meta.get("features")))
         _, labels = self.model.predict(rows)
         names = names_of(labels, self.model.class_names)
         return labels if names is None else np.asarray(names, dtype=object)
+
+
+def _by_name(model_input, features):
+    """A DataFrame with named columns, as the model's feature columns in training order (another
+    order, an id or the label beside them change nothing); anything else, such as an array or a
+    frame with numbered columns, as it is, by position.
+
+    No MLflow signature does this: a named one refuses every array, which callers send too."""
+    columns = getattr(model_input, "columns", None)
+    if columns is None or not features or not all(isinstance(c, str) for c in columns):
+        return model_input.to_numpy() if hasattr(model_input, "to_numpy") else model_input
+    missing = [f for f in features if f not in set(columns)]
+    if missing:
+        raise ValueError(f"the input lacks {len(missing)} of the model's {len(features)} feature columns: "
+                         f"{missing[:8]}{' ...' if len(missing) > 8 else ''}; send the training table's "
+                         "feature columns (other columns are ignored), or an array of them in training order")
+    return model_input[list(features)].to_numpy()
 
 
 mlflow.models.set_model(MlflowPredictor())

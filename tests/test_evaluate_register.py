@@ -144,6 +144,21 @@ def test_champion_moves_only_when_earned(mlflow_server, trained_model, s3):
     import numpy as np
 
     assert model.predict(np.zeros((3, 64), dtype=np.float32)).shape == (3,)
+    # a table is read by column name: another order and an id and the label beside the features
+    # predict as the features in training order do; a missing feature is named
+    import pandas as pd
+
+    from kfp_pytorch.components.prepare_data import load_table
+
+    table = load_table("sample://digits").head(40)
+    features = [c for c in table.columns if c != "label"]
+    expected = model.predict(table[features].to_numpy(np.float32))
+    assert (expected == table["label"].to_numpy()).mean() > 0.8  # the right rows: mostly right answers
+    shuffled = table[["label", *features[::-1]]].assign(id=[f"r{i}" for i in range(len(table))])
+    assert (model.predict(shuffled) == expected).all()
+    assert (model.predict(pd.DataFrame(table[features].to_numpy())) == expected).all()  # numbered: by position
+    with pytest.raises(Exception, match=r"the input lacks 2 of the model's 64 feature columns: \['pixel_0_3', 'pixel_7_7'\]"):
+        model.predict(shuffled.drop(columns=["pixel_0_3", "pixel_7_7"]))
     # ... and where kfp-pytorch is not installed: MLflow, torch and numpy are all it declares and needs
     code = ("import sys; sys.modules['kfp_pytorch'] = sys.modules['minio'] = None\n"
             "import mlflow, numpy as np\n"
