@@ -6,7 +6,10 @@ Run as the container's entrypoint (a KServe custom predictor), with KServe's own
 
 It speaks the Open Inference Protocol v2 through KServe's ``ModelServer``:
 ``/v2/health/ready``, ``/v2/models/{name}/ready`` and ``POST /v2/models/{name}/infer``.
-Request: one FP32 input ``[n, features]`` of raw features. Response: ``probabilities`` FP32
+Request: one FP32 input ``[n, features]`` of raw features, or one input ``[n]`` per feature column,
+named by it (the columnar form of KServe's tabular servers, flagged ``parameters: {"content_type":
+"pd"}``: matched by name, in any order, other columns ignored); v1: ``instances`` as rows, or as
+records ``{"column": value, ...}``, read by name. Response: ``probabilities`` FP32
 ``[n, classes]``, ``label`` INT64 ``[n]`` and, for a model trained on a text label column, ``class``
 BYTES ``[n]`` (the class names; the v1 protocol's ``predictions`` are then names too). A request
 that names ``outputs`` gets those only.
@@ -40,7 +43,7 @@ class TorchPredictor(kserve.Model):
         return self.ready
 
     def predict(self, payload, headers=None, response_headers=None):
-        rows = _rows(payload)
+        rows = _rows(payload, self.runner.meta.get("features"))
         request_id = payload.id if isinstance(payload, InferRequest) else None
         try:
             probs, labels = self.runner.predict(rows)
@@ -77,11 +80,49 @@ def _requested(payload: InferRequest, outputs: list[InferOutput]) -> list[InferO
 _NUMERIC = {"FP16", "FP32", "FP64", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"}
 
 
-def _rows(payload) -> np.ndarray:
+def _columns(inputs, features: list[str]) -> np.ndarray:
+    """Rows from one input per feature column (``[n]`` or ``[n, 1]``), by name, in training order."""
+    by_name = {i.name: i for i in inputs}
+    missing = [f for f in features if f not in by_name]
+    if missing:
+        raise InvalidInput(f"the request has one input per column, but lacks {len(missing)} of the model's "
+                           f"{len(features)} feature columns: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    cols = []
+    for f in features:
+        inp = by_name[f]
+        if inp.datatype not in _NUMERIC:
+            raise InvalidInput(f"input {f!r}: datatype {inp.datatype} is not supported; a feature column is numeric")
+        try:
+            col = inp.as_numpy().astype(np.float32)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise InvalidInput(f"input {f!r}: its data do not fill shape {list(inp.shape)} ({e})")
+        if col.ndim == 2 and col.shape[1] == 1:
+            col = col[:, 0]
+        if col.ndim != 1 or (cols and len(col) != len(cols[0])):
+            raise InvalidInput(f"input {f!r}: a column is of shape [n] (every column the same n), got {list(col.shape)}"
+                               + (f", while {features[0]!r} has {len(cols[0])} rows" if cols and col.ndim == 1 else ""))
+        cols.append(col)
+    return np.stack(cols, axis=1)
+
+
+def _content_type(payload: InferRequest) -> str:
+    """The request's ``content_type`` parameter (v2 HTTP: a string; gRPC: an InferParameter)."""
+    value = (payload.parameters or {}).get("content_type", "")
+    return str(getattr(value, "string_param", value))
+
+
+def _rows(payload, features: list[str] | None = None) -> np.ndarray:
     """The request's feature rows; a malformed request is InvalidInput (HTTP 400), never a 500."""
     if isinstance(payload, InferRequest):
-        if len(payload.inputs or []) != 1:
-            raise InvalidInput(f"the model takes one input, FP32 raw features of shape [n, features]; the request "
+        inputs = payload.inputs or []
+        # one input per column: flagged as a DataFrame (KServe's "pd" content type), or several
+        # inputs, or one named by the model's only feature
+        if features and (_content_type(payload) == "pd" or (any(i.name in features for i in inputs) and (
+                len(inputs) > 1 or (len(features) == 1 and len(inputs[0].shape) == 1)))):
+            return _columns(inputs, features)
+        if len(inputs) != 1:
+            raise InvalidInput(f"the model takes one input, FP32 raw features of shape [n, features] (or one "
+                               f"input per feature column, named by it); the request "
                                f"has {len(payload.inputs or [])}{': ' if payload.inputs else ''}"
                                f"{', '.join(repr(i.name) for i in payload.inputs or [])}")
         inp = payload.inputs[0]
@@ -96,8 +137,15 @@ def _rows(payload) -> np.ndarray:
         raise InvalidInput("expected an Open Inference Protocol v2 request or a v1 {\"instances\": [...]} body")
     if not isinstance(payload.get("instances"), list):
         raise InvalidInput("a v1 request is {\"instances\": [[features...], ...]}: rows of raw features")
+    instances = payload["instances"]
+    if instances and features and all(isinstance(r, dict) for r in instances):  # records, by column name
+        missing = sorted({f for r in instances for f in features if f not in r})
+        if missing:
+            raise InvalidInput(f"instances: records lack {len(missing)} of the model's feature columns: "
+                               f"{missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        instances = [[r[f] for f in features] for r in instances]
     try:  # v1 protocol: {"instances": [[...], ...]}
-        return np.asarray(payload["instances"], dtype=np.float32)
+        return np.asarray(instances, dtype=np.float32)
     except (ValueError, TypeError, OverflowError) as e:
         raise InvalidInput(f"instances: must be rows of numbers of equal length ({e})")
 

@@ -84,6 +84,35 @@ def test_bad_request_gets_a_400_not_a_crash(endpoint):
     assert requests.get(f"{endpoint.url}/v2/health/ready").status_code == 200
 
 
+def test_a_table_is_taken_one_input_per_column_by_name_as_kserves_tabular_servers_take_it(endpoint):
+    from kfp_pytorch.components.prepare_data import load_table
+
+    table = load_table("sample://digits").head(5)
+    features = [c for c in table.columns if c != "label"]
+    rows = {"inputs": [{"name": "x", "shape": [5, 64], "datatype": "FP32",
+                        "data": table[features].to_numpy(np.float32).ravel().tolist()}]}
+    expected = requests.post(endpoint.infer_url, json=rows).json()["outputs"][1]["data"]
+    # columns in another order, an id (BYTES) beside them, flagged as a DataFrame or not
+    columns = [{"name": c, "shape": [5], "datatype": "FP32", "data": table[c].astype(float).tolist()}
+               for c in features[::-1]]
+    ident = {"name": "id", "shape": [5], "datatype": "BYTES", "data": [f"r{i}" for i in range(5)]}
+    for body in ({"inputs": [ident, *columns], "parameters": {"content_type": "pd"}}, {"inputs": [*columns, ident]}):
+        r = requests.post(endpoint.infer_url, json=body)
+        assert r.status_code == 200 and r.json()["outputs"][1]["data"] == expected, r.text
+    r = requests.post(endpoint.infer_url, json={"inputs": [c for c in columns if c["name"] != "pixel_3_3"]})
+    assert r.status_code == 400 and "lacks 1 of the model's 64 feature columns: ['pixel_3_3']" in r.text, r.text
+    short = [{**c, "shape": [4], "data": c["data"][:4]} if c["name"] == "pixel_0_1" else c for c in columns]
+    r = requests.post(endpoint.infer_url, json={"inputs": short})
+    assert r.status_code == 400 and "input 'pixel_0_1': a column is of shape [n] (every column the same n)" in r.text
+    # v1: records by column name, as KServe's sklearn server reads them
+    records = table.assign(id=range(5)).to_dict(orient="records")
+    r = requests.post(endpoint.url + "/v1/models/digits:predict", json={"instances": records})
+    assert r.status_code == 200 and r.json()["predictions"] == expected, r.text
+    r = requests.post(endpoint.url + "/v1/models/digits:predict",
+                      json={"instances": [{k: v for k, v in rec.items() if k != "pixel_2_5"} for rec in records]})
+    assert r.status_code == 400 and "records lack 1 of the model's feature columns: ['pixel_2_5']" in r.text, r.text
+
+
 def test_only_the_requested_outputs_are_returned(endpoint):
     x = {"name": "x", "shape": [2, 64], "datatype": "FP32", "data": [0.0] * 128}
     r = requests.post(endpoint.infer_url, json={"inputs": [x], "outputs": [{"name": "label"}]})
