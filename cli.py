@@ -233,6 +233,11 @@ def _print_summary(s: dict) -> None:
         click.echo(f"failed task: {s['failed_task']} (its log is above; partial outputs removed)")
         if s.get("error"):
             click.secho("\n".join(f"  {line}" for line in s["error"].splitlines()), fg="red")
+    if "training" in s:
+        t = s["training"]
+        click.echo(f"training:  {t['epochs_trained']} epoch(s)" + (
+            f", stopped early; the model is epoch {t['exported_epoch']}'s, the best on validation"
+            if t["exported_epoch"] != t["epochs_trained"] else ""))
     if "metrics" in s:
         m = s["metrics"]
         shown = []

@@ -314,6 +314,10 @@ def summarize(run: LocalRun) -> dict:
     for name, a in ev.get("artifacts", {}).items():
         if name == "metrics":
             s["metrics"] = a["artifacts"][0].get("metadata", {})
+    tm = o.get("train-op", {}).get("artifacts", {}).get("metrics", {}).get("artifacts", [{}])[0].get("metadata", {})
+    if "epochs_trained" in tm:  # which epoch's model went on: the last, or the best before an early stop
+        s["training"] = {"epochs_trained": int(tm["epochs_trained"]), "exported_epoch": int(tm["exported_epoch"]),
+                         "val_accuracy": tm.get("final_val_accuracy")}
     if "evaluate-op" in o:
         s["gate_passed"] = bool(ev.get("parameterValues", {}).get("Output"))
     reg = o.get("register-op", {}).get("parameterValues", {})

@@ -269,6 +269,12 @@ def test_the_summary_says_how_to_use_and_stop_the_served_model(capsys):
     assert "predict a table with:  kfp-pytorch serve predict digits-x TABLE.csv\n" in out
     assert "stop the server with:  kfp-pytorch serve stop digits-x\n" in out  # with --no-predict too
     assert "gate:      passed\n" in out  # a summary without the gate's figures (an older run's)
+    assert "training:" not in out
+    _print_summary({**s, "training": {"epochs_trained": 14, "exported_epoch": 11, "val_accuracy": 0.9}})
+    assert "training:  14 epoch(s), stopped early; the model is epoch 11's, the best on validation\n" in (
+        capsys.readouterr().out)
+    _print_summary({**s, "training": {"epochs_trained": 8, "exported_epoch": 8, "val_accuracy": 0.9}})
+    assert "training:  8 epoch(s)\n" in capsys.readouterr().out
     _print_summary({**s, "gate_passed": False, "endpoint": None, "gate": {"metric": "accuracy", "threshold": 0.98}})
     out = capsys.readouterr().out
     assert "serve stop" not in out
@@ -426,6 +432,8 @@ def test_a_table_of_ones_own_with_a_named_label_and_chosen_features_end_to_end(t
         model_meta = model_features(s["artifacts"]["train-op.model"])
         assert model_meta["features"] == features.split(",") and model_meta["label_column"] == "species"
         assert model_meta["training"]["early_stopping_patience"] == 5  # the pipeline's setting reached the workers
+        assert s["training"]["exported_epoch"] == model_meta["training"]["exported_epoch"]
+        assert s["training"]["epochs_trained"] == model_meta["training"]["epochs_trained"] <= 30
         # the served model takes the table as it is (columns by name) and scores it against 'species'
         p = run_cli("serve", "predict", "iris", str(path), "-o", str(tmp_path / "p.csv"))
         assert p.returncode == 0, p.stderr
