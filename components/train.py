@@ -77,6 +77,13 @@ def scheduled_lr(lr: float, schedule: str, step: int, total_steps: int) -> float
     return lr * 0.5 * (1.0 + math.cos(math.pi * min(step, total_steps) / total_steps))
 
 
+def weight_decay_problem(value) -> str | None:
+    """What is wrong with a weight decay, or None (the step and the pipeline both ask)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:  # NaN too
+        return f"weight_decay: must be a number in [0, 1) (0: none; 0.01 is AdamW's usual), got {value!r}"
+    return None
+
+
 def lr_schedule_problem(value) -> str | None:
     """What is wrong with a learning-rate schedule, or None (the step and the pipeline both ask)."""
     if value not in LR_SCHEDULES:
@@ -138,6 +145,9 @@ class TrainSpec:
     class_weight: str = "none"
     """``balanced``: weigh each class's loss by ``n / (k * n_c)`` (scikit-learn's "balanced"), so a
     rare class counts as much as a common one; ``none``: every row weighs the same."""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay (Loshchilov and Hutter): each step shrinks the weights by
+    ``lr * weight_decay``, a regulariser for a model that learns its training rows by heart; 0: Adam."""
     lr_schedule: str = "constant"
     """``cosine``: the learning rate anneals from ``lr`` to 0 over the epochs (:func:`scheduled_lr`)."""
 
@@ -167,6 +177,8 @@ class TrainSpec:
         if problem := class_weight_problem(self.class_weight):
             problems.append(problem)
         if problem := lr_schedule_problem(self.lr_schedule):
+            problems.append(problem)
+        if problem := weight_decay_problem(self.weight_decay):
             problems.append(problem)
         if not self.timeout_s > 0:
             problems.append(f"timeout_s: must be > 0, got {self.timeout_s}")
@@ -211,7 +223,7 @@ def worker_args(spec: TrainSpec) -> list[str]:
             "--seed", str(spec.seed), "--device", spec.device, "--progress", spec.progress,
             "--checkpoint-every-s", f"{spec.checkpoint_every_s:g}",
             "--early-stopping-patience", str(spec.early_stopping_patience), "--class-weight", spec.class_weight,
-            "--lr-schedule", spec.lr_schedule]
+            "--lr-schedule", spec.lr_schedule, "--weight-decay", repr(float(spec.weight_decay))]
 
 
 def worker_command(spec: TrainSpec, python: str = "python") -> list[str]:

@@ -107,6 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--early-stopping-patience", type=int, default=0)
     p.add_argument("--class-weight", default="none", choices=["none", "balanced"])
     p.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"])
+    p.add_argument("--weight-decay", type=float, default=0.0)
     return p.parse_args(argv)
 
 
@@ -254,7 +255,8 @@ def run(args: argparse.Namespace) -> dict:
     x_val, y_val = load_split(args.dataset_uri, "val", storage, meta)
     torch.manual_seed(args.seed)
     model = build_model(args.model, meta["num_features"], meta["num_classes"], meta.get("image_shape")).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    # AdamW: Adam with the decay decoupled from the gradient; with weight_decay 0 it is Adam exactly
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     # every rank holds the whole train split, so every rank computes the same weights
     weight = class_weights(y_train, meta["num_classes"]).to(device) if args.class_weight == "balanced" else None
 
@@ -283,8 +285,9 @@ def run(args: argparse.Namespace) -> dict:
                                 + f", so it is not loaded, since it could run code: {fix}", fix) from e
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        for group in optimizer.param_groups:  # the saved rate is the schedule's at that step: set anew
-            group["lr"] = args.lr
+        for group in optimizer.param_groups:  # the saved rate is the schedule's at that step: set anew,
+            group["lr"] = args.lr  # and the decay this run asks for (a checkpoint of Adam's has its own)
+            group.update(weight_decay=args.weight_decay, decoupled_weight_decay=True)
         start_epoch, history = state["epoch"] + 1, state["history"]
         best = state.get("best") if rank == 0 else None
         within = state.get("within")  # a mid-epoch checkpoint: {"epoch", "step", "world"}
@@ -423,7 +426,7 @@ def run(args: argparse.Namespace) -> dict:
                "final": history[-1] if history else None, "epochs_trained": len(history),
                "early_stopping_patience": patience, "stopped_early": stopped_early,
                "class_weight": None if weight is None else [round(float(w), 6) for w in weight],
-               "lr_schedule": args.lr_schedule,
+               "lr_schedule": args.lr_schedule, "weight_decay": args.weight_decay,
                "exported_epoch": history[-1]["epoch"] if history else None}
     if rank == 0:
         cpu_model = model.to("cpu").eval()

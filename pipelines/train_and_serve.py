@@ -16,7 +16,7 @@ from kfp_pytorch.components.models import ZOO
 from kfp_pytorch.components.prepare_data import columns_problems, parse_columns, seed_problem
 from kfp_pytorch.components.storage import StorageError, parse_uri
 from kfp_pytorch.components.train import (checkpoint_every_problem, class_weight_problem, gpu_share_problem,
-                                          lr_schedule_problem, patience_problem)
+                                          lr_schedule_problem, patience_problem, weight_decay_problem)
 from kfp_pytorch.components.ops.prepare_data import prepare_data_op
 from kfp_pytorch.components.ops.register import register_op
 from kfp_pytorch.components.ops.serve import serve_op
@@ -39,7 +39,7 @@ def build(platform: Platform | None = None):
                         checkpoint_every_s: float = 600.0, serve_min_replicas: int = 1,
                         serve_max_replicas: int = 1, label_column: str = "label", feature_columns: str = "",
                         early_stopping_patience: int = 0, gate_metric: str = "accuracy",
-                        class_weight: str = "none", lr_schedule: str = "constant"):
+                        class_weight: str = "none", lr_schedule: str = "constant", weight_decay: float = 0.0):
         prep = prepare_data_op(dataset_uri=dataset_uri, label_column=label_column, feature_columns=feature_columns,
                                seed=seed, storage_root=storage_root)
         prep.set_display_name("prepare data")
@@ -53,7 +53,8 @@ def build(platform: Platform | None = None):
                       lr=lr, seed=seed, workers=workers, backend=train_backend, storage_root=storage_root,
                       tracking_uri=tracking_uri, nodes=nodes, gpus_per_node=gpus_per_node,
                       checkpoint_every_s=checkpoint_every_s, early_stopping_patience=early_stopping_patience,
-                      class_weight=class_weight, lr_schedule=lr_schedule, run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+                      class_weight=class_weight, lr_schedule=lr_schedule,
+                      weight_decay=weight_decay, run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
                       task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER)
         tr.set_display_name("train (PyTorchJob)")
         apply_platform(tr, platform, gpu=True, mlflow=True)  # local backend: the workers run in this pod
@@ -88,6 +89,7 @@ TRAIN_SPEC_PARAMS = {
     "model": "model_arch", "epochs": "epochs", "batch_size": "batch_size", "lr": "lr", "seed": "seed",
     "workers": "workers", "nodes": "nodes", "gpus_per_node": "gpus_per_node", "checkpoint_every_s": "checkpoint_every_s",
     "early_stopping_patience": "early_stopping_patience", "class_weight": "class_weight", "lr_schedule": "lr_schedule",
+    "weight_decay": "weight_decay",
 }
 
 # The tracking URIs MLflow opens a store for (a driver may follow '+': postgresql+psycopg2://).
@@ -118,6 +120,8 @@ def validate_params(p: dict) -> list[str]:
     if problem := class_weight_problem(p["class_weight"]):
         problems.append(problem)
     if problem := lr_schedule_problem(p["lr_schedule"]):
+        problems.append(problem)
+    if problem := weight_decay_problem(p["weight_decay"]):
         problems.append(problem)
     if not 0 <= p["threshold"] <= 1:
         problems.append(f"threshold: must be in [0, 1], got {p['threshold']}")
@@ -184,7 +188,7 @@ PARAM_DOCS = {
     "model_arch": "mlp, cnn, or a factory package.module:function",
     "epochs": "training epochs",
     "batch_size": "per-worker batch size",
-    "lr": "Adam learning rate",
+    "lr": "AdamW learning rate",
     "seed": "seed of the split and of training",
     "workers": "DDP worker processes (PyTorchJob replicas x nprocPerNode)",
     "threshold": "minimum test gate_metric for register and serve to run",
@@ -203,6 +207,7 @@ PARAM_DOCS = {
     "feature_columns": "comma-separated feature columns, in order (empty: every column but the label)",
     "gate_metric": "the test metric the threshold applies to and a new champion must beat: accuracy, or "
                    "macro_f1 for a table where some classes are rare",
+    "weight_decay": "AdamW's decoupled weight decay, a regulariser (0: none, plain Adam; 0.01 is usual)",
     "lr_schedule": "constant, or cosine: the learning rate anneals from lr to 0 over the epochs",
     "class_weight": "none, or balanced: each class weighs as much in the loss, however rare (with gate_metric=macro_f1)",
     "early_stopping_patience": "stop after this many epochs without a lower validation loss, and keep the best "

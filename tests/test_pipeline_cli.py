@@ -330,6 +330,8 @@ def test_failed_task_is_read_from_kfp_locals_coloured_message():
      "dataset_uri: URI 's3://-data/x.csv': '-data' is not a valid bucket name"),
     (["run", "train_and_serve", "--local", "--param", "serve_min_replicas=4", "--param", "serve_max_replicas=2"],
      "serve_min_replicas: must be in [1, serve_max_replicas=2], got 4"),
+    (["run", "train_and_serve", "--local", "--param", "weight_decay=1.5"],
+     "weight_decay: must be a number in [0, 1) (0: none; 0.01 is AdamW's usual), got 1.5"),
     (["run", "train_and_serve", "--local", "--param", "lr_schedule=step"],
      "lr_schedule: must be one of constant, cosine, got 'step'"),
     (["run", "train_and_serve", "--local", "--param", "class_weight=auto"],

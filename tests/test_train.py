@@ -574,3 +574,18 @@ def test_a_cosine_schedule_anneals_the_rate_to_zero_and_resumes_at_the_step_it_s
     assert more.history[-1]["lr"] < 1e-5 < more.history[2]["lr"]
     with pytest.raises(ConfigError, match="lr_schedule: must be one of constant, cosine, got 'step'"):
         train(TrainSpec("d", "o", lr_schedule="step"))
+
+
+def test_weight_decay_shrinks_the_weights_it_is_asked_to(digits_data, tmp_path):
+    norms = {}
+    for decay in (0.0, 0.5):
+        r = train(TrainSpec(digits_data, str(tmp_path / f"wd{decay}"), epochs=2, lr=0.01, workers=1, progress="off",
+                            weight_decay=decay))
+        weights = torch.load(f"{r.model_uri}/weights.pt")
+        norms[decay] = math.sqrt(sum(float((w ** 2).sum()) for k, w in weights.items() if k.endswith("weight")))
+        assert json.loads(open(f"{r.model_uri}/metadata.json").read())["training"]["weight_decay"] == decay
+        assert r.history[-1]["val_accuracy"] > 0.8  # a regulariser, not a wrecking ball
+    assert norms[0.5] < 0.9 * norms[0.0], norms
+    for bad in (-0.1, 1.0, math.nan):
+        with pytest.raises(ConfigError, match="weight_decay: must be a number in \\[0, 1\\)"):
+            train(TrainSpec("d", "o", weight_decay=bad))

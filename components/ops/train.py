@@ -14,7 +14,7 @@ def train_op(dataset: Input[Dataset], model: Output[Model], metrics: Output[Metr
              tracking_uri: str = "", nodes: int = 1, gpus_per_node: int = 0, run_id: str = "",
              task_name: str = "train", checkpoint_every_s: float = 600.0,
              early_stopping_patience: int = 0, class_weight: str = "none",
-             lr_schedule: str = "constant") -> NamedTuple("Outputs", [("mlflow_run_id", str), ("samples_per_second", float)]):
+             lr_schedule: str = "constant", weight_decay: float = 0.0) -> NamedTuple("Outputs", [("mlflow_run_id", str), ("samples_per_second", float)]):
     """Distributed training as a PyTorchJob-shaped job; logs per-epoch metrics to KFP and MLflow.
     ``early_stopping_patience`` > 0: stop once that many epochs have not lowered the validation
     loss, and export the best epoch's weights. ``class_weight="balanced"``: a rare class's rows weigh
@@ -31,7 +31,7 @@ def train_op(dataset: Input[Dataset], model: Output[Model], metrics: Output[Metr
                      max_restarts=max_restarts, backend=backend, nodes=nodes, gpus_per_node=gpus_per_node,
                      run_id=run_id, task=task_name, checkpoint_every_s=checkpoint_every_s,
                      early_stopping_patience=early_stopping_patience, class_weight=class_weight,
-                     lr_schedule=lr_schedule)
+                     lr_schedule=lr_schedule, weight_decay=weight_decay)
     # MLflow first: a server that is down or refuses the credentials fails the step now, not after
     # the hours of training it would then not record
     tracker = Tracker(tracking_uri or None)
@@ -47,7 +47,7 @@ def train_op(dataset: Input[Dataset], model: Output[Model], metrics: Output[Metr
     run_id = tracker.log_training(
         f"train-{model_arch}", {k: getattr(spec, k) for k in ("model", "epochs", "batch_size", "lr", "seed", "workers",
                                                               "early_stopping_patience", "class_weight",
-                                                              "lr_schedule")},
+                                                              "lr_schedule", "weight_decay")},
         result.history, summary={"exported_epoch": final["epoch"], "epochs_trained": len(result.history)})
     model.metadata.update({"uri": result.model_uri, "framework": "pytorch", "model_arch": model_arch,
                            "mlflow_run_id": run_id, "val_accuracy": float(final["val_accuracy"])})
