@@ -164,8 +164,11 @@ def confusion_figure(cm: np.ndarray, classes: list):
     return fig
 
 
-def render_report(metrics: dict, history: list[dict], classes: list[int], gate: dict) -> str:
-    """A self-contained HTML page (plots inlined as PNG) that the KFP UI renders."""
+def render_report(metrics: dict, history: list[dict], classes: list[int], gate: dict,
+                  exported_epoch: int | None = None) -> str:
+    """A self-contained HTML page (plots inlined as PNG) that the KFP UI renders. ``exported_epoch``:
+    the epoch whose weights were evaluated, marked on the curves when it is not the last (an early
+    stop kept the best)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -178,10 +181,14 @@ def render_report(metrics: dict, history: list[dict], classes: list[int], gate: 
         a1.plot(ep, [h["loss"] for h in history], "o-", label="train")
         a1.plot(ep, [h["val_loss"] for h in history], "s-", label="validation")
         a1.set(title="Loss", xlabel="epoch")
-        a1.legend()
         a2.plot(ep, [h["accuracy"] for h in history], "o-", label="train")
         a2.plot(ep, [h["val_accuracy"] for h in history], "s-", label="validation")
         a2.set(title="Accuracy", xlabel="epoch", ylim=(0, 1.02))
+        if exported_epoch is not None and exported_epoch != ep[-1]:
+            for ax in (a1, a2):
+                ax.axvline(exported_epoch, color="#9a6700", linestyle="--",
+                           label=f"model: epoch {exported_epoch} (early stop)")
+        a1.legend()
         a2.legend()
         imgs.append(("Training curves", _png(fig)))
         plt.close(fig)
@@ -194,6 +201,9 @@ def render_report(metrics: dict, history: list[dict], classes: list[int], gate: 
                    for k, v in metrics.items() if isinstance(v, float))
     figs = "".join(f"<h3>{html.escape(t)}</h3><img alt='{html.escape(t)}' src='data:image/png;base64,{b}'/>"
                    for t, b in imgs)
+    if history and exported_epoch is not None and exported_epoch != history[-1]["epoch"]:
+        rows += (f"<tr><td>model</td><td>epoch {exported_epoch} of {history[-1]['epoch']}: training stopped "
+                 "early, and the epoch with the lowest validation loss was kept</td></tr>")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>kfp-pytorch evaluation</title>"
             f"<style>body{{font-family:sans-serif;margin:1.5em}}td{{padding:2px 12px}}</style></head><body>"
             f"<h2>Evaluation report</h2><p style='color:{color};font-weight:bold'>Gate {verdict}: "
@@ -224,4 +234,5 @@ def evaluate(spec: EvaluateSpec, storage: Storage | None = None) -> dict:
     history = json.loads(storage.read_bytes(history_uri)) if storage.exists(history_uri) else []
     ticks = classes if names is None else [names[c] for c in classes]
     return {"metrics": metrics, "gate": gate, "classes": classes, "class_names": names,
-            "gate_note": gate_note(gate, metrics), "report_html": render_report(metrics, history, ticks, gate)}
+            "gate_note": gate_note(gate, metrics), "report_html": render_report(metrics, history, ticks, gate,
+                                                     model_meta.get("training", {}).get("exported_epoch"))}

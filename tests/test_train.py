@@ -509,6 +509,15 @@ def test_early_stopping_stops_an_overfitting_run_and_exports_its_best_epoch(tmp_
     loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(y)).item()
     assert loss == pytest.approx(best["val_loss"], rel=1e-5)
     assert meta["training"]["exported_epoch"] == best["epoch"] and meta["training"]["stopped_early"] is True
+    # the evaluation report says which epoch it evaluated, and marks it on the curves
+    from kfp_pytorch.components.evaluate import EvaluateSpec, evaluate, render_report
+
+    res = evaluate(EvaluateSpec(data, result.model_uri, threshold=0.0))
+    assert (f"<td>model</td><td>epoch {best['epoch']} of {len(h)}: training stopped early, and the epoch with the "
+            "lowest validation loss was kept</td>") in res["report_html"]
+    plain = render_report(res["metrics"], h, res["classes"], res["gate"])
+    curves = lambda page: page.split("src='data:image/png;base64,")[1].split("'")[0]  # noqa: E731
+    assert "stopped early" not in plain and curves(plain) != curves(res["report_html"])  # the mark is drawn
     weights = torch.load(tmp_path / "out" / "model" / "weights.pt")
     # run again into the same output (a retried step): it resumes, stops at once, exports the same weights
     again = train(spec)
