@@ -44,10 +44,12 @@ def preflight(params: dict, storage: Storage | None = None) -> None:
         check_table(uri, table, label, feature_columns=chosen)
     custom = ":" in params.get("model_arch", "")
     if uri and table is None and (custom or chosen):  # a bundled sample: its columns, for the checks below
+        # (as it is, the sample fits every model of the zoo)
         table = load_table(uri, storage, label).rename(columns=str)
         check_table(uri, table, label, feature_columns=chosen)
-    if table is not None and custom:
-        # a model of the user's own, built once for this table's shape: the workers would build it the same
+    if table is not None and "model_arch" in params:
+        # the model, built once for this table's shape as the workers would build it: a factory of
+        # the user's own, or cnn on features that are no image, fails here rather than after prepare
         ids, _ = encode_labels(table[label])  # as prepare_data numbers the classes
         build_model(params["model_arch"], len(feature_names(table, label, chosen)), int(ids.max()) + 1,
                     image_shape(table, label, chosen))
