@@ -1,8 +1,8 @@
 """``prepare_data``: dataset URI -> validated, stratified, normalised shards in the store.
 
 Input: a table (CSV or Parquet) with numeric feature columns and one label column (``label``
-unless named: ``label_column``), of integer class ids or of class names (text: numbered in sorted order, the names kept in the metadata and
-answered by the served model), read from a local path, ``s3://`` / ``minio://`` (through
+unless named: ``label_column``), of integer class ids or of class names (text: numbered in sorted
+order, the names kept in the metadata and answered by the served model), read from a local path, ``s3://`` / ``minio://`` (through
 :mod:`.storage`), or ``sample://digits``, scikit-learn's 8x8 digits, which ships inside
 scikit-learn so nothing is downloaded. The features are every other column, or those named in
 ``feature_columns`` (an export's id, timestamp and free-text columns stay out of the model).
@@ -94,19 +94,18 @@ def parse_columns(text: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in text.split(",")) if text.strip() else ()
 
 
-def columns_problems(label_column: str, feature_columns, names=("label_column", "feature_columns")) -> list[str]:
+def columns_problems(label_column: str, feature_columns) -> list[str]:
     """What is wrong with a label column and a feature list, before any table is read."""
-    label_name, features_name = names
     problems = []
     if not label_column.strip():
-        problems.append(f"{label_name}: must name the table's label column, got {label_column!r}")
+        problems.append(f"label_column: must name the table's label column, got {label_column!r}")
     if any(not c for c in feature_columns):
-        problems.append(f"{features_name}: an empty column name in {', '.join(feature_columns)!r} "
+        problems.append(f"feature_columns: an empty column name in {', '.join(feature_columns)!r} "
                         "(write names separated by commas: a,b,c)")
     if dupes := sorted({c for c in feature_columns if c and list(feature_columns).count(c) > 1}):
-        problems.append(f"{features_name}: {', '.join(map(repr, dupes))} given more than once")
+        problems.append(f"feature_columns: {', '.join(map(repr, dupes))} given more than once")
     if label_column in feature_columns:
-        problems.append(f"{features_name}: must not hold the label column {label_column!r} (the model would "
+        problems.append(f"feature_columns: must not hold the label column {label_column!r} (the model would "
                         "be given the answer)")
     return problems
 
@@ -123,15 +122,14 @@ def _missing_column(what: str, name: str, columns: list[str], parameter: str) ->
 
 def feature_names(df, label_column: str, feature_columns=()) -> list[str]:
     """The feature columns, by name: those chosen, or every column but the label."""
-    return list(feature_columns) if feature_columns else [str(c) for c in df.columns if str(c) != label_column]
+    return list(feature_columns) if feature_columns else [c for c in df.columns if c != label_column]
 
 
 def image_shape(df, label_column: str, feature_columns=()):
     """The table's image shape (C, H, W) when its features are all its pixels, in order; None for a
     chosen subset or order of them, which is no longer that image."""
     shape = df.attrs.get("image_shape")
-    every = [str(c) for c in df.columns if str(c) != label_column]
-    return shape if shape and feature_names(df, label_column, feature_columns) == every else None
+    return shape if shape and feature_names(df, label_column, feature_columns) == feature_names(df, label_column) else None
 
 
 def load_table(uri: str, storage: Storage | None = None, label_column: str = "label"):
@@ -196,7 +194,6 @@ def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fract
     the label and the feature columns are read: the others may hold anything."""
     import pandas as pd
 
-    df = df.rename(columns=str)  # a Parquet file's column names may be numbers; parameters are text
     columns = list(df.columns)
     missing = [_missing_column("label column", label_column, columns, "label_column")] if label_column not in columns else []
     missing += [_missing_column("feature column", c, columns, "feature_columns") for c in feature_columns
@@ -302,7 +299,7 @@ def prepare_data(spec: PrepareSpec, storage: Storage | None = None) -> dict:
 
     spec.validate()
     storage = storage or Storage()
-    df = load_table(spec.dataset_uri, storage, spec.label_column).rename(columns=str)
+    df = load_table(spec.dataset_uri, storage, spec.label_column)
     check_table(spec.dataset_uri, df, spec.label_column, spec.val_fraction, spec.test_fraction, spec.feature_columns)
     features = feature_names(df, spec.label_column, spec.feature_columns)
     x = df[features].to_numpy(dtype=np.float32)

@@ -105,6 +105,18 @@ def checkpoint_every_problem(seconds) -> str | None:
     return None
 
 
+TRAINING_SETTINGS = (("checkpoint_every_s", checkpoint_every_problem), ("early_stopping_patience", patience_problem),
+                     ("class_weight", class_weight_problem), ("lr_schedule", lr_schedule_problem),
+                     ("weight_decay", weight_decay_problem))
+"""The training settings the pipeline passes on under the same names, with their checks: the train
+step (:meth:`TrainSpec.validate`) and the pipeline, before any step, both run them."""
+
+
+def training_settings_problems(values: dict) -> list[str]:
+    """What is wrong with the :data:`TRAINING_SETTINGS` in ``values`` (a TrainSpec's, or the pipeline's)."""
+    return [problem for name, check in TRAINING_SETTINGS if (problem := check(values[name]))]
+
+
 @dataclass(frozen=True)
 class TrainSpec:
     """One training job. Validated once, before anything starts."""
@@ -170,16 +182,7 @@ class TrainSpec:
             problems.append(f"backend: must be one of {', '.join(sorted(BACKENDS))}, got {self.backend!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             problems.append(f"device: must be auto, cpu or cuda, got {self.device!r}")
-        if problem := checkpoint_every_problem(self.checkpoint_every_s):
-            problems.append(problem)
-        if problem := patience_problem(self.early_stopping_patience):
-            problems.append(problem)
-        if problem := class_weight_problem(self.class_weight):
-            problems.append(problem)
-        if problem := lr_schedule_problem(self.lr_schedule):
-            problems.append(problem)
-        if problem := weight_decay_problem(self.weight_decay):
-            problems.append(problem)
+        problems += training_settings_problems(vars(self))
         if not self.timeout_s > 0:
             problems.append(f"timeout_s: must be > 0, got {self.timeout_s}")
         if self.nodes < 1 or (self.workers % self.nodes if self.nodes >= 1 else 0):

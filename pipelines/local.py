@@ -40,12 +40,12 @@ def preflight(params: dict, storage: Storage | None = None) -> None:
         if not storage.exists(uri):
             raise DatasetError(f"dataset not found: {uri}",
                                "check dataset_uri (a CSV/Parquet path, s3://bucket/key or sample://digits)")
-        table = load_table(uri, storage, label).rename(columns=str)
+        table = load_table(uri, storage, label)
         check_table(uri, table, label, feature_columns=chosen)
     custom = ":" in params.get("model_arch", "")
     if uri and table is None and (custom or chosen):  # a bundled sample: its columns, for the checks below
         # (as it is, the sample fits every model of the zoo)
-        table = load_table(uri, storage, label).rename(columns=str)
+        table = load_table(uri, storage, label)
         check_table(uri, table, label, feature_columns=chosen)
     if table is not None and "model_arch" in params:
         # the model, built once for this table's shape as the workers would build it: a factory of

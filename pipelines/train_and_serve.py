@@ -15,8 +15,7 @@ from kfp_pytorch.components.ops.evaluate import evaluate_op
 from kfp_pytorch.components.models import ZOO
 from kfp_pytorch.components.prepare_data import columns_problems, parse_columns, seed_problem
 from kfp_pytorch.components.storage import StorageError, parse_uri
-from kfp_pytorch.components.train import (checkpoint_every_problem, class_weight_problem, gpu_share_problem,
-                                          lr_schedule_problem, patience_problem, weight_decay_problem)
+from kfp_pytorch.components.train import gpu_share_problem, training_settings_problems
 from kfp_pytorch.components.ops.prepare_data import prepare_data_op
 from kfp_pytorch.components.ops.register import register_op
 from kfp_pytorch.components.ops.serve import serve_op
@@ -113,16 +112,7 @@ def validate_params(p: dict) -> list[str]:
     problems += columns_problems(p["label_column"], parse_columns(p["feature_columns"]))
     if problem := seed_problem(p["seed"]):
         problems.append(problem)
-    if problem := checkpoint_every_problem(p["checkpoint_every_s"]):
-        problems.append(problem)
-    if problem := patience_problem(p["early_stopping_patience"]):
-        problems.append(problem)
-    if problem := class_weight_problem(p["class_weight"]):
-        problems.append(problem)
-    if problem := lr_schedule_problem(p["lr_schedule"]):
-        problems.append(problem)
-    if problem := weight_decay_problem(p["weight_decay"]):
-        problems.append(problem)
+    problems += training_settings_problems(p)
     if not 0 <= p["threshold"] <= 1:
         problems.append(f"threshold: must be in [0, 1], got {p['threshold']}")
     if p["gate_metric"] not in GATE_METRICS:

@@ -211,3 +211,13 @@ def test_a_subset_of_an_images_pixels_is_no_longer_an_image(tmp_path):
     meta = prepare_data(PrepareSpec("sample://digits", str(tmp_path / "o"),
                                     feature_columns=tuple(f"pixel_{r}_{c}" for r in range(2, 6) for c in range(8))))
     assert meta["num_features"] == 32 and meta["image_shape"] is None
+
+
+def test_a_parquet_table_is_read_and_its_features_chosen_by_name(tmp_path):
+    d = _table().rename(columns={"label": "kind"})
+    d.to_parquet(tmp_path / "t.parquet")
+    meta = prepare_data(PrepareSpec(str(tmp_path / "t.parquet"), str(tmp_path / "o"), label_column="kind",
+                                    feature_columns=("d", "a")))
+    assert meta["features"] == ["d", "a"] and meta["num_features"] == 2 and meta["classes"] == [0, 1, 2]
+    x, _ = load_split(str(tmp_path / "o"), "train")
+    assert x.shape[1] == 2
