@@ -133,7 +133,8 @@ def image_shape(df, label_column: str, feature_columns=()):
 
 
 def load_table(uri: str, storage: Storage | None = None, label_column: str = "label"):
-    """Read the raw table as a DataFrame; ``sample://NAME`` gives a bundled dataset."""
+    """Read the raw table as a DataFrame; ``sample://NAME`` gives a bundled dataset. Column names
+    are text, as the parameters that name them are (a Parquet file's may be numbers)."""
     import pandas as pd
 
     if uri.startswith(SAMPLE_SCHEME):
@@ -163,7 +164,7 @@ def load_table(uri: str, storage: Storage | None = None, label_column: str = "la
                                "check dataset_uri; it must point at a CSV or Parquet file "
                                "(or use sample://digits)") from e
         try:
-            return pd.read_parquet(path) if parquet else pd.read_csv(path)
+            return (pd.read_parquet(path) if parquet else pd.read_csv(path)).rename(columns=str)
         except Exception as e:  # pandas raises many types for unparsable input
             raise DatasetError(f"cannot parse {uri} as {'Parquet' if parquet else 'CSV'}: {e}",
                                "give a CSV with a header row, or a .parquet file") from e

@@ -221,3 +221,10 @@ def test_a_parquet_table_is_read_and_its_features_chosen_by_name(tmp_path):
     assert meta["features"] == ["d", "a"] and meta["num_features"] == 2 and meta["classes"] == [0, 1, 2]
     x, _ = load_split(str(tmp_path / "o"), "train")
     assert x.shape[1] == 2
+    # a frame of numbered columns keeps its numbers in Parquet; parameters name them by text
+    numbered = _table()
+    numbered.columns = range(5)
+    numbered.to_parquet(tmp_path / "n.parquet")
+    meta = prepare_data(PrepareSpec(str(tmp_path / "n.parquet"), str(tmp_path / "p"), label_column="4",
+                                    feature_columns=("3", "0")))
+    assert meta["features"] == ["3", "0"] and meta["label_column"] == "4" and meta["classes"] == [0, 1, 2]
