@@ -209,14 +209,14 @@ class TrainResult:
     wall_seconds: float = 0.0
     train_seconds: float = 0.0
     """Sum of the epochs' training-loop time: the part compared with a bare torchrun script."""
-    best_epoch: int | None = None
+    exported_epoch: int | None = None
     """The epoch whose weights were exported: the best by validation loss with early stopping,
     else the last."""
 
     @property
     def exported(self) -> dict:
         """The history entry of the exported weights."""
-        return next((h for h in self.history if h["epoch"] == self.best_epoch), self.history[-1])
+        return next((h for h in self.history if h["epoch"] == self.exported_epoch), self.history[-1])
 
 
 def worker_args(spec: TrainSpec) -> list[str]:
@@ -476,5 +476,5 @@ def train(spec: TrainSpec, storage: Storage | None = None) -> TrainResult:
     return TrainResult(model_uri=join(spec.output_uri, "model"), history=history, restarts=restarts,
                        wall_seconds=time.perf_counter() - t0,
                        train_seconds=sum(h["seconds"] for h in history),
-                       best_epoch=model_meta["training"].get("exported_epoch", history[-1]["epoch"]))
+                       exported_epoch=model_meta["training"].get("exported_epoch", history[-1]["epoch"]))
 

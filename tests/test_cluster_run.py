@@ -1065,7 +1065,7 @@ def test_train_runtime_uses_the_cluster_backend(k8s, _fake_k8s_server, s3, bucke
 
     threading.Thread(target=kubelet, daemon=True).start()
     result = train(ts)
-    assert result.history[0]["loss"] == 0.3 and result.model_uri == f"{out}/model" and result.best_epoch == 1
+    assert result.history[0]["loss"] == 0.3 and result.model_uri == f"{out}/model" and result.exported_epoch == 1
     created = [r for r in fake.requests if r == ("create", "pytorchjobs")]
     assert created == [("create", "pytorchjobs")]
     # a job that succeeds without exporting a model (an image whose command does something else)

@@ -497,7 +497,7 @@ def test_early_stopping_stops_an_overfitting_run_and_exports_its_best_epoch(tmp_
     h = result.history
     best = min(h, key=lambda e: e["val_loss"])
     assert len(h) < 40 and len(h) == best["epoch"] + 3  # stopped 3 epochs after the best
-    assert result.best_epoch == best["epoch"] and result.exported is best
+    assert result.exported_epoch == best["epoch"] and result.exported is best
     assert h[-1]["val_loss"] > best["val_loss"]
     out = capfd.readouterr().out
     assert (f"early stopping after epoch {len(h)}: the validation loss has not improved for 3 epoch(s) since "
@@ -521,7 +521,7 @@ def test_early_stopping_stops_an_overfitting_run_and_exports_its_best_epoch(tmp_
     weights = torch.load(tmp_path / "out" / "model" / "weights.pt")
     # run again into the same output (a retried step): it resumes, stops at once, exports the same weights
     again = train(spec)
-    assert [e["epoch"] for e in again.history] == [e["epoch"] for e in h] and again.best_epoch == best["epoch"]
+    assert [e["epoch"] for e in again.history] == [e["epoch"] for e in h] and again.exported_epoch == best["epoch"]
     exported = torch.load(tmp_path / "out" / "model" / "weights.pt")
     assert exported.keys() == weights.keys() and all(torch.equal(exported[k], weights[k]) for k in weights)
 
