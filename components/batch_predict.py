@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 import numpy as np
 
 from .errors import DatasetError, ServingError
+from .exported_model import lacking
 from .serve import infer, read_server
 from .storage import Storage, join
 
@@ -70,10 +71,8 @@ def feature_matrix(table, features: list[str] | None, label_column: str, source:
     (empty when the table has no label column). Pure: no I/O."""
     labels = table[label_column].tolist() if label_column in table.columns else []
     if features is not None:
-        missing = [f for f in features if f not in table.columns]
-        if missing:
-            raise DatasetError(f"{source} lacks {len(missing)} of the model's {len(features)} feature columns: "
-                               f"{missing[:8]}{' ...' if len(missing) > 8 else ''}",
+        if missing := lacking(features, set(table.columns)):
+            raise DatasetError(f"{source} lacks {missing}",
                                "send a table with the training table's feature columns (other columns are ignored)")
         cols = list(features)
     else:  # no metadata: every column but the label, in the table's order

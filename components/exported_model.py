@@ -70,6 +70,17 @@ def logits_in_chunks(module, x):
     return torch.cat([module(x[i:i + CHUNK_ROWS]) for i in range(0, len(x), CHUNK_ROWS)])
 
 
+def lacking(features: list[str], present) -> str | None:
+    """``N of the model's M feature columns: [...]`` for the features not in ``present``, in
+    training order (the first 8 named); None when none is missing. One wording for every reader of
+    a table by column name: the model servers, the MLflow model, ``serve predict``."""
+    missing = [f for f in features if f not in present]
+    if not missing:
+        return None
+    return (f"{len(missing)} of the model's {len(features)} feature columns: "
+            f"{missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
 def names_of(labels: np.ndarray, class_names: list[str] | None) -> list[str] | None:
     """The class names of predicted ids (None when the model has ids only)."""
     return None if class_names is None else [class_names[int(i)] for i in labels]

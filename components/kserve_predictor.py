@@ -27,6 +27,7 @@ from kserve import InferOutput, InferRequest, InferResponse
 from kserve.errors import InvalidInput
 
 from .errors import KfpPytorchError
+from .exported_model import lacking
 from .predictor import ModelRunner, names_of
 
 
@@ -83,10 +84,8 @@ _NUMERIC = {"FP16", "FP32", "FP64", "INT8", "INT16", "INT32", "INT64", "UINT8", 
 def _columns(inputs, features: list[str]) -> np.ndarray:
     """Rows from one input per feature column (``[n]`` or ``[n, 1]``), by name, in training order."""
     by_name = {i.name: i for i in inputs}
-    missing = [f for f in features if f not in by_name]
-    if missing:
-        raise InvalidInput(f"the request has one input per column, but lacks {len(missing)} of the model's "
-                           f"{len(features)} feature columns: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if missing := lacking(features, by_name):
+        raise InvalidInput(f"the request has one input per column, but lacks {missing}")
     cols = []
     for f in features:
         inp = by_name[f]
@@ -139,10 +138,8 @@ def _rows(payload, features: list[str] | None = None) -> np.ndarray:
         raise InvalidInput("a v1 request is {\"instances\": [[features...], ...]}: rows of raw features")
     instances = payload["instances"]
     if instances and features and all(isinstance(r, dict) for r in instances):  # records, by column name
-        missing = sorted({f for r in instances for f in features if f not in r})
-        if missing:
-            raise InvalidInput(f"instances: records lack {len(missing)} of the model's feature columns: "
-                               f"{missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        if missing := lacking(features, set.intersection(*(set(r) for r in instances))):
+            raise InvalidInput(f"instances: records lack {missing}")
         instances = [[r[f] for f in features] for r in instances]
     try:  # v1 protocol: {"instances": [[...], ...]}
         return np.asarray(instances, dtype=np.float32)

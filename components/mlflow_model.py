@@ -11,9 +11,9 @@ import mlflow.pyfunc
 import numpy as np
 
 try:  # as MLflow loads it: exported_model.py is on sys.path from the model's code/ directory
-    from exported_model import ExportedModel, names_of
+    from exported_model import ExportedModel, lacking, names_of
 except ImportError:  # imported from an installed kfp-pytorch (when the model is logged)
-    from kfp_pytorch.components.exported_model import ExportedModel, names_of
+    from kfp_pytorch.components.exported_model import ExportedModel, lacking, names_of
 
 
 class MlflowPredictor(mlflow.pyfunc.PythonModel):
@@ -36,11 +36,9 @@ def _by_name(model_input, features):
     columns = getattr(model_input, "columns", None)
     if columns is None or not features or not all(isinstance(c, str) for c in columns):
         return model_input.to_numpy() if hasattr(model_input, "to_numpy") else model_input
-    missing = [f for f in features if f not in set(columns)]
-    if missing:
-        raise ValueError(f"the input lacks {len(missing)} of the model's {len(features)} feature columns: "
-                         f"{missing[:8]}{' ...' if len(missing) > 8 else ''}; send the training table's "
-                         "feature columns (other columns are ignored), or an array of them in training order")
+    if missing := lacking(features, set(columns)):
+        raise ValueError(f"the input lacks {missing}; send the training table's feature columns (other "
+                         "columns are ignored), or an array of them in training order")
     return model_input[list(features)].to_numpy()
 
 

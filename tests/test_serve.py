@@ -110,7 +110,7 @@ def test_a_table_is_taken_one_input_per_column_by_name_as_kserves_tabular_server
     assert r.status_code == 200 and r.json()["predictions"] == expected, r.text
     r = requests.post(endpoint.url + "/v1/models/digits:predict",
                       json={"instances": [{k: v for k, v in rec.items() if k != "pixel_2_5"} for rec in records]})
-    assert r.status_code == 400 and "records lack 1 of the model's feature columns: ['pixel_2_5']" in r.text, r.text
+    assert r.status_code == 400 and "records lack 1 of the model's 64 feature columns: ['pixel_2_5']" in r.text, r.text
 
 
 def test_only_the_requested_outputs_are_returned(endpoint):
