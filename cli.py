@@ -328,7 +328,8 @@ def serve_stop(names, stop_all):
 @click.option("--url", default=None,
               help="The server's base URL, for one not started here (a KServe InferenceService's status.url).")
 @click.option("--model-uri", default=None,
-              help="The model directory, to match columns by feature name (a local server's record has it).")
+              help="The model directory, for its feature names and label column (default: a local server's "
+                   "record; with --url, the features the server's model metadata declares).")
 @click.option("--host-header", default=None,
               help="With --url pointing at the ingress gateway: the InferenceService's host (its status.url's).")
 @click.option("--token", envvar="KFP_PYTORCH_SERVE_TOKEN", default=None,

@@ -3,9 +3,11 @@
 The client half of serving: rows go over the Open Inference Protocol v2 in batches, as raw
 features (the server applies the training normalisation), and come back as labels (class names
 where the training table had them) with their confidence. Columns are matched by name against the
-features the model was trained on when its ``metadata.json`` can be read, so a table with its
-columns in another order, or with extra columns (an id, the label), is predicted correctly; a
-table missing one is refused with the names, never predicted on shifted inputs.
+features the model was trained on, so a table with its columns in another order, or with extra
+columns (an id, the label), is predicted correctly; a table missing one is refused with the names,
+never predicted on shifted inputs. The names come from the model's ``metadata.json`` when its
+directory is known (a local server's record has it), else from the server's own model metadata
+(``GET /v2/models/{name}``: a KServe InferenceService reached by URL).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import numpy as np
 
 from .errors import DatasetError, ServingError
 from .exported_model import lacking
-from .serve import infer, read_server
+from .serve import infer, model_inputs, read_server
 from .storage import Storage, join
 
 if TYPE_CHECKING:
@@ -146,7 +148,11 @@ def predict_table(target: Target, table, label_column: str | None = None, source
     the model was trained to predict (its metadata's), else ``label``."""
     import pandas as pd
 
-    meta = model_features(target.model_uri, storage) if target.model_uri else {}
+    if target.model_uri:
+        meta = model_features(target.model_uri, storage)
+    else:  # a server reached by URL: the feature names it declares (none: the table's columns in order)
+        meta = {"features": model_inputs(target.url, target.name, host_header=target.host_header,
+                                         token=target.token)}
     label_column = label_column or meta.get("label_column") or "label"
     x, truth = feature_matrix(table, meta.get("features"), label_column, source)
     res = predict_rows(target, x, batch_size, on_batch)

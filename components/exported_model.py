@@ -37,6 +37,8 @@ class ExportedModel:
         self.mean = np.asarray(norm["mean"], dtype=np.float32)
         self.std = np.asarray(norm["std"], dtype=np.float32)
         self.classes = list(self.meta["classes"])
+        self.num_classes = int(self.meta.get("num_classes", len(self.classes)))
+        """The width of the probabilities the program answers with."""
         self.class_names: list[str] | None = self.meta.get("class_names")
         """Names by class id when the model was trained on a text label column."""
         self._torch = torch
@@ -54,7 +56,7 @@ class ExportedModel:
                              "(or values beyond FP32's range); send finite raw features")
         x = (x - self.mean) / self.std
         if not len(x):
-            probs = np.zeros((0, int(self.meta.get("num_classes", len(self.classes)))), dtype=np.float32)
+            probs = np.zeros((0, self.num_classes), dtype=np.float32)
             return probs, np.zeros(0, dtype=np.int64)
         with self._torch.inference_mode():
             probs = self._torch.softmax(logits_in_chunks(self.module, self._torch.from_numpy(x)), dim=1).numpy()

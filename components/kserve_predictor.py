@@ -5,7 +5,10 @@ Run as the container's entrypoint (a KServe custom predictor), with KServe's own
     python -m kfp_pytorch.components.kserve_predictor --model_name digits --model_uri s3://models/run/model
 
 It speaks the Open Inference Protocol v2 through KServe's ``ModelServer``:
-``/v2/health/ready``, ``/v2/models/{name}/ready`` and ``POST /v2/models/{name}/infer``.
+``/v2/health/ready``, ``/v2/models/{name}/ready``, ``POST /v2/models/{name}/infer`` and the model's
+metadata, ``GET /v2/models/{name}``, which declares its inputs by feature name (one FP32 ``[-1]``
+column each), so a client that holds a table but not the model's directory sends its columns by
+name (``kfp-pytorch serve predict --url``).
 Request: one FP32 input ``[n, features]`` of raw features, or one input ``[n]`` per feature column,
 named by it (the columnar form of KServe's tabular servers, flagged ``parameters: {"content_type":
 "pd"}``: matched by name, in any order, other columns ignored); v1: ``instances`` as rows, or as
@@ -42,6 +45,21 @@ class TorchPredictor(kserve.Model):
         self.runner = ModelRunner(self.model_uri)
         self.ready = True
         return self.ready
+
+    def get_input_types(self) -> list[dict]:
+        """The v2 metadata's inputs: one FP32 column ``[-1]`` per feature, named by it (the
+        columnar form a table is sent in); ``[-1, features]`` when the model has no names."""
+        features = self.runner.meta.get("features")
+        if features:
+            return [{"name": f, "datatype": "FP32", "shape": [-1]} for f in features]
+        return [{"name": "input-0", "datatype": "FP32", "shape": [-1, self.runner.num_features]}]
+
+    def get_output_types(self) -> list[dict]:
+        outputs = [{"name": "probabilities", "datatype": "FP32", "shape": [-1, self.runner.num_classes]},
+                   {"name": "label", "datatype": "INT64", "shape": [-1]}]
+        if self.runner.class_names is not None:
+            outputs.append({"name": "class", "datatype": "BYTES", "shape": [-1]})
+        return outputs
 
     def predict(self, payload, headers=None, response_headers=None):
         rows = _rows(payload, self.runner.meta.get("features"))

@@ -164,8 +164,36 @@ def infer(url: str, name: str, rows, timeout: float = 10.0, host_header: str | N
                            "pass rows as a list of equal-length lists of numbers")
     body = {"inputs": [{"name": "input-0", "shape": [len(rows), len(rows[0])], "datatype": "FP32",
                         "data": [v for r in rows for v in r]}]}
+    status, data = _request(url, "POST", f"/v2/models/{name}/infer", json.dumps(body).encode(), timeout,
+                            host_header, token)
+    if status != 200:
+        raise ServingError(f"inference request failed: HTTP {status}: {data[:300].decode(errors='replace')}")
+    return json.loads(data)
+
+
+def model_inputs(url: str, name: str, timeout: float = 10.0, host_header: str | None = None,
+                 token: str | None = None) -> list[str] | None:
+    """The feature names the server declares for model ``name`` (OIP v2 model metadata, ``GET
+    /v2/models/{name}``: one ``[-1]`` input per column, as our predictor declares them); None when
+    it declares no named columns (one ``[n, features]`` input, or a server without metadata).
+    Reaching the server and authenticating fail as :func:`infer` does."""
+    status, data = _request(url, "GET", f"/v2/models/{name}", None, timeout, host_header, token)
+    try:
+        inputs = json.loads(data).get("inputs") if status == 200 else None
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(inputs, list) or not inputs or not all(
+            isinstance(i, dict) and isinstance(i.get("name"), str) and i.get("shape") == [-1] for i in inputs):
+        return None
+    return [i["name"] for i in inputs]
+
+
+def _request(url: str, method: str, path: str, body: bytes | None, timeout: float, host_header: str | None,
+             token: str | None) -> tuple[int, bytes]:
+    """One request over this thread's connection to ``url``: (status, body). An unreachable server,
+    Istio's authorization or a gateway's login is a ServingError that says what to do."""
     c = _connection(url)
-    conn, path = c.conn, f"{c.prefix}/v2/models/{name}/infer"
+    conn, path = c.conn, c.prefix + path
     try:
         if conn.sock is not None:
             if wait_for_read(conn.sock, timeout=0.0):  # readable while idle: the server closed it
@@ -173,12 +201,12 @@ def infer(url: str, name: str, rows, timeout: float = 10.0, host_header: str | N
             else:
                 conn.sock.settimeout(timeout)
         conn.timeout = timeout
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json"} if body is not None else {}
         if host_header:
             headers["Host"] = host_header  # http.client then sends this one instead of its own
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        conn.request("POST", path, json.dumps(body).encode(), headers)
+        conn.request(method, path, body, headers)
         r = conn.getresponse()
         data = r.read()
     except (OSError, http.client.HTTPException) as e:
@@ -197,9 +225,7 @@ def infer(url: str, name: str, rows, timeout: float = 10.0, host_header: str | N
                            f"(HTTP {r.status}{', to ' + location[:120] if location else ''})",
                            "pass --token (or KFP_PYTORCH_SERVE_TOKEN) with a token it accepts; on Kubeflow, e.g. "
                            "`kubectl -n NAMESPACE create token default-editor`")
-    if r.status != 200:
-        raise ServingError(f"inference request failed: HTTP {r.status}: {data[:300].decode(errors='replace')}")
-    return json.loads(data)
+    return r.status, data
 
 
 def _tail(path: Path, n: int = 15) -> str:

@@ -104,6 +104,11 @@ def test_a_table_is_taken_one_input_per_column_by_name_as_kserves_tabular_server
     short = [{**c, "shape": [4], "data": c["data"][:4]} if c["name"] == "pixel_0_1" else c for c in columns]
     r = requests.post(endpoint.infer_url, json={"inputs": short})
     assert r.status_code == 400 and "input 'pixel_0_1': a column is of shape [n] (every column the same n)" in r.text
+    # the model metadata declares that form: one FP32 column per feature, by name; and the outputs
+    meta = requests.get(f"{endpoint.url}/v2/models/digits").json()
+    assert meta["inputs"] == [{"name": f, "datatype": "FP32", "shape": [-1]} for f in features]
+    assert meta["outputs"] == [{"name": "probabilities", "datatype": "FP32", "shape": [-1, 10]},
+                               {"name": "label", "datatype": "INT64", "shape": [-1]}]
     # v1: records by column name, as KServe's sklearn server reads them
     records = table.assign(id=range(5)).to_dict(orient="records")
     r = requests.post(endpoint.url + "/v1/models/digits:predict", json={"instances": records})
@@ -258,11 +263,12 @@ def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_mod
     assert ((out["confidence"] > 0) & (out["confidence"] <= 1)).all()
     acc = float((expected == table["label"].to_numpy()).mean())
     assert f"{len(table)} rows predicted by digits at {endpoint.url}; accuracy against 'label': {acc:.4f}" in r.stderr
-    # to a file, without labels, by URL (a server not started here): columns taken in the table's order
+    # by URL (a server not started here, without the model's directory): the server's model metadata
+    # names the features, so the columns still go by name
+    r = cli("digits", str(tmp_path / "rows.csv"), "--url", endpoint.url, "-o", str(tmp_path / "p.csv"))
+    assert r.returncode == 0 and r.stdout == "" and f"accuracy against 'label': {acc:.4f}" in r.stderr, r.stderr
+    assert (pd.read_csv(tmp_path / "p.csv")["prediction"].to_numpy() == expected).all()
     table[features].head(7).to_csv(tmp_path / "plain.csv", index=False)
-    r = cli("digits", str(tmp_path / "plain.csv"), "--url", endpoint.url, "-o", str(tmp_path / "p.csv"))
-    assert r.returncode == 0 and r.stdout == "" and "accuracy" not in r.stderr, r.stderr
-    assert (pd.read_csv(tmp_path / "p.csv")["prediction"].to_numpy() == expected[:7]).all()
     # a missing feature column, a value that is not a number, a server that is not there: one clear line each
     shuffled.drop(columns=["pixel_0_3", "pixel_7_7"]).to_csv(tmp_path / "short.csv", index=False)
     r = cli("digits", str(tmp_path / "short.csv"))
@@ -279,14 +285,20 @@ def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_mod
     r = cli("nothere", str(tmp_path / "plain.csv"))
     assert r.returncode == 1 and "no local model server named 'nothere'" in r.stderr and "--url" in r.stderr
     # through an ingress gateway that routes by Host, as Istio does for KServe (404 for any other host)
+    import urllib.error
     import urllib.request
     from http.server import BaseHTTPRequestHandler
 
     from servers import reply, serve_in_thread, stop_http
 
     class Gateway(BaseHTTPRequestHandler):
+        metadata = True  # False: a server that declares no inputs by name (the model metadata is a 404)
+
+        def do_GET(self):
+            self.do_POST()
+
         def do_POST(self):
-            body = self.rfile.read(int(self.headers["Content-Length"]))
+            body = self.rfile.read(int(self.headers["Content-Length"])) if self.command == "POST" else None
             if self.headers["Host"] != "digits.team-a.example.com":
                 return reply(self, 404, b"", "text/plain")
             if self.headers.get("Authorization") != "Bearer t0ken":  # Kubeflow's oauth2-proxy
@@ -295,10 +307,15 @@ def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_mod
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return
-            req = urllib.request.Request(endpoint.url + self.path, data=body, method="POST",
+            if self.command == "GET" and not Gateway.metadata:
+                return reply(self, 404, b"", "text/plain")
+            req = urllib.request.Request(endpoint.url + self.path, data=body, method=self.command,
                                          headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=30) as up:
-                reply(self, up.status, up.read())
+            try:
+                with urllib.request.urlopen(req, timeout=30) as up:
+                    reply(self, up.status, up.read())
+            except urllib.error.HTTPError as e:
+                reply(self, e.code, e.read())
 
         def log_message(self, *a):
             pass
@@ -308,21 +325,30 @@ def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_mod
         r = cli("digits", str(tmp_path / "plain.csv"), "--url", gw_url, "--host-header", "digits.team-a.example.com")
         assert r.returncode == 1 and "requires authentication (HTTP 302, to /oauth2/start" in r.stderr, r.stderr
         assert "pass --token (or KFP_PYTORCH_SERVE_TOKEN)" in r.stderr
-        r = cli("digits", str(tmp_path / "plain.csv"), "--url", gw_url, "--host-header", "digits.team-a.example.com",
-                "--token", "t0ken")
+        gateway = ("--url", gw_url, "--host-header", "digits.team-a.example.com", "--token", "t0ken")
+        r = cli("digits", str(tmp_path / "rows.csv"), *gateway)  # the model metadata goes through it too
         assert r.returncode == 0, r.stderr
-        assert (pd.read_csv(io.StringIO(r.stdout))["prediction"].to_numpy() == expected[:7]).all()
+        assert (pd.read_csv(io.StringIO(r.stdout))["prediction"].to_numpy() == expected).all()
         r = cli("digits", str(tmp_path / "plain.csv"), "--url", gw_url)
         assert r.returncode == 1 and "HTTP 404" in r.stderr
+        # a table without the features' names: refused by name, never sent
+        table[features].head(3).set_axis(range(64), axis=1).to_csv(tmp_path / "numbered.csv", index=False)
+        r = cli("digits", str(tmp_path / "numbered.csv"), *gateway)
+        assert r.returncode == 2 and "lacks 64 of the model's 64 feature columns: ['pixel_0_0'," in r.stderr, r.stderr
+        # a server that declares no names: the table's columns in order, and of the wrong count the
+        # server's refusal, with the rows it concerns
+        Gateway.metadata = False
+        r = cli("digits", str(tmp_path / "plain.csv"), *gateway)
+        assert r.returncode == 0, r.stderr
+        assert (pd.read_csv(io.StringIO(r.stdout))["prediction"].to_numpy() == expected[:7]).all()
+        table[features[:10]].head(3).to_csv(tmp_path / "narrow.csv", index=False)
+        r = cli("digits", str(tmp_path / "narrow.csv"), *gateway)
+        assert r.returncode == 1 and "rows 1-3: inference request failed: HTTP 400" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
     finally:
         stop_http(gw)
     r = cli("digits", str(tmp_path / "plain.csv"), "--host-header", "digits.team-a.example.com")
     assert r.returncode == 1 and "--host-header goes with --url" in r.stderr
-    # positional columns of the wrong count: the server's refusal, with the rows it concerns
-    table[features[:10]].head(3).to_csv(tmp_path / "narrow.csv", index=False)
-    r = cli("digits", str(tmp_path / "narrow.csv"), "--url", endpoint.url)
-    assert r.returncode == 1 and "rows 1-3: inference request failed: HTTP 400" in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr
 
 
 def test_server_is_listed_and_stopped(endpoint):
@@ -459,6 +485,9 @@ def test_a_text_label_column_is_trained_evaluated_and_served_by_name(tmp_path):
         assert out["class"]["datatype"] == "BYTES" and len(out["class"]["data"]) == 20
         assert out["class"]["data"] == [meta["class_names"][i] for i in out["label"]["data"]]
         assert np.mean(np.asarray(out["class"]["data"]) == table["label"].to_numpy()[:20]) > 0.8
+        outputs = requests.get(f"{ep.url}/v2/models/named").json()["outputs"]
+        assert [(o["name"], o["datatype"], o["shape"]) for o in outputs] == [
+            ("probabilities", "FP32", [-1, 3]), ("label", "INT64", [-1]), ("class", "BYTES", [-1])]
         v1 = requests.post(f"{ep.url}/v1/models/named:predict", json={"instances": rows[:2].tolist()}).json()
         assert v1["predictions"] == out["class"]["data"][:2]
         # a whole table: predictions by class name, scored against the table's own text labels
