@@ -166,6 +166,10 @@ def infer(url: str, name: str, rows, timeout: float = 10.0, host_header: str | N
                         "data": [v for r in rows for v in r]}]}
     status, data = _request(url, "POST", f"/v2/models/{name}/infer", json.dumps(body).encode(), timeout,
                             host_header, token)
+    if status == 404 and (served := _models(url, timeout, host_header, token)) is not None and name not in served:
+        raise ServingError(f"the server at {url} serves no model named {name!r} (it serves: "
+                           f"{', '.join(map(repr, served)) or 'none'})",
+                           "give the name the model is served under (the InferenceService's name)")
     if status != 200:
         raise ServingError(f"inference request failed: HTTP {status}: {data[:300].decode(errors='replace')}")
     return json.loads(data)
@@ -186,6 +190,17 @@ def model_inputs(url: str, name: str, timeout: float = 10.0, host_header: str | 
             isinstance(i, dict) and isinstance(i.get("name"), str) and i.get("shape") == [-1] for i in inputs):
         return None
     return [i["name"] for i in inputs]
+
+
+def _models(url: str, timeout: float, host_header: str | None, token: str | None) -> list[str] | None:
+    """The names of the models the server serves (``GET /v2/models``, KServe's model repository
+    listing); None when it does not list them."""
+    status, data = _request(url, "GET", "/v2/models", None, timeout, host_header, token)
+    try:
+        models = json.loads(data).get("models") if status == 200 else None
+    except (ValueError, AttributeError):
+        return None
+    return [str(m) for m in models] if isinstance(models, list) else None
 
 
 def _request(url: str, method: str, path: str, body: bytes | None, timeout: float, host_header: str | None,

@@ -136,8 +136,9 @@ def test_client_errors_say_what_to_do(endpoint):
     with pytest.raises(ServingError, match="HTTP 400: .*expected input of shape \\[n, 64\\]"):
         infer(endpoint.url, "digits", [[1.0, 2.0, 3.0]])
     assert len(infer(endpoint.url, "digits", [[0.0] * 64])["outputs"][1]["data"]) == 1
-    with pytest.raises(ServingError, match="HTTP 404"):
+    with pytest.raises(ServingError, match="serves no model named 'no-such-model' \\(it serves: 'digits'\\)") as e:
         infer(endpoint.url, "no-such-model", [[0.0] * 64])
+    assert "the name the model is served under" in str(e.value)
     with pytest.raises(ServingError, match="no rows to send"):
         infer(endpoint.url, "digits", [])
     with socket.socket() as s:  # a port nobody listens on
