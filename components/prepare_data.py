@@ -189,6 +189,16 @@ def _too_few_rows(n: int, k: int, val_fraction: float, test_fraction: float) -> 
             f"stratified split needs every class in every split; give at least {need} rows")
 
 
+def _rows_of(col, where, values: bool = True, shown: int = 5) -> str:
+    """``row 6 'x', row 9 '?'`` (``rows 4, 8`` without ``values``): the first cells ``where``
+    marks, by 1-based data row (the header is not a row)."""
+    idx = np.flatnonzero(where.to_numpy())
+    more = " ..." if len(idx) > shown else ""
+    if not values:
+        return f"row{'s' if len(idx) > 1 else ''} {', '.join(str(i + 1) for i in idx[:shown])}{more}"
+    return ", ".join(f"row {i + 1} {col.iloc[i]!r}" for i in idx[:shown]) + more
+
+
 def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fraction: float = 0.15,
                    feature_columns=()) -> list[str]:
     """Every problem with the table, each with its column; empty when the table is usable. Only
@@ -207,13 +217,24 @@ def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fract
         problems.append("no feature columns: the table has only the label column")
     if len(df) == 0:
         problems.append("the table has no rows")
+    text = set()
     for c in features:
         if not pd.api.types.is_numeric_dtype(df[c]):
-            problems.append(f"column {c!r}: must be numeric, got dtype {df[c].dtype}"
-                            + ("" if feature_columns else " (leave it out: list the features in feature_columns)"))
-    nan_cols = [c for c in [*features, label_column] if df[c].isna().any()]
+            col = df[c]
+            odd = col.notna() & pd.to_numeric(col, errors="coerce").isna()
+            if not odd.any():  # no text at all: every value is empty (named below)
+                continue
+            if odd.sum() < col.notna().sum():  # numbers but for a few cells ("?", "1,5"): name them
+                problems.append(f"column {c!r}: {int(odd.sum())} value(s) are not numbers: {_rows_of(col, odd)}")
+            else:  # a text column (its gaps are not worth naming: it is to be left out)
+                text.add(c)
+                first = int(np.flatnonzero(odd.to_numpy())[0])
+                problems.append(f"column {c!r}: must be numeric, got text (row {first + 1}: {col.iloc[first]!r})"
+                                + ("" if feature_columns else " (leave it out: list the features in feature_columns)"))
+    nan_cols = [c for c in [*features, label_column] if c not in text and df[c].isna().any()]
     for c in nan_cols:
-        problems.append(f"column {c!r}: {int(df[c].isna().sum())} NaN value(s)")
+        problems.append(f"column {c!r}: {int(df[c].isna().sum())} empty or NaN value(s), "
+                        f"{_rows_of(df[c], df[c].isna(), values=False)}")
     fp32_max = float(np.finfo(np.float32).max)
     for c in features:  # features become float32: an inf (or a value past its range) poisons the normalisation
         if pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c]):

@@ -398,7 +398,8 @@ def test_bad_table_is_rejected_before_any_step(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("a,b,label\n1,2,0\n3,,1\nx,4,1\n")
     r = run_cli("run", "train_and_serve", "--local", "--param", f"dataset_uri={bad}")
-    assert r.returncode == 2 and "column 'b': 1 NaN" in r.stderr and "column 'a': must be numeric" in r.stderr
+    assert r.returncode == 2 and "column 'b': 1 empty or NaN value(s), row 2" in r.stderr, r.stderr
+    assert "column 'a': 1 value(s) are not numbers: row 3 'x'" in r.stderr
     assert "Traceback" not in r.stderr
     # a table whose label has its own name: said, with the parameter to set
     named = tmp_path / "named.csv"

@@ -65,8 +65,11 @@ def test_csv_from_s3_to_s3(s3, bucket):
 
 @pytest.mark.parametrize("mutate,expect", [
     (lambda d: d.drop(columns=["label"]), "label column 'label' is missing"),
-    (lambda d: d.assign(a=d["a"].mask(d.index < 3)), "column 'a': 3 NaN"),
-    (lambda d: d.assign(b=["x"] * len(d)), "column 'b': must be numeric"),
+    (lambda d: d.assign(a=d["a"].mask(d.index < 3)), "column 'a': 3 empty or NaN value(s), rows 1, 2, 3"),
+    (lambda d: d.assign(b=["x"] * len(d)), "column 'b': must be numeric, got text (row 1: 'x')"),
+    # a column of numbers but for a stray cell: the cell, by row, not "got dtype object"
+    (lambda d: d.assign(b=d["b"].astype(object).where(d.index != 6, "?")), "column 'b': 1 value(s) are not numbers: "
+                                                                          "row 7 '?'"),
     (lambda d: d.assign(label=d["label"] + 0.5), "must hold integer class ids"),
     (lambda d: d.assign(label=0), "needs at least 2 classes"),
     # an inf made the train mean inf and every normalised row NaN: training then "diverged"
@@ -159,11 +162,12 @@ def test_a_named_label_and_chosen_features_leave_other_columns_out_of_the_model(
     x, _ = load_split(str(tmp_path / "o"), "train")
     assert x.shape[1] == 2  # in the order given: d's normalisation first
     assert meta["normalization"]["mean"][0] == pytest.approx(float(d.loc[:, "d"].iloc[_train_rows(tmp_path)].mean()), abs=1e-5)
-    # without a choice, the id column is refused with the way out; the note's gaps are named too
+    # without a choice, the id and the note are refused with the way out (the note's gaps go with it)
     with pytest.raises(DatasetError) as e:
         prepare_data(PrepareSpec(str(path), str(tmp_path / "p"), label_column="species"))
-    assert ("column 'customer_id': must be numeric, got dtype object (leave it out: list the features in "
-            "feature_columns)") in str(e.value) and "column 'note': 30 NaN value(s)" in str(e.value)
+    assert ("column 'customer_id': must be numeric, got text (row 1: 'c0') (leave it out: list the features in "
+            "feature_columns)") in str(e.value) and "column 'note': must be numeric, got text (row 1: 'ok')" in str(e.value)
+    assert "NaN value" not in str(e.value)
     assert not (tmp_path / "p").exists()
 
 
