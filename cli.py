@@ -233,6 +233,14 @@ def _print_summary(s: dict) -> None:
         click.echo(f"failed task: {s['failed_task']} (its log is above; partial outputs removed)")
         if s.get("error"):
             click.secho("\n".join(f"  {line}" for line in s["error"].splitlines()), fg="red")
+    if "data" in s:
+        from kfp_pytorch.components.prepare_data import duplicates_note
+
+        d, rows = s["data"], s["data"]["rows"]
+        click.echo(f"data:      {rows['train']}/{rows['val']}/{rows['test']} rows (train/val/test), "
+                   f"{d.get('num_features')} features, {len(d.get('classes', []))} classes")
+        if note := duplicates_note(d.get("duplicates", {}), rows):
+            click.secho(f"  warning: {note}", fg="yellow")
     if "training" in s:
         t = s["training"]
         click.echo(f"training:  {t['epochs_trained']} epoch(s)" + (

@@ -14,7 +14,7 @@ import numpy as np
 
 from .errors import ConfigError, DatasetError
 from .exported_model import logits_in_chunks
-from .prepare_data import load_split, read_metadata
+from .prepare_data import duplicates_note, load_split, read_metadata
 from .storage import Storage, join
 
 
@@ -165,10 +165,10 @@ def confusion_figure(cm: np.ndarray, classes: list):
 
 
 def render_report(metrics: dict, history: list[dict], classes: list[int], gate: dict,
-                  exported_epoch: int | None = None) -> str:
+                  exported_epoch: int | None = None, data_note: str | None = None) -> str:
     """A self-contained HTML page (plots inlined as PNG) that the KFP UI renders. ``exported_epoch``:
     the epoch whose weights were evaluated, marked on the curves when it is not the last (an early
-    stop kept the best)."""
+    stop kept the best). ``data_note``: a caution about the test split (rows also trained on)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -208,7 +208,7 @@ def render_report(metrics: dict, history: list[dict], classes: list[int], gate: 
             f"<style>body{{font-family:sans-serif;margin:1.5em}}td{{padding:2px 12px}}</style></head><body>"
             f"<h2>Evaluation report</h2><p style='color:{color};font-weight:bold'>Gate {verdict}: "
             f"{html.escape(gate['metric'])} = {gate['value']:.4f} (threshold {gate['threshold']:.4f})</p>"
-            + (f"<p style='color:#9a6700'>{html.escape(note)}</p>" if (note := gate_note(gate, metrics)) else "")
+            + "".join(f"<p style='color:#9a6700'>{html.escape(n)}</p>" for n in (gate_note(gate, metrics), data_note) if n)
             + f"<table>{rows}</table>{figs}</body></html>")
 
 
@@ -234,5 +234,6 @@ def evaluate(spec: EvaluateSpec, storage: Storage | None = None) -> dict:
     history = json.loads(storage.read_bytes(history_uri)) if storage.exists(history_uri) else []
     ticks = classes if names is None else [names[c] for c in classes]
     return {"metrics": metrics, "gate": gate, "classes": classes, "class_names": names,
-            "gate_note": gate_note(gate, metrics), "report_html": render_report(metrics, history, ticks, gate,
-                                                     model_meta.get("training", {}).get("exported_epoch"))}
+            "gate_note": gate_note(gate, metrics),
+            "report_html": render_report(metrics, history, ticks, gate, model_meta.get("training", {}).get("exported_epoch"),
+                                         duplicates_note(data_meta.get("duplicates", {}), data_meta["rows"]))}

@@ -306,6 +306,38 @@ def _split(y: np.ndarray, spec: PrepareSpec) -> dict[str, np.ndarray]:
     return {"train": np.sort(train), "val": np.sort(val), "test": np.sort(test)}
 
 
+def duplicates(x: np.ndarray, y: np.ndarray, parts: dict[str, np.ndarray]) -> dict[str, int]:
+    """Repeated rows, which make test metrics optimistic when a test row is also trained on. Pure.
+
+    ``rows``: rows whose features repeat an earlier row's; ``test_rows_in_train``: test rows whose
+    features are those of a training row (the model has seen them, label and all, or another label
+    for the same input); ``conflicting``: rows whose features repeat with another label."""
+    import pandas as pd
+
+    # one 64-bit hash per row (pandas' vectorised row hash; a collision among a table's rows is
+    # ~n²/2⁶⁵, negligible), so that every count below is a set operation on integers
+    h = pd.util.hash_pandas_object(pd.DataFrame(x), index=False).to_numpy()
+    keyed = pd.DataFrame({"h": h, "y": y})
+    labels_per_input = keyed.groupby("h")["y"].transform("nunique").to_numpy()
+    return {"rows": int(keyed["h"].duplicated().sum()),
+            "test_rows_in_train": int(np.isin(h[parts["test"]], h[parts["train"]]).sum()),
+            "conflicting": int((labels_per_input > 1).sum())}
+
+
+def duplicates_note(dup: dict, rows: dict) -> str | None:
+    """What a user should know of :func:`duplicates`' counts (None: nothing worth a word)."""
+    said = []
+    if dup.get("test_rows_in_train"):
+        said.append(f"{dup['test_rows_in_train']} of the {rows['test']} test rows are also training rows, so the "
+                    "test metrics are optimistic")
+    if dup.get("conflicting"):
+        said.append(f"{dup['conflicting']} rows share their features with a row of another label")
+    if not said:
+        return None
+    return ("; ".join(said) + f" ({dup['rows']} repeated rows in the table; drop them, e.g. pandas' "
+            "drop_duplicates(), for an honest test)")
+
+
 def _npz_bytes(x: np.ndarray, y: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.savez(buf, x=x, y=y)
@@ -346,6 +378,7 @@ def prepare_data(spec: PrepareSpec, storage: Storage | None = None) -> dict:
         "normalization": {"mean": mean.tolist(), "std": std.tolist()},
         "split": {"seed": spec.seed, "val_fraction": spec.val_fraction, "test_fraction": spec.test_fraction,
                   "stratified": True},
+        "duplicates": duplicates(x, y, parts),
         "rows": {},
         "shards": {},
     }

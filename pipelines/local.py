@@ -312,6 +312,10 @@ def summarize(run: LocalRun) -> dict:
             art = a["artifacts"][0]
             arts[f"{task}.{name}"] = art.get("metadata", {}).get("uri") or art.get("uri")
     s["artifacts"] = arts
+    data = o.get("prepare-data-op", {}).get("artifacts", {}).get("dataset", {}).get("artifacts", [{}])[0].get(
+        "metadata", {})
+    if "rows" in data:
+        s["data"] = {k: data[k] for k in ("rows", "num_features", "classes", "duplicates") if k in data}
     ev = o.get("evaluate-op", {})
     for name, a in ev.get("artifacts", {}).items():
         if name == "metrics":

@@ -31,6 +31,20 @@ def test_evaluate_metrics_gate_and_report(digits_data, trained_model):
     assert near["gate"]["passed"] is True and near["gate_note"].startswith(
         f"the gate passed on 270 test rows: accuracy {m['accuracy']:.4f}, 95% interval {lo:.4f}-{hi:.4f}")
     assert "95% interval" in near["report_html"]
+    assert "also training rows" not in html  # digits repeats no row
+
+
+def test_the_report_says_when_test_rows_were_also_trained_on(digits_data, trained_model, tmp_path):
+    import json
+    import shutil
+
+    data = shutil.copytree(digits_data, tmp_path / "data")
+    meta = json.loads((data / "metadata.json").read_text())
+    meta["duplicates"] = {"rows": 9, "test_rows_in_train": 7, "conflicting": 0}  # as prepare_data counts them
+    (data / "metadata.json").write_text(json.dumps(meta))
+    html = evaluate(EvaluateSpec(str(data), trained_model.model_uri, threshold=0.5))["report_html"]
+    assert ("<p style='color:#9a6700'>7 of the 270 test rows are also training rows, so the test metrics are "
+            "optimistic (9 repeated rows in the table; drop them") in html
 
 
 def test_the_accuracy_interval_is_wilsons():

@@ -275,6 +275,14 @@ def test_the_summary_says_how_to_use_and_stop_the_served_model(capsys):
         capsys.readouterr().out)
     _print_summary({**s, "training": {"epochs_trained": 8, "exported_epoch": 8, "val_accuracy": 0.9}})
     assert "training:  8 epoch(s)\n" in capsys.readouterr().out
+    data = {"rows": {"train": 104, "val": 23, "test": 23}, "num_features": 4, "classes": [0, 1, 2],
+            "duplicates": {"rows": 1, "test_rows_in_train": 0, "conflicting": 0}}
+    _print_summary({**s, "data": data})
+    out = capsys.readouterr().out
+    assert "data:      104/23/23 rows (train/val/test), 4 features, 3 classes\n" in out and "warning" not in out
+    _print_summary({**s, "data": {**data, "duplicates": {"rows": 1, "test_rows_in_train": 1, "conflicting": 0}}})
+    assert "  warning: 1 of the 23 test rows are also training rows, so the test metrics are optimistic (1 " in (
+        capsys.readouterr().out)
     _print_summary({**s, "gate_passed": False, "endpoint": None, "gate": {"metric": "accuracy", "threshold": 0.98}})
     out = capsys.readouterr().out
     assert "serve stop" not in out
@@ -435,6 +443,9 @@ def test_a_table_of_ones_own_with_a_named_label_and_chosen_features_end_to_end(t
         s = summary_of(r.stdout)
         assert s["status"] == "SUCCEEDED" and s["gate_passed"] is True and s["metrics"]["accuracy"] >= 0.8
         assert s["prediction"]["label"] in iris.target_names and s["prediction"]["true_label"] in iris.target_names
+        # iris repeats one row (rows 102 and 143 of the original), with its label: counted, not a conflict
+        assert s["data"]["rows"] == {"train": 104, "val": 23, "test": 23} and s["data"]["num_features"] == 4
+        assert s["data"]["duplicates"]["rows"] == 1 and s["data"]["duplicates"]["conflicting"] == 0
         model_meta = model_features(s["artifacts"]["train-op.model"])
         assert model_meta["features"] == features.split(",") and model_meta["label_column"] == "species"
         assert model_meta["training"]["early_stopping_patience"] == 5  # the pipeline's setting reached the workers

@@ -171,6 +171,29 @@ def test_a_named_label_and_chosen_features_leave_other_columns_out_of_the_model(
     assert not (tmp_path / "p").exists()
 
 
+def test_repeated_rows_are_counted_and_a_test_row_also_trained_on_is_told(tmp_path):
+    from kfp_pytorch.components.prepare_data import duplicates_note
+
+    t = _table()
+    again = t.iloc[:20]  # repeated as they are, and three more with another label
+    relabelled = t.iloc[20:23].assign(label=lambda d: (d["label"] + 1) % 3)
+    pd.concat([t, again, relabelled]).to_csv(tmp_path / "t.csv", index=False)
+    meta = prepare_data(PrepareSpec(str(tmp_path / "t.csv"), str(tmp_path / "o")))
+    train, _ = load_split(str(tmp_path / "o"), "train")
+    test, _ = load_split(str(tmp_path / "o"), "test")
+    seen = {tuple(r) for r in train.tolist()}
+    in_train = sum(tuple(r) in seen for r in test.tolist())  # the same raw row is the same normalised row
+    assert in_train > 0 and meta["duplicates"] == {"rows": 23, "test_rows_in_train": in_train, "conflicting": 6}
+    assert duplicates_note(meta["duplicates"], meta["rows"]) == (
+        f"{in_train} of the {meta['rows']['test']} test rows are also training rows, so the test metrics are "
+        "optimistic; 6 rows share their features with a row of another label (23 repeated rows in the table; "
+        "drop them, e.g. pandas' drop_duplicates(), for an honest test)")
+    t.to_csv(tmp_path / "u.csv", index=False)
+    clean = prepare_data(PrepareSpec(str(tmp_path / "u.csv"), str(tmp_path / "p")))
+    assert clean["duplicates"] == {"rows": 0, "test_rows_in_train": 0, "conflicting": 0}
+    assert duplicates_note(clean["duplicates"], clean["rows"]) is None
+
+
 def _train_rows(tmp_path):
     """The table rows of the train split prepare_data wrote to tmp_path/o (same seed, same split)."""
     from kfp_pytorch.components.prepare_data import _split

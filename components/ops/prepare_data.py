@@ -12,11 +12,15 @@ def prepare_data_op(dataset_uri: str, dataset: Output[Dataset], label_column: st
     """Validate a table, split it (seeded, stratified), normalise and write shards. ``feature_columns``:
     comma-separated names (empty: every column but the label)."""
     from kfp_pytorch.components._kfp import artifact_store_uri
-    from kfp_pytorch.components.prepare_data import PrepareSpec, parse_columns, prepare_data
+    import sys
+
+    from kfp_pytorch.components.prepare_data import PrepareSpec, duplicates_note, parse_columns, prepare_data
 
     out = artifact_store_uri(dataset, storage_root)
     meta = prepare_data(PrepareSpec(dataset_uri=dataset_uri, output_uri=out, label_column=label_column,
                                     feature_columns=parse_columns(feature_columns), val_fraction=val_fraction, test_fraction=test_fraction, seed=seed,
                                     shard_rows=shard_rows))
     dataset.metadata.update({"uri": out, "rows": meta["rows"], "num_features": meta["num_features"],
-                             "classes": meta["classes"], "split_seed": seed})
+                             "classes": meta["classes"], "split_seed": seed, "duplicates": meta["duplicates"]})
+    if note := duplicates_note(meta["duplicates"], meta["rows"]):
+        print(f"warning: {note}", file=sys.stderr)
