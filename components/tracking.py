@@ -19,6 +19,44 @@ CHAMPION = "champion"
 EXPERIMENT = "kfp-pytorch"
 
 
+def dataset_input(meta: dict):
+    """The prepared table as an MLflow dataset input (the run's "Datasets used", context
+    ``training``), from prepare_data's ``metadata.json``: named after its source table, with a
+    digest of its shards (the same table, columns and split give the same digest, so the runs of
+    one data version are found by it), its columns as a schema and its rows per split as profile."""
+    import hashlib
+    import json
+    import warnings
+
+    from mlflow.data.code_dataset_source import CodeDatasetSource
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+    from mlflow.exceptions import MlflowException
+    from mlflow.types import ColSpec, Schema
+
+    source_uri = str(meta.get("source", ""))
+    try:
+        with warnings.catch_warnings():  # a path is both a local file and a local artifact source to it
+            warnings.simplefilter("ignore")
+            source = resolve_dataset_source(re.sub(r"^minio://", "s3://", source_uri))
+    except MlflowException:  # sample://digits: a table made by code (scikit-learn's), not a file
+        source = CodeDatasetSource(tags={"uri": source_uri})
+    checksums = [sh["sha256"] for split in sorted(meta["shards"]) for sh in meta["shards"][split]]
+    digest = hashlib.sha256(json.dumps([meta["features"], meta.get("label_column"), checksums]).encode()).hexdigest()
+    label_type = "string" if meta.get("class_names") else "long"
+    schema = Schema([ColSpec("float", f) for f in meta["features"]] + [ColSpec(label_type, meta.get("label_column", "label"))])
+    name = re.sub(r"\.(csv|parquet|pq)$", "", source_uri.rstrip("/").rsplit("/", 1)[-1]) or "dataset"
+    # MetaDataset: MLflow's dataset of a source it does not read; its entity then takes our profile
+    fields = MetaDataset(source, name=name, digest=digest[:12], schema=schema).to_dict()
+    dup = meta.get("duplicates", {})
+    profile = {"num_rows": sum(meta["rows"].values()), **{f"{k}_rows": v for k, v in meta["rows"].items()},
+               "num_classes": len(meta["classes"]), "repeated_rows": dup.get("rows"),
+               "test_rows_in_train": dup.get("test_rows_in_train")}
+    entity = Dataset(**fields, profile=json.dumps({k: v for k, v in profile.items() if v is not None}))
+    return DatasetInput(entity, tags=[InputTag("mlflow.data.context", "training")])
+
+
 def resolve_tracking_uri(uri: str | None = None) -> str:
     return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home() / 'mlflow.db'}"
 
@@ -100,15 +138,19 @@ class Tracker:
                 exp_id = exp.experiment_id
         self.experiment_id = exp_id
 
-    def log_training(self, run_name: str, params: dict, history: list[dict], summary: dict | None = None) -> str:
-        """One run with the params, per-epoch loss / accuracy / samples per second, and ``summary``
-        figures (the exported epoch) as metrics of their own."""
+    def log_training(self, run_name: str, params: dict, history: list[dict], summary: dict | None = None,
+                     data: dict | None = None) -> str:
+        """One run with the params, per-epoch loss / accuracy / samples per second, ``summary``
+        figures (the exported epoch) as metrics of their own, and ``data`` (prepare_data's
+        metadata) as the run's training dataset (:func:`dataset_input`)."""
         from mlflow.entities import Metric, Param
 
         with _mapped("log training run", self.uri):
             run = self.client.create_run(self.experiment_id, run_name=run_name,
                                          tags={"kfp_pytorch.component": "train"})
             rid = run.info.run_id
+            if data is not None:
+                self.client.log_inputs(rid, datasets=[dataset_input(data)])
             now_ms = int(time.time() * 1000)
             metrics = [Metric(k, float(h[k]), now_ms, h["epoch"])
                        for h in history for k in ("loss", "accuracy", "val_loss", "val_accuracy", "samples_per_second")]

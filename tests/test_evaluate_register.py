@@ -1,4 +1,5 @@
 """evaluate (gate, report) and register (MLflow registry) against a real `mlflow server`."""
+import json
 import subprocess
 import sys
 
@@ -279,6 +280,8 @@ def test_the_train_step_records_each_epoch_and_the_exported_one_in_mlflow(mlflow
     from mlflow import MlflowClient
 
     from kfp_pytorch.components.ops.train import train_op
+    from kfp_pytorch.components.prepare_data import read_metadata
+    from kfp_pytorch.components.tracking import dataset_input
 
     model, metrics = Model(uri=str(tmp_path / "model")), Metrics(uri=str(tmp_path / "metrics"))
     model.path = str(tmp_path / "model")
@@ -291,6 +294,18 @@ def test_the_train_step_records_each_epoch_and_the_exported_one_in_mlflow(mlflow
     assert run.data.metrics["exported_epoch"] == 2 and run.data.metrics["epochs_trained"] == 2
     assert metrics.metadata["exported_epoch"] == 2 and metrics.metadata["epochs_trained"] == 2
     assert model.metadata["mlflow_run_id"] == out.mlflow_run_id
+    # the prepared table is the run's training dataset: MLflow's "Datasets used", found by its digest
+    [used] = run.inputs.dataset_inputs
+    data = read_metadata(digits_data)
+    assert [(t.key, t.value) for t in used.tags] == [("mlflow.data.context", "training")]
+    assert used.dataset.name == "digits" and used.dataset.source_type == "code"
+    assert json.loads(used.dataset.source) == {"tags": {"uri": "sample://digits"}}
+    assert [c["name"] for c in json.loads(used.dataset.schema)["mlflow_colspec"]] == [*data["features"], "label"]
+    assert json.loads(used.dataset.profile) == {"num_rows": 1797, "train_rows": 1257, "val_rows": 270, "test_rows": 270,
+                                                "num_classes": 10, "repeated_rows": 0, "test_rows_in_train": 0}
+    again = dataset_input(data).dataset  # the same prepared data: the same digest; other shards, another
+    other = dataset_input({**data, "shards": {"train": [{"sha256": "0" * 64}]}}).dataset
+    assert used.dataset.digest == again.digest != other.digest and len(again.digest) == 12
 
 
 def test_register_validates_name_and_metric(trained_model):

@@ -22,6 +22,7 @@ def train_op(dataset: Input[Dataset], model: Output[Model], metrics: Output[Metr
     from collections import namedtuple
 
     from kfp_pytorch.components._kfp import artifact_store_uri
+    from kfp_pytorch.components.prepare_data import read_metadata
     from kfp_pytorch.components.tracking import Tracker
     from kfp_pytorch.components.train import TrainSpec, train
 
@@ -48,7 +49,8 @@ def train_op(dataset: Input[Dataset], model: Output[Model], metrics: Output[Metr
         f"train-{model_arch}", {k: getattr(spec, k) for k in ("model", "epochs", "batch_size", "lr", "seed", "workers",
                                                               "early_stopping_patience", "class_weight",
                                                               "lr_schedule", "weight_decay")},
-        result.history, summary={"exported_epoch": final["epoch"], "epochs_trained": len(result.history)})
+        result.history, summary={"exported_epoch": final["epoch"], "epochs_trained": len(result.history)},
+        data=read_metadata(spec.dataset_uri))
     model.metadata.update({"uri": result.model_uri, "framework": "pytorch", "model_arch": model_arch,
                            "mlflow_run_id": run_id, "val_accuracy": float(final["val_accuracy"])})
     rate = sum(h["samples_per_second"] for h in result.history) / len(result.history)
