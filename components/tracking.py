@@ -150,7 +150,7 @@ class Tracker:
                                          tags={"kfp_pytorch.component": "train"})
             rid = run.info.run_id
             if data is not None:
-                self.client.log_inputs(rid, datasets=[dataset_input(data)])
+                self._log_dataset(rid, data)
             now_ms = int(time.time() * 1000)
             metrics = [Metric(k, float(h[k]), now_ms, h["epoch"])
                        for h in history for k in ("loss", "accuracy", "val_loss", "val_accuracy", "samples_per_second")]
@@ -159,6 +159,19 @@ class Tracker:
                                   params=[Param(k, str(v)[:500]) for k, v in params.items()])
             self.client.set_terminated(rid)
         return rid
+
+    def _log_dataset(self, run_id: str, data: dict) -> None:
+        """The run's training dataset; a server that cannot take it (MLflow before 2.4 has no
+        ``runs/log-inputs``) costs the record only, said on stderr, never the run's metrics."""
+        import sys
+
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.log_inputs(run_id, datasets=[dataset_input(data)])
+        except MlflowException as e:
+            print(f"warning: the MLflow server at {self.uri} did not record the training dataset "
+                  f"({_server_said(str(e))[:200]}); the run's metrics are recorded without it", file=sys.stderr)
 
     def champion(self, name: str) -> dict | None:
         """The version holding ``champion`` and its run's metrics; None when the model or alias is absent.

@@ -308,6 +308,43 @@ def test_the_train_step_records_each_epoch_and_the_exported_one_in_mlflow(mlflow
     assert used.dataset.digest == again.digest != other.digest and len(again.digest) == 12
 
 
+def test_a_server_too_old_for_dataset_inputs_still_records_the_run(mlflow_server, digits_data, capsys):
+    """MLflow before 2.4 has no runs/log-inputs endpoint: Flask's 404. The run keeps its metrics."""
+    from http.server import BaseHTTPRequestHandler
+
+    from mlflow import MlflowClient
+
+    from kfp_pytorch.components.prepare_data import read_metadata
+    from kfp_pytorch.components.tracking import Tracker
+    from servers import forward, reply, serve_in_thread, stop_http
+
+    class OldServer(BaseHTTPRequestHandler):
+        def _forward(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) or None
+            if "log-inputs" in self.path:
+                return reply(self, 404, b"<!doctype html><title>404 Not Found</title>", "text/html")
+            forward(self, mlflow_server.url, body)
+
+        do_GET = do_POST = _forward
+
+        def log_message(self, *a):
+            pass
+
+    old, url = serve_in_thread(OldServer)
+    try:
+        history = [{"epoch": 1, "loss": 0.5, "accuracy": 0.8, "val_loss": 0.6, "val_accuracy": 0.7,
+                    "samples_per_second": 100.0}]
+        rid = Tracker(url).log_training("train-old", {"epochs": 1}, history, data=read_metadata(digits_data))
+    finally:
+        stop_http(old)
+    run = MlflowClient(mlflow_server.url).get_run(rid)
+    assert run.data.metrics["val_accuracy"] == 0.7 and run.data.params["epochs"] == "1"
+    assert run.info.status == "FINISHED" and not run.inputs.dataset_inputs
+    err = capsys.readouterr().err
+    assert f"warning: the MLflow server at {url} did not record the training dataset (" in err
+    assert "the run's metrics are recorded without it" in err
+
+
 def test_register_validates_name_and_metric(trained_model):
     with pytest.raises(ConfigError) as e:
         register(RegisterSpec(trained_model.model_uri, "bad name!", {"accuracy": 1.0}, True, metric="auc"))
@@ -316,10 +353,9 @@ def test_register_validates_name_and_metric(trained_model):
 
 def test_a_registry_that_refuses_the_champion_read_stops_the_step(mlflow_server, trained_model, s3):
     """Only "no such model / no such alias" means no champion; a refused read must not promote a worse model."""
-    import urllib.request
     from http.server import BaseHTTPRequestHandler
 
-    from servers import reply, serve_in_thread, stop_http
+    from servers import forward, reply, serve_in_thread, stop_http
 
     name = "digits-guarded"
     first = register(RegisterSpec(trained_model.model_uri, name, _metrics(0.95), True, tracking_uri=mlflow_server.url))
@@ -331,15 +367,7 @@ def test_a_registry_that_refuses_the_champion_read_stops_the_step(mlflow_server,
         def _forward(self):
             if "/registered-models/" in self.path and self.command == "GET":
                 return reply(self, 403, b'{"error_code": "PERMISSION_DENIED", "message": "no read access to the registry"}')
-            data = self.rfile.read(int(self.headers.get("Content-Length") or 0)) or None
-            req = urllib.request.Request(mlflow_server.url + self.path, data=data, method=self.command,
-                                         headers={"Content-Type": self.headers.get("Content-Type", "application/json")})
-            try:
-                with urllib.request.urlopen(req, timeout=30) as r:
-                    status, body = r.status, r.read()
-            except urllib.error.HTTPError as e:
-                status, body = e.code, e.read()
-            reply(self, status, body)
+            forward(self, mlflow_server.url, self.rfile.read(int(self.headers.get("Content-Length") or 0)) or None)
 
         do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
 

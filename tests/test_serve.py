@@ -286,11 +286,9 @@ def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_mod
     r = cli("nothere", str(tmp_path / "plain.csv"))
     assert r.returncode == 1 and "no local model server named 'nothere'" in r.stderr and "--url" in r.stderr
     # through an ingress gateway that routes by Host, as Istio does for KServe (404 for any other host)
-    import urllib.error
-    import urllib.request
     from http.server import BaseHTTPRequestHandler
 
-    from servers import reply, serve_in_thread, stop_http
+    from servers import forward, reply, serve_in_thread, stop_http
 
     class Gateway(BaseHTTPRequestHandler):
         metadata = True  # False: a server that declares no inputs by name (the model metadata is a 404)
@@ -310,13 +308,7 @@ def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_mod
                 return
             if self.command == "GET" and not Gateway.metadata:
                 return reply(self, 404, b"", "text/plain")
-            req = urllib.request.Request(endpoint.url + self.path, data=body, method=self.command,
-                                         headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=30) as up:
-                    reply(self, up.status, up.read())
-            except urllib.error.HTTPError as e:
-                reply(self, e.code, e.read())
+            forward(self, endpoint.url, body)
 
         def log_message(self, *a):
             pass
