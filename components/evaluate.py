@@ -131,6 +131,45 @@ def compute_metrics(y_true: np.ndarray, y_pred: np.ndarray, classes: list[int]) 
     }
 
 
+def roc_metrics(y_true: np.ndarray, probs: np.ndarray, classes: list[int]) -> tuple[dict, dict | None]:
+    """The area under the ROC curve, and for two classes the curve itself. Pure.
+
+    Two classes: the ROC of the second (its probability as the score; the area is the same for
+    either class). More: the macro mean of one-vs-rest areas (scikit-learn's ``ovr``) over the
+    classes of the test split, the probabilities renormalised over them. ``({}, None)`` when it is
+    undefined: one class in the test split, or a label the model has no output for."""
+    from sklearn.metrics import roc_auc_score, roc_curve
+
+    present = sorted(int(c) for c in np.unique(y_true))
+    if len(present) < 2 or present[-1] >= probs.shape[1]:
+        return {}, None
+    if len(present) == 2:
+        positive = present[1]
+        score = probs[:, positive] / probs[:, present].sum(axis=1).clip(1e-12)
+        fpr, tpr, thresholds = roc_curve(y_true == positive, score)
+        # the first threshold is +inf (no row positive), which JSON and KFP's UI do not take
+        roc = {"positive": positive, "fpr": fpr.tolist(), "tpr": tpr.tolist(),
+               "thresholds": np.minimum(thresholds, 1.0).tolist()}
+        return {"roc_auc": float(roc_auc_score(y_true == positive, score))}, roc
+    p = probs[:, present]
+    p = p / p.sum(axis=1, keepdims=True).clip(1e-12)
+    return {"roc_auc": float(roc_auc_score(y_true, p, multi_class="ovr", average="macro", labels=present))}, None
+
+
+def roc_figure(roc: dict, auc: float, name: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.6, 4.4))
+    ax.plot(roc["fpr"], roc["tpr"], label=f"class {name}: AUC {auc:.4f}")
+    ax.plot([0, 1], [0, 1], color="#999", linestyle=":", label="chance")
+    ax.set(xlabel="false positive rate", ylabel="true positive rate", title="ROC (test)", xlim=(0, 1), ylim=(0, 1.02))
+    ax.legend(loc="lower right")
+    return fig
+
+
 def _png(fig) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
@@ -164,11 +203,12 @@ def confusion_figure(cm: np.ndarray, classes: list):
     return fig
 
 
-def render_report(metrics: dict, history: list[dict], classes: list[int], gate: dict,
-                  exported_epoch: int | None = None, data_note: str | None = None) -> str:
+def render_report(metrics: dict, history: list[dict], classes: list, gate: dict,
+                  exported_epoch: int | None = None, data_note: str | None = None, roc: dict | None = None) -> str:
     """A self-contained HTML page (plots inlined as PNG) that the KFP UI renders. ``exported_epoch``:
     the epoch whose weights were evaluated, marked on the curves when it is not the last (an early
-    stop kept the best). ``data_note``: a caution about the test split (rows also trained on)."""
+    stop kept the best). ``data_note``: a caution about the test split (rows also trained on).
+    ``roc``: :func:`roc_metrics`' curve of a two-class test split (with its class's ``name``), drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,6 +235,10 @@ def render_report(metrics: dict, history: list[dict], classes: list[int], gate: 
     fig = confusion_figure(np.array(metrics["confusion_matrix"]), classes)
     imgs.append(("Confusion matrix", _png(fig)))
     plt.close(fig)
+    if roc is not None:
+        fig = roc_figure(roc, metrics["roc_auc"], roc.get("name", str(roc["positive"])))
+        imgs.append(("ROC curve", _png(fig)))
+        plt.close(fig)
     verdict = "PASSED" if gate["passed"] else "FAILED"
     color = "#1a7f37" if gate["passed"] else "#cf222e"
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.4f}</td></tr>"
@@ -213,7 +257,7 @@ def render_report(metrics: dict, history: list[dict], classes: list[int], gate: 
 
 
 def evaluate(spec: EvaluateSpec, storage: Storage | None = None) -> dict:
-    """Returns ``{"metrics", "gate", "report_html", "classes"}``."""
+    """Returns ``{"metrics", "gate", "gate_note", "report_html", "classes", "class_names", "roc"}``."""
     import torch
 
     spec.validate()
@@ -224,16 +268,21 @@ def evaluate(spec: EvaluateSpec, storage: Storage | None = None) -> dict:
     x = to_model_scale(x, data_meta, model_meta, spec)
     y, names = to_model_labels(y, data_meta, model_meta, spec)
     with torch.no_grad():
-        pred = logits_in_chunks(module, torch.from_numpy(x)).argmax(1).numpy()
+        probs = torch.softmax(logits_in_chunks(module, torch.from_numpy(x)), dim=1).numpy()
+    pred = probs.argmax(1)
     # a class the model knows but the test split lacks still counts when the model predicts it
     classes = sorted(set(np.unique(y).tolist()) | set(model_meta.get("classes", [])))
     metrics = compute_metrics(y, pred, classes)
+    auc, roc = roc_metrics(y, probs, classes)
+    metrics.update(auc)
+    if roc is not None:
+        roc["name"] = names[roc["positive"]] if names else str(roc["positive"])
     value = metrics[spec.metric]
     gate = {"metric": spec.metric, "value": value, "threshold": spec.threshold, "passed": bool(value >= spec.threshold)}
     history_uri = join(spec.model_uri.rstrip("/").rsplit("/", 1)[0], "history.json")
     history = json.loads(storage.read_bytes(history_uri)) if storage.exists(history_uri) else []
     ticks = classes if names is None else [names[c] for c in classes]
-    return {"metrics": metrics, "gate": gate, "classes": classes, "class_names": names,
+    return {"metrics": metrics, "gate": gate, "classes": classes, "class_names": names, "roc": roc,
             "gate_note": gate_note(gate, metrics),
             "report_html": render_report(metrics, history, ticks, gate, model_meta.get("training", {}).get("exported_epoch"),
-                                         duplicates_note(data_meta.get("duplicates", {}), data_meta["rows"]))}
+                                         duplicates_note(data_meta.get("duplicates", {}), data_meta["rows"]), roc)}

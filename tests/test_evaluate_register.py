@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import mlflow
+import numpy as np
 import pytest
 
 from kfp_pytorch.components.errors import ConfigError, RegistryError
@@ -33,6 +34,70 @@ def test_evaluate_metrics_gate_and_report(digits_data, trained_model):
         f"the gate passed on 270 test rows: accuracy {m['accuracy']:.4f}, 95% interval {lo:.4f}-{hi:.4f}")
     assert "95% interval" in near["report_html"]
     assert "also training rows" not in html  # digits repeats no row
+    # ten classes: the macro one-vs-rest ROC AUC of the served model's probabilities, and no curve
+    from sklearn.metrics import roc_auc_score
+
+    from kfp_pytorch.components.predictor import ModelRunner
+    from kfp_pytorch.components.prepare_data import load_split, read_metadata
+
+    x, y = load_split(digits_data, "test")
+    norm = read_metadata(digits_data)["normalization"]
+    probs, _ = ModelRunner(trained_model.model_uri).predict(x * np.asarray(norm["std"]) + np.asarray(norm["mean"]))
+    assert m["roc_auc"] == pytest.approx(roc_auc_score(y, probs, multi_class="ovr"), abs=1e-4) and res["roc"] is None
+
+
+def test_roc_auc_is_scikit_learns_and_the_two_class_curve_is_drawn_from_it():
+    from sklearn.metrics import roc_auc_score
+
+    from kfp_pytorch.components.evaluate import roc_metrics
+
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, 400)
+    score = np.clip(0.3 * y + rng.normal(0.35, 0.25, 400), 0, 1)
+    probs = np.stack([1 - score, score], axis=1)
+    metrics, roc = roc_metrics(y, probs, [0, 1])
+    assert metrics["roc_auc"] == pytest.approx(roc_auc_score(y, score)) and 0.6 < metrics["roc_auc"] < 0.95
+    assert roc["positive"] == 1 and roc["fpr"][0] == roc["tpr"][0] == 0 and roc["fpr"][-1] == roc["tpr"][-1] == 1
+    assert np.all(np.diff(roc["fpr"]) >= 0) and np.all(np.diff(roc["tpr"]) >= 0)
+    assert np.trapezoid(roc["tpr"], roc["fpr"]) == pytest.approx(metrics["roc_auc"])  # the area of the curve drawn
+    assert max(roc["thresholds"]) <= 1  # no +inf: JSON and the KFP UI take it
+    # more classes: the macro one-vs-rest mean, over the classes the test split has
+    y3 = rng.integers(0, 3, 300)
+    p4 = rng.dirichlet([1, 1, 1, 1], 300)
+    p4[np.arange(300), y3] += 0.4
+    p4 /= p4.sum(axis=1, keepdims=True)
+    metrics, roc = roc_metrics(y3, p4, [0, 1, 2, 3])  # class 3: known to the model, absent from the test
+    p3 = p4[:, :3] / p4[:, :3].sum(axis=1, keepdims=True)
+    assert roc is None and metrics["roc_auc"] == pytest.approx(roc_auc_score(y3, p3, multi_class="ovr"))
+    assert roc_metrics(np.zeros(5, int), probs[:5], [0, 1]) == ({}, None)  # one class: no curve, no area
+    assert roc_metrics(np.array([0, 2, 0, 2]), probs[:4], [0, 2]) == ({}, None)  # a label with no output
+
+
+def test_a_two_class_model_gets_its_roc_curve_in_the_kfp_ui_and_the_report(digits_data, tmp_path):
+    from kfp.dsl import HTML, ClassificationMetrics, Dataset, Metrics, Model
+
+    from kfp_pytorch.components.ops.evaluate import evaluate_op
+    from kfp_pytorch.components.prepare_data import PrepareSpec, load_table, prepare_data
+    from kfp_pytorch.components.train import TrainSpec, train
+
+    table = load_table("sample://digits")
+    table["label"] = np.where(table["label"] < 5, "low", "high")
+    table.to_csv(tmp_path / "two.csv", index=False)
+    data = str(tmp_path / "data")
+    prepare_data(PrepareSpec(str(tmp_path / "two.csv"), data))
+    model_uri = train(TrainSpec(data, str(tmp_path / "run"), epochs=1, workers=1, progress="off")).model_uri
+    metrics, confusion, report = (Metrics(uri=str(tmp_path / "m")), ClassificationMetrics(uri=str(tmp_path / "c")),
+                                  HTML(uri=str(tmp_path / "r")))
+    report.path = str(tmp_path / "report.html")
+    evaluate_op.python_func(dataset=Dataset(uri=data, metadata={"uri": data}), model=Model(uri=model_uri,
+                            metadata={"uri": model_uri}), metrics=metrics, confusion=confusion, report=report,
+                            threshold=0.5)
+    curve = confusion.metadata["confidenceMetrics"]
+    fpr = [p["falsePositiveRate"] for p in curve]
+    assert len(curve) > 10 and fpr == sorted(fpr) and fpr[-1] == 1 and curve[-1]["recall"] == 1
+    assert np.trapezoid([p["recall"] for p in curve], fpr) == pytest.approx(metrics.metadata["roc_auc"])
+    html = (tmp_path / "report.html").read_text()
+    assert "<h3>ROC curve</h3>" in html and html.count("data:image/png;base64,") == 3
 
 
 def test_the_report_says_when_test_rows_were_also_trained_on(digits_data, trained_model, tmp_path):

@@ -9,7 +9,8 @@ from .._kfp import COMPONENT_KW
 def evaluate_op(dataset: Input[Dataset], model: Input[Model], metrics: Output[Metrics],
                 confusion: Output[ClassificationMetrics], report: Output[HTML], threshold: float = 0.9,
                 gate_metric: str = "accuracy") -> bool:
-    """Test metrics, confusion matrix and an HTML report; returns whether metric >= threshold.
+    """Test metrics (ROC AUC among them), confusion matrix (and for two classes the ROC curve) and an
+    HTML report; returns whether metric >= threshold.
 
     The single ``bool`` output (not a NamedTuple) keeps ``dsl.If(evaluate.output)`` resolvable by
     kfp.local's orchestrator, which cannot resolve named outputs in conditions.
@@ -28,6 +29,9 @@ def evaluate_op(dataset: Input[Dataset], model: Input[Model], metrics: Output[Me
     names = res["class_names"]  # the KFP UI's confusion matrix reads best with the classes' names
     confusion.log_confusion_matrix([names[c] if names else str(c) for c in res["classes"]],
                                    res["metrics"]["confusion_matrix"])
+    if res.get("roc"):  # two classes: the KFP UI draws the ROC curve beside the matrix
+        roc = res["roc"]
+        confusion.log_roc_curve(roc["fpr"], roc["tpr"], roc["thresholds"])
     with open(report.path, "w") as f:
         f.write(res["report_html"])
     return bool(res["gate"]["passed"])
