@@ -11,9 +11,9 @@ def prepare_data_op(dataset_uri: str, dataset: Output[Dataset], label_column: st
                     shard_rows: int = 512, storage_root: str = ""):
     """Validate a table, split it (seeded, stratified), normalise and write shards. ``feature_columns``:
     comma-separated names (empty: every column but the label)."""
-    from kfp_pytorch.components._kfp import artifact_store_uri
     import sys
 
+    from kfp_pytorch.components._kfp import artifact_store_uri
     from kfp_pytorch.components.prepare_data import PrepareSpec, duplicates_note, parse_columns, prepare_data
 
     out = artifact_store_uri(dataset, storage_root)
