@@ -346,9 +346,12 @@ def serve_stop(names, stop_all):
               help="Compared with the predictions when present; never sent. Default: the column the model "
                    "was trained to predict (its metadata's), else 'label'.")
 @click.option("--batch-size", default=256, show_default=True, type=click.IntRange(1, 65536))
+@click.option("--probabilities", is_flag=True,
+              help="Add each class's probability as a column p_<class> (its name where the model's metadata is "
+                   "known: a local server, or --model-uri; else its id).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write the predictions as CSV here (default: stdout).")
-def serve_predict(name, table, url, model_uri, host_header, token, label_column, batch_size, output):
+def serve_predict(name, table, url, model_uri, host_header, token, label_column, batch_size, probabilities, output):
     """Predict every row of TABLE (CSV or Parquet: a path, s3://..., or sample://digits) with the
     model server NAME, and write row, prediction, confidence (and the row's label) as CSV."""
     from kfp_pytorch.components.batch_predict import predict_table, resolve_target
@@ -360,7 +363,8 @@ def serve_predict(name, table, url, model_uri, host_header, token, label_column,
     with click.progressbar(length=len(frame), label="predicting", file=sys.stderr) if show else nullcontext() as bar:
         preds, accuracy, label_column = predict_table(target, frame, label_column, source=table,
                                                       batch_size=batch_size,
-                                                      on_batch=bar.update if bar is not None else None)
+                                                      on_batch=bar.update if bar is not None else None,
+                                                      probabilities=probabilities)
     if output:
         preds.to_csv(output, index=False)
     else:

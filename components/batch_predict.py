@@ -104,10 +104,11 @@ def feature_matrix(table, features: list[str] | None, label_column: str, source:
 
 def predict_rows(target: Target, x: np.ndarray, batch_size: int = 256,
                  on_batch: Callable[[int], None] | None = None) -> dict:
-    """Send ``x`` in batches; returns ``label`` (ids), ``class`` (names, or None) and ``confidence``."""
+    """Send ``x`` in batches; returns ``label`` (ids), ``class`` (names, or None), ``confidence``
+    and ``probabilities`` (``[n, classes]``)."""
     if batch_size < 1:
         raise ServingError(f"batch size must be >= 1, got {batch_size}")
-    labels, names, conf = [], [], []
+    labels, names, conf, all_probs = [], [], [], []
     for start in range(0, len(x), batch_size):
         rows = x[start:start + batch_size]
         try:
@@ -123,16 +124,19 @@ def predict_rows(target: Target, x: np.ndarray, batch_size: int = 256,
         labels.extend(int(v) for v in out["label"]["data"])
         probs = np.asarray(out["probabilities"]["data"], dtype=np.float64).reshape(k, -1)
         conf.extend(probs.max(axis=1).tolist())
+        all_probs.append(probs)
         if "class" in out:
             names.extend(out["class"]["data"])
         if on_batch is not None:
             on_batch(k)
-    return {"label": labels, "class": names or None, "confidence": conf}
+    return {"label": labels, "class": names or None, "confidence": conf,
+            "probabilities": np.concatenate(all_probs) if all_probs else np.zeros((0, 0))}
 
 
 class Predictions(NamedTuple):
     frame: "pd.DataFrame"
-    """row, prediction, confidence, and the row's label when the table has one."""
+    """row, prediction, confidence, with ``probabilities`` one ``p_<class>`` column per class,
+    and the row's label when the table has one."""
     accuracy: float | None
     label_column: str
     """The column compared with the predictions: the one given, or the model's own."""
@@ -140,7 +144,7 @@ class Predictions(NamedTuple):
 
 def predict_table(target: Target, table, label_column: str | None = None, source: str = "the table",
                   batch_size: int = 256, on_batch: Callable[[int], None] | None = None,
-                  storage: Storage | None = None) -> Predictions:
+                  storage: Storage | None = None, probabilities: bool = False) -> Predictions:
     """Predict every row of ``table``.
 
     Accuracy is given when the table has the label column: a predicted class name (or id, for a
@@ -159,6 +163,11 @@ def predict_table(target: Target, table, label_column: str | None = None, source
     shown = res["class"] if res["class"] is not None else res["label"]
     out = pd.DataFrame({"row": np.arange(1, len(x) + 1), "prediction": shown,
                         "confidence": np.round(res["confidence"], 4)})
+    if probabilities:  # a column per class, by its name where the model's metadata has one (p_setosa), else id (p_3)
+        names = meta.get("class_names")
+        probs = res["probabilities"]
+        for c in range(probs.shape[1]):
+            out[f"p_{names[c] if names and c < len(names) else c}"] = np.round(probs[:, c], 6)
     accuracy = None
     if truth:
         out["label"] = truth

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import yaml
@@ -458,6 +459,15 @@ def test_a_table_of_ones_own_with_a_named_label_and_chosen_features_end_to_end(t
         accuracy = float((preds["prediction"] == table["species"]).mean())
         assert "150 rows predicted by iris at " in p.stderr and f"accuracy against 'species': {accuracy:.4f}" in p.stderr
         assert accuracy >= 0.8 and set(preds["prediction"]) <= set(iris.target_names)
+        # each class's probability, by the class's name, for a score downstream
+        p = run_cli("serve", "predict", "iris", str(path), "--probabilities", "-o", str(tmp_path / "pp.csv"))
+        assert p.returncode == 0, p.stderr
+        probs = pd.read_csv(tmp_path / "pp.csv")
+        cols = [f"p_{n}" for n in sorted(iris.target_names)]
+        assert list(probs.columns) == ["row", "prediction", "confidence", *cols, "species"]
+        assert np.allclose(probs[cols].sum(axis=1), 1, atol=1e-4)
+        assert (probs[cols].idxmax(axis=1).str[2:] == probs["prediction"]).all()
+        assert np.allclose(probs[cols].max(axis=1), probs["confidence"], atol=1e-4)
     finally:
         run_cli("serve", "stop", "iris")
 

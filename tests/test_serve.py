@@ -270,6 +270,10 @@ def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_mod
     assert r.returncode == 0 and r.stdout == "" and f"accuracy against 'label': {acc:.4f}" in r.stderr, r.stderr
     assert (pd.read_csv(tmp_path / "p.csv")["prediction"].to_numpy() == expected).all()
     table[features].head(7).to_csv(tmp_path / "plain.csv", index=False)
+    r = cli("digits", str(tmp_path / "plain.csv"), "--url", endpoint.url, "--probabilities")
+    probs = pd.read_csv(io.StringIO(r.stdout))  # a model of class ids: a column per id
+    assert r.returncode == 0 and list(probs.columns) == ["row", "prediction", "confidence", *(f"p_{c}" for c in range(10))]
+    assert (probs[[f"p_{c}" for c in range(10)]].to_numpy().argmax(axis=1) == expected[:7]).all()
     # a missing feature column, a value that is not a number, a server that is not there: one clear line each
     shuffled.drop(columns=["pixel_0_3", "pixel_7_7"]).to_csv(tmp_path / "short.csv", index=False)
     r = cli("digits", str(tmp_path / "short.csv"))
