@@ -195,8 +195,36 @@ def _write_run_record(run: LocalRun, params: dict, status: str | None = None) ->
 
     record = {"pipeline": run.pipeline, "status": status or ("SUCCEEDED" if run.succeeded else "FAILED"),
               "failed_task": run.failed_task, "elapsed_s": round(run.elapsed_s, 2),
-              "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "params": params}
+              "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "params": params,
+              "result": run_result(summarize(run))}
     (run.run_dir / RUN_RECORD).write_text(json.dumps(record, indent=1, default=str))
+
+
+def run_result(summary: dict) -> dict:
+    """What a run came to, kept in its record for `runs --local`: the test metrics worth comparing
+    across runs, the gate's verdict and the registered version. Pure."""
+    out: dict = {}
+    metrics = {k: summary["metrics"][k] for k in ("accuracy", "macro_f1", "roc_auc") if k in summary.get("metrics", {})}
+    if metrics:
+        out["metrics"] = metrics
+    if "gate_passed" in summary:
+        out["gate_passed"] = summary["gate_passed"]
+    if summary.get("model"):
+        out["model"] = {k: summary["model"].get(k) for k in ("registry_uri", "champion")}
+    return out
+
+
+def result_line(result: dict) -> str:
+    """``accuracy 0.9333, models:/digits/3 (champion)``: a run's result on one line ('' for none)."""
+    parts = []
+    if "accuracy" in result.get("metrics", {}):
+        parts.append(f"accuracy {result['metrics']['accuracy']:.4f}")
+    if result.get("gate_passed") is False:
+        parts.append("gate failed")
+    if result.get("model"):
+        m = result["model"]
+        parts.append(f"{m['registry_uri']}" + (" (champion)" if m.get("champion") else ""))
+    return ", ".join(parts)
 
 
 @dataclass
@@ -216,6 +244,8 @@ class LocalRunInfo:
     served_by: list[str] = field(default_factory=list)
     """Live local model servers whose model is in this run: never pruned."""
     params: dict = field(default_factory=dict)
+    result: dict = field(default_factory=dict)
+    """:func:`run_result` of its record: metrics, the gate's verdict, the registered version."""
 
 
 def local_runs(root: Path | None = None, now: float | None = None) -> list[LocalRunInfo]:
@@ -250,7 +280,8 @@ def local_runs(root: Path | None = None, now: float | None = None) -> list[Local
         out.append(LocalRunInfo(d.name, d, status, modified, size,
                                 sorted(f.parent.name for f in d.glob("*/executor_output.json")),
                                 [n for n, m in served if m == resolved or resolved in m.parents],
-                                (record or {}).get("params", {}) if isinstance(record, dict) else {}))
+                                (record or {}).get("params", {}) if isinstance(record, dict) else {},
+                                (record or {}).get("result", {}) if isinstance(record, dict) else {}))
     return sorted(out, key=lambda r: (r.modified, r.name), reverse=True)
 
 

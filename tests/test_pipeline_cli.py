@@ -139,6 +139,10 @@ def test_gate_failure_skips_register_and_serve():
     [listed] = json.loads(run_cli("runs", "--local", "--json").stdout)
     assert listed["path"] == s["run_dir"] and listed["status"] == "SUCCEEDED" and listed["params"]["epochs"] == 1
     assert listed["steps"] == ["evaluate-op", "prepare-data-op", "train-op"] and listed["served_by"] == []
+    assert listed["result"] == {"metrics": {k: s["metrics"][k] for k in ("accuracy", "macro_f1", "roc_auc")},
+                                "gate_passed": False}  # what the run came to, kept with it
+    line = run_cli("runs", "--local").stdout.splitlines()[0]
+    assert line.split()[0] == Path(s["run_dir"]).name and f"accuracy {s['metrics']['accuracy']:.4f}, gate failed" in line
     assert ("note: gpus_per_node only applies with train_backend=cluster (a PyTorchJob's pods and their GPUs); "
             "this run has train_backend=local, so it changes nothing") in r.stderr
     assert "note: canary_traffic_percent only applies with serve_backend=cluster" in r.stderr
@@ -203,7 +207,10 @@ def test_local_runs_are_listed_and_pruned_but_a_served_model_and_a_running_run_a
         if model:
             shutil.copytree(trained_model.model_uri, d / "train-op" / "model")
         if status:
-            (d / "run.json").write_text(json.dumps({"status": status, "params": {"epochs": 3}}))
+            result = ({"metrics": {"accuracy": 0.97124, "macro_f1": 0.97}, "gate_passed": True,
+                       "model": {"registry_uri": f"models:/digits/{age_h}", "champion": age_h == 20}}
+                      if status == "SUCCEEDED" else {})
+            (d / "run.json").write_text(json.dumps({"status": status, "params": {"epochs": 3}, "result": result}))
         for f in [d, *d.rglob("*")]:
             os.utime(f, (now - age_h * 3600, now - age_h * 3600))
         return d
@@ -223,15 +230,17 @@ def test_local_runs_are_listed_and_pruned_but_a_served_model_and_a_running_run_a
         assert [ln.split()[1] for ln in lines[:6]] == ["SUCCEEDED", "RUNNING?", "SUCCEEDED", "UNKNOWN", "FAILED",
                                                        "SUCCEEDED"]
         assert lines[5].endswith("serving: kept-model") and "6 local run(s)" in lines[-1]
+        assert lines[2].endswith("1 steps  accuracy 0.9712, models:/digits/20 (champion)")  # d
+        assert lines[4].endswith("1 steps")  # b: it failed, and came to nothing
         dry = run_cli("runs", "--local", "--keep", "1", "--dry-run")
-        assert dry.returncode == 0 and "would remove 3 local run(s), 29.4 KB" in dry.stdout, dry.stdout
+        assert dry.returncode == 0 and "would remove 3 local run(s), 29.6 KB" in dry.stdout, dry.stdout
         assert len(list(root.iterdir())) == 6
         r = run_cli("runs", "--local", "--keep", "1")
         assert r.returncode == 0, r.stderr
         assert sorted(d.name for d in root.iterdir()) == [f"train-and-serve-{x}" for x in "aef"]
         assert "kept train-and-serve-a: its model is served by kept-model" in r.stdout
         assert "kept train-and-serve-e: no record and written within the hour: it may still be running" in r.stdout
-        assert "removed 3 local run(s), 29.4 KB; kept the newest 1 and 2 more" in r.stdout
+        assert "removed 3 local run(s), 29.6 KB; kept the newest 1 and 2 more" in r.stdout
         assert run_cli("runs", "--local", "--keep", "0").returncode == 2  # a run is always kept
         r = run_cli("runs", "--local", "--host", "http://127.0.0.1:1")
         assert r.returncode == 2 and "leave out --host" in r.stderr
