@@ -131,6 +131,16 @@ def compute_metrics(y_true: np.ndarray, y_pred: np.ndarray, classes: list[int]) 
     }
 
 
+def per_class(y_true: np.ndarray, y_pred: np.ndarray, classes: list[int]) -> list[dict]:
+    """Precision, recall, F1 and support of each class (scikit-learn's classification report), in
+    ``classes`` order: where a model's errors are, which the macro means hide. Pure."""
+    from sklearn.metrics import precision_recall_fscore_support
+
+    p, r, f, n = precision_recall_fscore_support(y_true, y_pred, labels=classes, zero_division=0)
+    return [{"class": c, "precision": float(p[i]), "recall": float(r[i]), "f1": float(f[i]), "support": int(n[i])}
+            for i, c in enumerate(classes)]
+
+
 def roc_metrics(y_true: np.ndarray, probs: np.ndarray, classes: list[int]) -> tuple[dict, dict | None]:
     """The area under the ROC curve, and for two classes the curve itself. Pure.
 
@@ -204,11 +214,14 @@ def confusion_figure(cm: np.ndarray, classes: list):
 
 
 def render_report(metrics: dict, history: list[dict], classes: list, gate: dict,
-                  exported_epoch: int | None = None, data_note: str | None = None, roc: dict | None = None) -> str:
+                  exported_epoch: int | None = None, data_note: str | None = None, roc: dict | None = None,
+                  classes_report: list[dict] | None = None) -> str:
     """A self-contained HTML page (plots inlined as PNG) that the KFP UI renders. ``exported_epoch``:
     the epoch whose weights were evaluated, marked on the curves when it is not the last (an early
     stop kept the best). ``data_note``: a caution about the test split (rows also trained on).
-    ``roc``: :func:`roc_metrics`' curve of a two-class test split (with its class's ``name``), drawn."""
+    ``roc``: :func:`roc_metrics`' curve of a two-class test split (with its class's ``name``), drawn.
+    ``classes_report``: :func:`per_class`, as a table by ``classes`` (the ticks: names or ids), the
+    worst recall first."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -248,6 +261,12 @@ def render_report(metrics: dict, history: list[dict], classes: list, gate: dict,
     if history and exported_epoch is not None and exported_epoch != history[-1]["epoch"]:
         rows += (f"<tr><td>model</td><td>epoch {exported_epoch} of {history[-1]['epoch']}: training stopped "
                  "early, and the epoch with the lowest validation loss was kept</td></tr>")
+    if classes_report:
+        head = "".join(f"<th>{h}</th>" for h in ("class", "precision", "recall", "F1", "test rows"))
+        body = "".join(f"<tr><td>{html.escape(str(classes[i]))}</td><td>{c['precision']:.4f}</td>"
+                       f"<td>{c['recall']:.4f}</td><td>{c['f1']:.4f}</td><td>{c['support']}</td></tr>"
+                       for i, c in sorted(enumerate(classes_report), key=lambda ic: (ic[1]["recall"], ic[0])))
+        figs = f"<h3>Per class (worst recall first)</h3><table><tr>{head}</tr>{body}</table>" + figs
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>kfp-pytorch evaluation</title>"
             f"<style>body{{font-family:sans-serif;margin:1.5em}}td{{padding:2px 12px}}</style></head><body>"
             f"<h2>Evaluation report</h2><p style='color:{color};font-weight:bold'>Gate {verdict}: "
@@ -257,7 +276,8 @@ def render_report(metrics: dict, history: list[dict], classes: list, gate: dict,
 
 
 def evaluate(spec: EvaluateSpec, storage: Storage | None = None) -> dict:
-    """Returns ``{"metrics", "gate", "gate_note", "report_html", "classes", "class_names", "roc"}``."""
+    """Returns ``{"metrics", "gate", "gate_note", "report_html", "classes", "class_names", "roc",
+    "per_class"}``."""
     import torch
 
     spec.validate()
@@ -275,6 +295,7 @@ def evaluate(spec: EvaluateSpec, storage: Storage | None = None) -> dict:
     metrics = compute_metrics(y, pred, classes)
     auc, roc = roc_metrics(y, probs, classes)
     metrics.update(auc)
+    by_class = per_class(y, pred, classes)
     if roc is not None:
         roc["name"] = names[roc["positive"]] if names else str(roc["positive"])
     value = metrics[spec.metric]
@@ -283,6 +304,7 @@ def evaluate(spec: EvaluateSpec, storage: Storage | None = None) -> dict:
     history = json.loads(storage.read_bytes(history_uri)) if storage.exists(history_uri) else []
     ticks = classes if names is None else [names[c] for c in classes]
     return {"metrics": metrics, "gate": gate, "classes": classes, "class_names": names, "roc": roc,
-            "gate_note": gate_note(gate, metrics),
+            "per_class": by_class, "gate_note": gate_note(gate, metrics),
             "report_html": render_report(metrics, history, ticks, gate, model_meta.get("training", {}).get("exported_epoch"),
-                                         duplicates_note(data_meta.get("duplicates", {}), data_meta["rows"]), roc)}
+                                         duplicates_note(data_meta.get("duplicates", {}), data_meta["rows"]), roc,
+                                         by_class)}

@@ -34,6 +34,15 @@ def test_evaluate_metrics_gate_and_report(digits_data, trained_model):
         f"the gate passed on 270 test rows: accuracy {m['accuracy']:.4f}, 95% interval {lo:.4f}-{hi:.4f}")
     assert "95% interval" in near["report_html"]
     assert "also training rows" not in html  # digits repeats no row
+    # each class's precision and recall, as the confusion matrix has them, the worst recall first
+    cmat = np.asarray(cm)
+    for i, c in enumerate(res["per_class"]):
+        assert c["class"] == i and c["support"] == cmat[i].sum()
+        assert c["recall"] == pytest.approx(cmat[i, i] / cmat[i].sum())
+        assert c["precision"] == pytest.approx(cmat[i, i] / max(cmat[:, i].sum(), 1))
+    worst = min(range(10), key=lambda i: (cmat[i, i] / cmat[i].sum(), i))
+    assert "<h3>Per class (worst recall first)</h3><table><tr><th>class</th>" in html
+    assert html.split("<th>test rows</th></tr>")[1].startswith(f"<tr><td>{worst}</td>")
     # ten classes: the macro one-vs-rest ROC AUC of the served model's probabilities, and no curve
     from sklearn.metrics import roc_auc_score
 
