@@ -473,7 +473,7 @@ def test_a_table_of_ones_own_with_a_named_label_and_chosen_features_end_to_end(t
         assert p.returncode == 0, p.stderr
         probs = pd.read_csv(tmp_path / "pp.csv")
         cols = [f"p_{n}" for n in sorted(iris.target_names)]
-        assert list(probs.columns) == ["row", "prediction", "confidence", *cols, "species"]
+        assert list(probs.columns) == ["row", "prediction", "confidence", *cols, "label"]
         assert np.allclose(probs[cols].sum(axis=1), 1, atol=1e-4)
         assert (probs[cols].idxmax(axis=1).str[2:] == probs["prediction"]).all()
         assert np.allclose(probs[cols].max(axis=1), probs["confidence"], atol=1e-4)
