@@ -181,11 +181,7 @@ def model_inputs(url: str, name: str, timeout: float = 10.0, host_header: str | 
     /v2/models/{name}``: one ``[-1]`` input per column, as our predictor declares them); None when
     it declares no named columns (one ``[n, features]`` input, or a server without metadata).
     Reaching the server and authenticating fail as :func:`infer` does."""
-    status, data = _request(url, "GET", f"/v2/models/{name}", None, timeout, host_header, token)
-    try:
-        inputs = json.loads(data).get("inputs") if status == 200 else None
-    except (ValueError, AttributeError):
-        return None
+    inputs = _get_field(url, f"/v2/models/{name}", "inputs", timeout, host_header, token)
     if not isinstance(inputs, list) or not inputs or not all(
             isinstance(i, dict) and isinstance(i.get("name"), str) and i.get("shape") == [-1] for i in inputs):
         return None
@@ -195,12 +191,18 @@ def model_inputs(url: str, name: str, timeout: float = 10.0, host_header: str | 
 def _models(url: str, timeout: float, host_header: str | None, token: str | None) -> list[str] | None:
     """The names of the models the server serves (``GET /v2/models``, KServe's model repository
     listing); None when it does not list them."""
-    status, data = _request(url, "GET", "/v2/models", None, timeout, host_header, token)
+    models = _get_field(url, "/v2/models", "models", timeout, host_header, token)
+    return [str(m) for m in models] if isinstance(models, list) else None
+
+
+def _get_field(url: str, path: str, key: str, timeout: float, host_header: str | None, token: str | None):
+    """``key`` of the JSON object a GET of ``path`` answers; None for any other answer (a 404, a
+    server that is not KServe's). Reaching the server and authenticating fail as :func:`infer` does."""
+    status, data = _request(url, "GET", path, None, timeout, host_header, token)
     try:
-        models = json.loads(data).get("models") if status == 200 else None
+        return json.loads(data).get(key) if status == 200 else None
     except (ValueError, AttributeError):
         return None
-    return [str(m) for m in models] if isinstance(models, list) else None
 
 
 def _request(url: str, method: str, path: str, body: bytes | None, timeout: float, host_header: str | None,
