@@ -223,7 +223,7 @@ def result_line(result: dict) -> str:
         parts.append("gate failed")
     if result.get("model"):
         m = result["model"]
-        parts.append(f"{m['registry_uri']}" + (" (champion)" if m.get("champion") else ""))
+        parts.append(m["registry_uri"] + (" (champion)" if m.get("champion") else ""))
     return ", ".join(parts)
 
 
@@ -274,14 +274,15 @@ def local_runs(root: Path | None = None, now: float | None = None) -> list[Local
             record = json.loads((d / RUN_RECORD).read_text())
         except (OSError, ValueError):
             record = None
-        status = (record.get("status", "UNKNOWN") if isinstance(record, dict)
+        if not isinstance(record, dict):
+            record = None
+        status = (record.get("status", "UNKNOWN") if record is not None
                   else "RUNNING?" if now - modified < ACTIVE_WINDOW_S else "UNKNOWN")
         resolved = d.resolve()
         out.append(LocalRunInfo(d.name, d, status, modified, size,
                                 sorted(f.parent.name for f in d.glob("*/executor_output.json")),
                                 [n for n, m in served if m == resolved or resolved in m.parents],
-                                (record or {}).get("params", {}) if isinstance(record, dict) else {},
-                                (record or {}).get("result", {}) if isinstance(record, dict) else {}))
+                                (record or {}).get("params", {}), (record or {}).get("result", {})))
     return sorted(out, key=lambda r: (r.modified, r.name), reverse=True)
 
 
