@@ -256,6 +256,10 @@ def _print_summary(s: dict) -> None:
                   if k == "accuracy" and "accuracy_ci95_low" in m and "test_rows" in m else "")
             shown.append(f"{k}={v:.4f}{ci}")
         click.echo("metrics:   " + ", ".join(shown))
+    if "weakest_class" in s:
+        w = s["weakest_class"]
+        click.echo(f"weakest:   class {w['class']!r}, recall {w['recall']:.4f} ({w['correct']} of {w['rows']} test rows); "
+                   f"{w['taken_rows']} taken for {w['taken_for']!r}")
     if "gate_passed" in s:
         g, value = s.get("gate", {}), s.get("metrics", {}).get(s.get("gate", {}).get("metric"))
         read = (f" ({g['metric']} {value:.4f} {'>=' if s['gate_passed'] else '<'} threshold {g['threshold']:.4f})"

@@ -18,9 +18,10 @@ from .prepare_data import duplicates_note, load_split, read_metadata
 from .storage import Storage, join
 
 
-GATE_METRICS = ("accuracy", "macro_f1")
+GATE_METRICS = ("accuracy", "macro_f1", "min_recall")
 """The test metrics a gate may read: macro F1 weighs every class the same, so a model that never
-predicts a rare class does not pass on the common ones' accuracy."""
+predicts a rare class does not pass on the common ones' accuracy; min_recall (the worst class's
+recall) passes only a model that finds at least that share of every class's test rows."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class EvaluateSpec:
     threshold: float = 0.9
     """Minimum test ``metric`` for the gate to pass."""
     metric: str = "accuracy"
-    """Gate metric: accuracy or macro_f1."""
+    """Gate metric: one of :data:`GATE_METRICS`."""
 
     def validate(self) -> None:
         problems = []
@@ -119,6 +120,7 @@ def compute_metrics(y_true: np.ndarray, y_pred: np.ndarray, classes: list[int]) 
     from sklearn.metrics import accuracy_score, confusion_matrix, f1_score, precision_score, recall_score
 
     lo, hi = accuracy_interval(int((np.asarray(y_true) == np.asarray(y_pred)).sum()), len(y_true))
+    present = sorted(int(c) for c in np.unique(y_true))
     return {
         "accuracy": float(accuracy_score(y_true, y_pred)),
         "accuracy_ci95_low": lo,
@@ -126,6 +128,9 @@ def compute_metrics(y_true: np.ndarray, y_pred: np.ndarray, classes: list[int]) 
         "macro_f1": float(f1_score(y_true, y_pred, average="macro", labels=classes, zero_division=0)),
         "macro_precision": float(precision_score(y_true, y_pred, average="macro", labels=classes, zero_division=0)),
         "macro_recall": float(recall_score(y_true, y_pred, average="macro", labels=classes, zero_division=0)),
+        # the worst recall among the classes the test split has (a class without test rows has none)
+        "min_recall": float(min(recall_score(y_true, y_pred, average=None, labels=present, zero_division=0),
+                                default=0.0)),
         "confusion_matrix": confusion_matrix(y_true, y_pred, labels=classes).tolist(),
         "test_rows": int(len(y_true)),
     }
@@ -139,6 +144,25 @@ def per_class(y_true: np.ndarray, y_pred: np.ndarray, classes: list[int]) -> lis
     p, r, f, n = precision_recall_fscore_support(y_true, y_pred, labels=classes, zero_division=0)
     return [{"class": c, "precision": float(p[i]), "recall": float(r[i]), "f1": float(f[i]), "support": int(n[i])}
             for i, c in enumerate(classes)]
+
+
+def weakest_class(names: list[str], matrix: list[list[int]]) -> dict | None:
+    """The class with the worst recall in a confusion matrix (rows: true class, columns: predicted),
+    and the class its rows were most often taken for: ``{"class", "recall", "correct", "rows",
+    "taken_for", "taken_rows"}``. None when every class with test rows was found in full. Pure."""
+    m = np.asarray(matrix, dtype=np.int64).reshape(len(names), len(names))
+    support = m.sum(axis=1)
+    rows = [i for i in range(len(names)) if support[i] > 0]
+    if not rows:
+        return None
+    worst = min(rows, key=lambda i: (m[i, i] / support[i], i))
+    if m[worst, worst] == support[worst]:
+        return None
+    off = m[worst].copy()
+    off[worst] = -1
+    other = int(off.argmax())
+    return {"class": names[worst], "recall": float(m[worst, worst] / support[worst]), "correct": int(m[worst, worst]),
+            "rows": int(support[worst]), "taken_for": names[other], "taken_rows": int(m[worst, other])}
 
 
 def roc_metrics(y_true: np.ndarray, probs: np.ndarray, classes: list[int]) -> tuple[dict, dict | None]:

@@ -352,6 +352,13 @@ def summarize(run: LocalRun) -> dict:
     for name, a in ev.get("artifacts", {}).items():
         if name == "metrics":
             s["metrics"] = a["artifacts"][0].get("metadata", {})
+    cm = ev.get("artifacts", {}).get("confusion", {}).get("artifacts", [{}])[0].get("metadata", {}).get(
+        "confusionMatrix")
+    if cm:  # as the KFP UI has it: the classes' names and the matrix's rows
+        from kfp_pytorch.components.evaluate import weakest_class
+
+        if weak := weakest_class([a["displayName"] for a in cm["annotationSpecs"]], [r["row"] for r in cm["rows"]]):
+            s["weakest_class"] = weak
     tm = o.get("train-op", {}).get("artifacts", {}).get("metrics", {}).get("artifacts", [{}])[0].get("metadata", {})
     if "epochs_trained" in tm:  # which epoch's model went on: the last, or the best before an early stop
         s["training"] = {"epochs_trained": int(tm["epochs_trained"]), "exported_epoch": int(tm["exported_epoch"]),

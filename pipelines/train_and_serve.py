@@ -195,8 +195,8 @@ PARAM_DOCS = {
     "checkpoint_every_s": "seconds between checkpoints within an epoch (0: at epoch ends only)",
     "label_column": "the table's label column: class ids (0, 1, ...) or class names",
     "feature_columns": "comma-separated feature columns, in order (empty: every column but the label)",
-    "gate_metric": "the test metric the threshold applies to and a new champion must beat: accuracy, or "
-                   "macro_f1 for a table where some classes are rare",
+    "gate_metric": "the test metric the threshold applies to and a new champion must beat: accuracy, "
+                   "macro_f1 for a table where some classes are rare, or min_recall: the worst class's recall",
     "weight_decay": "AdamW's decoupled weight decay, a regulariser (0: none, plain Adam; 0.01 is usual)",
     "lr_schedule": "constant, or cosine: the learning rate anneals from lr to 0 over the epochs",
     "class_weight": "none, or balanced: each class weighs as much in the loss, however rare (with gate_metric=macro_f1)",

@@ -41,6 +41,7 @@ def test_evaluate_metrics_gate_and_report(digits_data, trained_model):
         assert c["recall"] == pytest.approx(cmat[i, i] / cmat[i].sum())
         assert c["precision"] == pytest.approx(cmat[i, i] / max(cmat[:, i].sum(), 1))
     worst = min(range(10), key=lambda i: (cmat[i, i] / cmat[i].sum(), i))
+    assert m["min_recall"] == pytest.approx(cmat[worst, worst] / cmat[worst].sum())
     assert "<h3>Per class (worst recall first)</h3><table><tr><th>class</th>" in html
     assert html.split("<th>test rows</th></tr>")[1].startswith(f"<tr><td>{worst}</td>")
     # ten classes: the macro one-vs-rest ROC AUC of the served model's probabilities, and no curve
@@ -462,3 +463,19 @@ def test_a_registry_that_refuses_the_champion_read_stops_the_step(mlflow_server,
     client.delete_registered_model_alias(name, "champion")
     again = register(RegisterSpec(trained_model.model_uri, name, _metrics(0.90), True, tracking_uri=mlflow_server.url))
     assert again["champion"] is True and again["previous_champion"] is None
+
+
+def test_the_weakest_class_and_min_recall_skip_classes_the_test_split_lacks():
+    from kfp_pytorch.components.evaluate import compute_metrics, weakest_class
+
+    # class 2 has no test rows but is predicted once: its recall is undefined, not 0
+    y, pred = np.array([0, 0, 0, 0, 1, 1]), np.array([0, 0, 0, 2, 1, 0])
+    m = compute_metrics(y, pred, [0, 1, 2])
+    assert m["min_recall"] == pytest.approx(0.5) and m["macro_recall"] == pytest.approx((0.75 + 0.5 + 0) / 3)
+    assert weakest_class(["a", "b", "c"], m["confusion_matrix"]) == {
+        "class": "b", "recall": 0.5, "correct": 1, "rows": 2, "taken_for": "a", "taken_rows": 1}
+    assert weakest_class(["a", "b"], [[3, 0], [0, 2]]) is None  # every class found in full
+    assert weakest_class(["a", "b"], [[0, 0], [0, 0]]) is None
+    # a tie goes to the first class, and its rows to the class they went to most
+    assert weakest_class(["a", "b", "c"], [[1, 0, 1], [1, 1, 0], [0, 0, 3]])["class"] == "a"
+    assert weakest_class(["a", "b", "c"], [[1, 1, 3], [0, 2, 0], [0, 0, 3]])["taken_for"] == "c"

@@ -129,11 +129,15 @@ def test_end_to_end_on_s3_and_mlflow_server(s3, bucket, mlflow_server):
 def test_gate_failure_skips_register_and_serve():
     # ... and parameters the local backends do not read are named, while the run goes ahead
     r = run_cli("run", "train_and_serve", "--local", "--json", "--param", "epochs=1", "--param", "threshold=0.999",
-                "--param", "gpus_per_node=1", "--param", "canary_traffic_percent=20", "--param", "gate_metric=macro_f1")
+                "--param", "gpus_per_node=1", "--param", "canary_traffic_percent=20", "--param", "gate_metric=min_recall")
     assert r.returncode == 0, r.stderr[-2000:]
     s = summary_of(r.stdout)
     assert s["gate_passed"] is False and "model" not in s and "endpoint" not in s
-    assert s["gate"] == {"metric": "macro_f1", "threshold": 0.999} and s["metrics"]["macro_f1"] < 0.999
+    assert s["gate"] == {"metric": "min_recall", "threshold": 0.999} and s["metrics"]["min_recall"] < 0.999
+    # the summary names the class that recall is of, read from the confusion matrix the KFP UI shows
+    weak = s["weakest_class"]
+    assert weak["recall"] == pytest.approx(s["metrics"]["min_recall"]) and weak["class"] in [str(c) for c in range(10)]
+    assert weak["correct"] / weak["rows"] == pytest.approx(weak["recall"]) and 0 < weak["taken_rows"] <= weak["rows"]
     assert not _project_processes()
     # the run is recorded where it wrote, and listed with its parameters
     [listed] = json.loads(run_cli("runs", "--local", "--json").stdout)
@@ -293,6 +297,11 @@ def test_the_summary_says_how_to_use_and_stop_the_served_model(capsys):
     _print_summary({**s, "data": {**data, "duplicates": {"rows": 1, "test_rows_in_train": 1, "conflicting": 0}}})
     assert "  warning: 1 of the 23 test rows are also training rows, so the test metrics are optimistic (1 " in (
         capsys.readouterr().out)
+    assert "weakest:" not in out
+    _print_summary({**s, "weakest_class": {"class": "versicolor", "recall": 0.875, "correct": 7, "rows": 8,
+                                           "taken_for": "virginica", "taken_rows": 1}})
+    assert ("weakest:   class 'versicolor', recall 0.8750 (7 of 8 test rows); 1 taken for 'virginica'\n"
+            in capsys.readouterr().out)
     _print_summary({**s, "gate_passed": False, "endpoint": None, "gate": {"metric": "accuracy", "threshold": 0.98}})
     out = capsys.readouterr().out
     assert "serve stop" not in out
@@ -358,7 +367,7 @@ def test_failed_task_is_read_from_kfp_locals_coloured_message():
     (["run", "train_and_serve", "--local", "--param", "class_weight=auto"],
      "class_weight: must be one of none, balanced, got 'auto'"),
     (["run", "train_and_serve", "--local", "--param", "gate_metric=auc"],
-     "gate_metric: must be one of accuracy, macro_f1, got 'auc'"),
+     "gate_metric: must be one of accuracy, macro_f1, min_recall, got 'auc'"),
     (["run", "train_and_serve", "--local", "--param", "early_stopping_patience=-2"],
      "early_stopping_patience: must be an integer >= 0 (0: train every epoch), got -2"),
     (["run", "train_and_serve", "--local", "--param", "feature_columns=pixel_0_0, label"],
