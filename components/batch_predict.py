@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 import numpy as np
 
 from .errors import DatasetError, ServingError
-from .exported_model import lacking
+from .exported_model import lacking, probability_columns
 from .serve import infer, model_inputs, read_server
 from .storage import Storage, join
 
@@ -164,10 +164,9 @@ def predict_table(target: Target, table, label_column: str | None = None, source
     out = pd.DataFrame({"row": np.arange(1, len(x) + 1), "prediction": shown,
                         "confidence": np.round(res["confidence"], 4)})
     if probabilities:  # a column per class, by its name where the model's metadata has one (p_setosa), else id (p_3)
-        names = meta.get("class_names")
         probs = res["probabilities"]
-        for c in range(probs.shape[1]):
-            out[f"p_{names[c] if names and c < len(names) else c}"] = np.round(probs[:, c], 6)
+        for c, column in enumerate(probability_columns(probs.shape[1], meta.get("class_names"))):
+            out[column] = np.round(probs[:, c], 6)
     accuracy = None
     if truth:
         out["label"] = truth

@@ -83,6 +83,13 @@ def lacking(features: list[str], present) -> str | None:
             f"{missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
 
+def probability_columns(num_classes: int, class_names: list[str] | None) -> list[str]:
+    """The name of each class's probability column: ``p_setosa`` by the class's name where the
+    model has names, else ``p_3`` by its id (``serve predict --probabilities`` and the MLflow model's
+    ``probabilities`` parameter name them alike)."""
+    return [f"p_{class_names[c] if class_names and c < len(class_names) else c}" for c in range(num_classes)]
+
+
 def names_of(labels: np.ndarray, class_names: list[str] | None) -> list[str] | None:
     """The class names of predicted ids (None when the model has ids only)."""
     return None if class_names is None else [class_names[int(i)] for i in labels]

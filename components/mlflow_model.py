@@ -4,16 +4,19 @@
 ``exported_model.py`` in ``code_paths``; MLflow keeps both beside the model directory and runs this
 file when the model is loaded. Nothing is pickled and nothing here imports kfp-pytorch, so
 ``mlflow.pyfunc.load_model`` and ``mlflow models serve`` work where only MLflow, torch and numpy
-are installed (the pip requirements the model declares). Input: rows of raw features.
+are installed (the pip requirements the model declares). Input: rows of raw features. Output: each
+row's class (its name where the model has names); with the parameter ``probabilities=True``
+(``model.predict(table, params={"probabilities": True})``), a DataFrame of the class and each
+class's probability (``label``, ``p_setosa`` ...), for a threshold of one's own.
 """
 import mlflow.models
 import mlflow.pyfunc
 import numpy as np
 
 try:  # as MLflow loads it: exported_model.py is on sys.path from the model's code/ directory
-    from exported_model import ExportedModel, lacking, names_of
+    from exported_model import ExportedModel, lacking, names_of, probability_columns
 except ImportError:  # imported from an installed kfp-pytorch (when the model is logged)
-    from kfp_pytorch.components.exported_model import ExportedModel, lacking, names_of
+    from kfp_pytorch.components.exported_model import ExportedModel, lacking, names_of, probability_columns
 
 
 class MlflowPredictor(mlflow.pyfunc.PythonModel):
@@ -22,9 +25,15 @@ class MlflowPredictor(mlflow.pyfunc.PythonModel):
 
     def predict(self, context, model_input, params=None):
         rows = np.asarray(_by_name(model_input, self.model.meta.get("features")))
-        _, labels = self.model.predict(rows)
+        probs, labels = self.model.predict(rows)
         names = names_of(labels, self.model.class_names)
-        return labels if names is None else np.asarray(names, dtype=object)
+        shown = labels if names is None else np.asarray(names, dtype=object)
+        if not (params or {}).get("probabilities"):
+            return shown
+        import pandas as pd  # MLflow's own dependency
+
+        columns = probability_columns(probs.shape[1], self.model.class_names)
+        return pd.DataFrame({"label": shown, **{c: probs[:, i] for i, c in enumerate(columns)}})
 
 
 def _by_name(model_input, features):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,6 +18,16 @@ from .paths import home
 
 CHAMPION = "champion"
 EXPERIMENT = "kfp-pytorch"
+
+
+def pyfunc_signature():
+    """The registered model's signature: its parameters only. ``probabilities`` (off by default)
+    answers each class's probability beside the class (mlflow_model.py). No input schema: a named
+    one refuses the arrays callers send too, and the model reads a table's columns by name itself."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import ParamSchema, ParamSpec
+
+    return ModelSignature(inputs=None, params=ParamSchema([ParamSpec("probabilities", "boolean", False)]))
 
 
 def dataset_input(meta: dict):
@@ -212,10 +223,12 @@ class Tracker:
             with mlflow.start_run(run_id=run_id, experiment_id=None if run_id else self.experiment_id):
                 mlflow.log_metrics({f"test_{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
                 # models from code: the model loads with MLflow, torch and numpy alone (mlflow_model.py)
-                info = mlflow.pyfunc.log_model(name="model", python_model=str(here / "mlflow_model.py"),
-                                               code_paths=[str(here / "exported_model.py")],
-                                               artifacts={"model_dir": str(model_dir)}, pip_requirements=reqs,
-                                               registered_model_name=name)
+                with warnings.catch_warnings():  # its signature has parameters and no inputs: no example to give
+                    warnings.filterwarnings("ignore", message="An input example was not provided")
+                    info = mlflow.pyfunc.log_model(name="model", python_model=str(here / "mlflow_model.py"),
+                                                   code_paths=[str(here / "exported_model.py")],
+                                                   artifacts={"model_dir": str(model_dir)}, pip_requirements=reqs,
+                                                   signature=pyfunc_signature(), registered_model_name=name)
                 rid = mlflow.active_run().info.run_id
             versions = self.client.search_model_versions(f"name='{name}' and run_id='{rid}'")
             version = max(int(v.version) for v in versions) if versions else int(info.registered_model_version)

@@ -247,6 +247,12 @@ def test_champion_moves_only_when_earned(mlflow_server, trained_model, s3):
     shuffled = table[["label", *features[::-1]]].assign(id=[f"r{i}" for i in range(len(table))])
     assert (model.predict(shuffled) == expected).all()
     assert (model.predict(pd.DataFrame(table[features].to_numpy())) == expected).all()  # numbered: by position
+    # each class's probability, on request, in columns named as serve predict --probabilities names them
+    probs = model.predict(shuffled, params={"probabilities": True})
+    assert list(probs.columns) == ["label", *[f"p_{c}" for c in range(10)]]
+    assert (probs["label"].to_numpy() == expected).all()
+    p = probs[[f"p_{c}" for c in range(10)]].to_numpy()
+    assert np.allclose(p.sum(axis=1), 1, atol=1e-5) and (p.argmax(axis=1) == expected).all()
     with pytest.raises(Exception, match=r"the input lacks 2 of the model's 64 feature columns: \['pixel_0_3', 'pixel_7_7'\]"):
         model.predict(shuffled.drop(columns=["pixel_0_3", "pixel_7_7"]))
     # ... and where kfp-pytorch is not installed: MLflow, torch and numpy are all it declares and needs
