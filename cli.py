@@ -258,8 +258,12 @@ def _print_summary(s: dict) -> None:
         click.echo("metrics:   " + ", ".join(shown))
     if "weakest_class" in s:
         w = s["weakest_class"]
-        click.echo(f"weakest:   class {w['class']!r}, recall {w['recall']:.4f} ({w['correct']} of {w['rows']} test rows); "
-                   f"{w['taken_rows']} taken for {w['taken_for']!r}")
+
+        def shown(c):  # a class id as it is (8), a class name quoted ('versicolor')
+            return c if c.isdigit() else repr(c)
+
+        click.echo(f"weakest:   class {shown(w['class'])}, recall {w['recall']:.4f} ({w['correct']} of {w['rows']} "
+                   f"test rows); {w['taken_rows']} taken for {shown(w['taken_for'])}")
     if "gate_passed" in s:
         g, value = s.get("gate", {}), s.get("metrics", {}).get(s.get("gate", {}).get("metric"))
         read = (f" ({g['metric']} {value:.4f} {'>=' if s['gate_passed'] else '<'} threshold {g['threshold']:.4f})"

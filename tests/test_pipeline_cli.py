@@ -302,6 +302,9 @@ def test_the_summary_says_how_to_use_and_stop_the_served_model(capsys):
                                            "taken_for": "virginica", "taken_rows": 1}})
     assert ("weakest:   class 'versicolor', recall 0.8750 (7 of 8 test rows); 1 taken for 'virginica'\n"
             in capsys.readouterr().out)
+    _print_summary({**s, "weakest_class": {"class": "8", "recall": 0.8846, "correct": 23, "rows": 26,
+                                           "taken_for": "1", "taken_rows": 2}})
+    assert "weakest:   class 8, recall 0.8846 (23 of 26 test rows); 2 taken for 1\n" in capsys.readouterr().out
     _print_summary({**s, "gate_passed": False, "endpoint": None, "gate": {"metric": "accuracy", "threshold": 0.98}})
     out = capsys.readouterr().out
     assert "serve stop" not in out
