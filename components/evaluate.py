@@ -287,9 +287,13 @@ def render_report(metrics: dict, history: list[dict], classes: list, gate: dict,
                  "early, and the epoch with the lowest validation loss was kept</td></tr>")
     if classes_report:
         head = "".join(f"<th>{h}</th>" for h in ("class", "precision", "recall", "F1", "test rows"))
+        def undefined_or(c, k):  # a class without test rows has no recall (nor F1): not 0, and not the worst
+            return "&ndash;" if c["support"] == 0 else f"{c[k]:.4f}"
+
         body = "".join(f"<tr><td>{html.escape(str(classes[i]))}</td><td>{c['precision']:.4f}</td>"
-                       f"<td>{c['recall']:.4f}</td><td>{c['f1']:.4f}</td><td>{c['support']}</td></tr>"
-                       for i, c in sorted(enumerate(classes_report), key=lambda ic: (ic[1]["recall"], ic[0])))
+                       f"<td>{undefined_or(c, 'recall')}</td><td>{undefined_or(c, 'f1')}</td><td>{c['support']}</td></tr>"
+                       for i, c in sorted(enumerate(classes_report),
+                                          key=lambda ic: (ic[1]["support"] == 0, ic[1]["recall"], ic[0])))
         figs = f"<h3>Per class (worst recall first)</h3><table><tr>{head}</tr>{body}</table>" + figs
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>kfp-pytorch evaluation</title>"
             f"<style>body{{font-family:sans-serif;margin:1.5em}}td{{padding:2px 12px}}</style></head><body>"

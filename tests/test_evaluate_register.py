@@ -485,3 +485,11 @@ def test_the_weakest_class_and_min_recall_skip_classes_the_test_split_lacks():
     # a tie goes to the first class, and its rows to the class they went to most
     assert weakest_class(["a", "b", "c"], [[1, 0, 1], [1, 1, 0], [0, 0, 3]])["class"] == "a"
     assert weakest_class(["a", "b", "c"], [[1, 1, 3], [0, 2, 0], [0, 0, 3]])["taken_for"] == "c"
+    # the report's per-class table: a class without test rows has no recall, and is not listed as the worst
+    from kfp_pytorch.components.evaluate import per_class, render_report
+
+    gate = {"metric": "accuracy", "value": m["accuracy"], "threshold": 0.5, "passed": True}
+    html = render_report(m, [], ["a", "b", "c"], gate, classes_report=per_class(y, pred, [0, 1, 2]))
+    table = html.split("<th>test rows</th></tr>")[1].split("</table>")[0]
+    assert [r.split("</td>")[0] for r in table.split("<tr><td>")[1:]] == ["b", "a", "c"]
+    assert "<tr><td>c</td><td>0.0000</td><td>&ndash;</td><td>&ndash;</td><td>0</td></tr>" in table
