@@ -172,3 +172,19 @@ def predict_table(target: Target, table, label_column: str | None = None, source
         out["label"] = truth
         accuracy = float(np.mean([str(p) == str(t) for p, t in zip(shown, truth)]))
     return Predictions(out, accuracy, label_column)
+
+
+def weakest_label(frame: "pd.DataFrame") -> dict | None:
+    """:func:`~.evaluate.weakest_class` of a :class:`Predictions` frame with a ``label`` column: the
+    true class whose rows were predicted worst, and what they were taken for. Labels and predictions
+    are compared as text, as the accuracy is. None without labels, or when every class was found."""
+    if "label" not in frame:
+        return None
+    from .evaluate import weakest_class
+
+    truth, pred = frame["label"].astype(str).to_numpy(), frame["prediction"].astype(str).to_numpy()
+    names = sorted(set(truth) | set(pred), key=lambda c: (not c.isdigit(), int(c) if c.isdigit() else 0, c))
+    index = {c: i for i, c in enumerate(names)}
+    matrix = np.zeros((len(names), len(names)), dtype=np.int64)
+    np.add.at(matrix, ([index[t] for t in truth], [index[p] for p in pred]), 1)
+    return weakest_class(names, matrix.tolist())

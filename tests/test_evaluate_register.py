@@ -493,3 +493,18 @@ def test_the_weakest_class_and_min_recall_skip_classes_the_test_split_lacks():
     table = html.split("<th>test rows</th></tr>")[1].split("</table>")[0]
     assert [r.split("</td>")[0] for r in table.split("<tr><td>")[1:]] == ["b", "a", "c"]
     assert "<tr><td>c</td><td>0.0000</td><td>&ndash;</td><td>&ndash;</td><td>0</td></tr>" in table
+
+
+def test_a_scored_tables_weakest_class_is_found_by_name_or_id():
+    import pandas as pd
+
+    from kfp_pytorch.components.batch_predict import weakest_label
+
+    frame = pd.DataFrame({"prediction": ["setosa", "virginica", "versicolor", "versicolor", "virginica"],
+                          "label": ["setosa", "versicolor", "versicolor", "virginica", "virginica"]})
+    assert weakest_label(frame) == {"class": "versicolor", "recall": 0.5, "correct": 1, "rows": 2,
+                                    "taken_for": "virginica", "taken_rows": 1}
+    ids = pd.DataFrame({"prediction": [10, 2, 2, 9], "label": [10, 10, 2, 9]})  # ids in number order: 2, 9, 10
+    assert weakest_label(ids) == {"class": "10", "recall": 0.5, "correct": 1, "rows": 2, "taken_for": "2",
+                                  "taken_rows": 1}
+    assert weakest_label(ids.drop(columns="label")) is None and weakest_label(ids.assign(prediction=ids["label"])) is None

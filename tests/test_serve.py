@@ -264,6 +264,13 @@ def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_mod
     assert ((out["confidence"] > 0) & (out["confidence"] <= 1)).all()
     acc = float((expected == table["label"].to_numpy()).mean())
     assert f"{len(table)} rows predicted by digits at {endpoint.url}; accuracy against 'label': {acc:.4f}" in r.stderr
+    # ... and the class found least often, with what its rows were taken for
+    truth = table["label"].to_numpy()
+    recall = {c: float((expected[truth == c] == c).mean()) for c in range(10)}
+    worst = min(range(10), key=lambda c: (recall[c], c))
+    taken = np.bincount(np.where(expected[truth == worst] == worst, 10, expected[truth == worst]), minlength=11)[:10]
+    assert (f"; weakest: class {worst}, recall {recall[worst]:.4f} ({(expected[truth == worst] == worst).sum()} of "
+            f"{(truth == worst).sum()} rows); {taken.max()} taken for {taken.argmax()}\n") in r.stderr, r.stderr
     # by URL (a server not started here, without the model's directory): the server's model metadata
     # names the features, so the columns still go by name
     r = cli("digits", str(tmp_path / "rows.csv"), "--url", endpoint.url, "-o", str(tmp_path / "p.csv"))
