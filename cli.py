@@ -665,7 +665,7 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
     for r in shown:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.modified))
         served = f"  serving: {', '.join(r.served_by)}" if r.served_by else ""
-        result = f"  {line}" if (line := result_line(r.result)) else ""
+        result = f"  {line}" if (line := result_line(r.result, r.params)) else ""
         click.echo(f"{r.name:<44} {r.status:<10} {when}  {_size(r.size):>9}  {len(r.steps)} steps{result}{served}")
     if len(shown) < len(runs):
         click.echo(f"the newest {len(shown)} of {len(runs)} local runs; --limit 0 lists all")

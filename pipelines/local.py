@@ -204,7 +204,8 @@ def run_result(summary: dict) -> dict:
     """What a run came to, kept in its record for `runs --local`: the test metrics worth comparing
     across runs, the gate's verdict and the registered version. Pure."""
     out: dict = {}
-    metrics = {k: summary["metrics"][k] for k in ("accuracy", "macro_f1", "roc_auc") if k in summary.get("metrics", {})}
+    metrics = {k: summary["metrics"][k] for k in ("accuracy", "macro_f1", "min_recall", "roc_auc")
+               if k in summary.get("metrics", {})}
     if metrics:
         out["metrics"] = metrics
     if "gate_passed" in summary:
@@ -214,13 +215,17 @@ def run_result(summary: dict) -> dict:
     return out
 
 
-def result_line(result: dict) -> str:
-    """``accuracy 0.9333, models:/digits/3 (champion)``: a run's result on one line ('' for none)."""
-    parts = []
-    if "accuracy" in result.get("metrics", {}):
-        parts.append(f"accuracy {result['metrics']['accuracy']:.4f}")
+def result_line(result: dict, params: dict | None = None) -> str:
+    """``accuracy 0.9333, models:/digits/3 (champion)``: a run's result on one line ('' for none);
+    a failed gate with what it read, where the run's ``params`` say (``gate failed: min_recall
+    0.8500 < 0.9000``)."""
+    parts, metrics, params = [], result.get("metrics", {}), params or {}
+    if "accuracy" in metrics:
+        parts.append(f"accuracy {metrics['accuracy']:.4f}")
     if result.get("gate_passed") is False:
-        parts.append("gate failed")
+        metric, threshold = params.get("gate_metric", "accuracy"), params.get("threshold")
+        parts.append(f"gate failed: {metric} {metrics[metric]:.4f} < {float(threshold):.4f}"
+                     if metric in metrics and isinstance(threshold, (int, float)) else "gate failed")
     if result.get("model"):
         m = result["model"]
         parts.append(m["registry_uri"] + (" (champion)" if m.get("champion") else ""))

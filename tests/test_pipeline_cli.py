@@ -143,10 +143,11 @@ def test_gate_failure_skips_register_and_serve():
     [listed] = json.loads(run_cli("runs", "--local", "--json").stdout)
     assert listed["path"] == s["run_dir"] and listed["status"] == "SUCCEEDED" and listed["params"]["epochs"] == 1
     assert listed["steps"] == ["evaluate-op", "prepare-data-op", "train-op"] and listed["served_by"] == []
-    assert listed["result"] == {"metrics": {k: s["metrics"][k] for k in ("accuracy", "macro_f1", "roc_auc")},
+    assert listed["result"] == {"metrics": {k: s["metrics"][k] for k in ("accuracy", "macro_f1", "min_recall", "roc_auc")},
                                 "gate_passed": False}  # what the run came to, kept with it
     line = run_cli("runs", "--local").stdout.splitlines()[0]
-    assert line.split()[0] == Path(s["run_dir"]).name and f"accuracy {s['metrics']['accuracy']:.4f}, gate failed" in line
+    assert line.split()[0] == Path(s["run_dir"]).name and line.endswith(
+        f"accuracy {s['metrics']['accuracy']:.4f}, gate failed: min_recall {s['metrics']['min_recall']:.4f} < 0.9990")
     assert ("note: gpus_per_node only applies with train_backend=cluster (a PyTorchJob's pods and their GPUs); "
             "this run has train_backend=local, so it changes nothing") in r.stderr
     assert "note: canary_traffic_percent only applies with serve_backend=cluster" in r.stderr
@@ -821,3 +822,18 @@ def test_every_parameter_problem_is_listed_at_once_and_numbers_must_be_finite():
     with pytest.raises(ConfigError) as e:
         entry.resolve({"checkpoint_every_s": "-5"})
     assert e.value.problems == ["checkpoint_every_s: must be a finite number >= 0 (0: at epoch ends only), got -5.0"]
+
+
+def test_a_runs_result_line_says_what_a_failed_gate_read_where_the_record_says():
+    from kfp_pytorch.pipelines.local import result_line
+
+    result = {"metrics": {"accuracy": 0.95, "macro_f1": 0.9}, "gate_passed": False}
+    assert result_line(result, {"gate_metric": "macro_f1", "threshold": 0.92}) == (
+        "accuracy 0.9500, gate failed: macro_f1 0.9000 < 0.9200")
+    assert result_line(result, {"threshold": 0.96}) == "accuracy 0.9500, gate failed: accuracy 0.9500 < 0.9600"
+    # an older record: no parameters, or a gate metric it did not keep
+    assert result_line(result) == "accuracy 0.9500, gate failed"
+    assert result_line(result, {"gate_metric": "min_recall", "threshold": 0.9}) == "accuracy 0.9500, gate failed"
+    assert result_line({"metrics": {"accuracy": 0.97}, "gate_passed": True,
+                        "model": {"registry_uri": "models:/d/2", "champion": False}}, {}) == "accuracy 0.9700, models:/d/2"
+    assert result_line({}) == ""
