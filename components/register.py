@@ -46,3 +46,20 @@ def register(spec: RegisterSpec, storage: Storage | None = None) -> dict:
         local = storage.download_dir(spec.model_uri, Path(tmp) / "model")
         return tracker.register(spec.model_name, local, spec.metrics, spec.gate_passed, spec.metric,
                                 run_id=spec.run_id or None)
+
+
+def champion_note(res: dict, metric: str, gate_passed: bool) -> str:
+    """Why the ``champion`` alias moved or stayed, in one line, from :func:`register`'s result. Pure."""
+    v, prev, old = res["version"], res.get("previous_champion"), res.get("previous_value")
+    if res["champion"]:
+        if prev is None:
+            return f"version {v} is the first champion of {res['name']!r} ({metric} {res['value']:.4f})"
+        if old is None:  # registered before the metric was measured, or judged on another one
+            return (f"version {v} is the champion ({metric} {res['value']:.4f}): champion version {prev} has no test "
+                    f"{metric} to compare, so the version that has one takes over")
+        return f"version {v} is the champion: {metric} {res['value']:.4f} beats version {prev}'s {old:.4f}"
+    if not gate_passed:
+        return f"version {v} is registered for audit only (tagged gate=failed); the champion stays version {prev}" \
+            if prev is not None else f"version {v} is registered for audit only (tagged gate=failed); there is no champion"
+    return (f"version {v} is registered, not champion: {metric} {res['value']:.4f} does not beat version {prev}'s "
+            f"{old:.4f} (a tie keeps the champion)")

@@ -225,8 +225,26 @@ def test_champion_moves_only_when_earned(mlflow_server, trained_model, s3):
     assert failed["champion"] is False
     better = register(RegisterSpec(trained_model.model_uri, name, _metrics(0.97), True, tracking_uri=uri))
     assert better["champion"] is True and better["previous_champion"] == first["version"]
+    # the step's log says why the alias moved or stayed
+    from kfp_pytorch.components.register import champion_note
+
+    v = first["version"]
+    assert champion_note(first, "accuracy", True) == f"version {v} is the first champion of 'digits-champion' (accuracy 0.9500)"
+    assert champion_note(worse, "accuracy", True) == (f"version {v + 1} is registered, not champion: accuracy 0.9300 "
+                                                      f"does not beat version {v}'s 0.9500 (a tie keeps the champion)")
+    assert champion_note(failed, "accuracy", False) == (f"version {v + 2} is registered for audit only (tagged "
+                                                        f"gate=failed); the champion stays version {v}")
+    assert champion_note(better, "accuracy", True) == f"version {v + 3} is the champion: accuracy 0.9700 beats version {v}'s 0.9500"
+    # a champion registered before min_recall was measured: the first version judged on it takes over
+    judged = register(RegisterSpec(trained_model.model_uri, name, {**_metrics(0.96), "min_recall": 0.9}, True,
+                                   metric="min_recall", tracking_uri=uri))
+    assert judged["champion"] is True and champion_note(judged, "min_recall", True) == (
+        f"version {v + 4} is the champion (min_recall 0.9000): champion version {v + 3} has no test min_recall to "
+        "compare, so the version that has one takes over")
+    assert champion_note({"name": name, "version": 1, "champion": False, "previous_champion": None, "value": 0.5},
+                         "accuracy", False) == "version 1 is registered for audit only (tagged gate=failed); there is no champion"
     client = mlflow.MlflowClient(uri)
-    assert int(client.get_model_version_by_alias(name, "champion").version) == better["version"]
+    assert int(client.get_model_version_by_alias(name, "champion").version) == judged["version"]
     assert client.get_model_version(name, str(failed["version"])).tags["gate"] == "failed"
     # The registered model loads as an MLflow pyfunc (artifacts went to S3) and predicts.
     mlflow.set_tracking_uri(uri)

@@ -14,11 +14,11 @@ def register_op(model: Input[Model], metrics: Input[Metrics], model_name: str, g
     """Register a model version in MLflow; move the `champion` alias only if it earned it."""
     from collections import namedtuple
 
-    from kfp_pytorch.components.register import RegisterSpec, register
+    from kfp_pytorch.components.register import RegisterSpec, champion_note, register
 
     res = register(RegisterSpec(model_uri=model.metadata.get("uri", model.path + "/model"), model_name=model_name,
                                 metrics=dict(metrics.metadata), gate_passed=gate_passed, metric=gate_metric,
                                 tracking_uri=tracking_uri, run_id=model.metadata.get("mlflow_run_id", "")))
-    print(f"registered {res['model_uri']} (champion={res['champion']}, previous={res['previous_champion']})")
+    print(f"registered {res['model_uri']}: {champion_note(res, gate_metric, gate_passed)}")
     return namedtuple("Outputs", ["version", "champion", "registry_uri"])(
         int(res["version"]), bool(res["champion"]), res["model_uri"])
