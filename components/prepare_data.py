@@ -260,7 +260,9 @@ def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fract
             elif len(counts) >= 2 and (why := _too_few_rows(len(df), len(counts), val_fraction, test_fraction)):
                 problems.append(why)
             if pd.api.types.is_numeric_dtype(labels) and labels.min() < 0:
-                problems.append(f"label column {label_column!r}: class ids must be >= 0, got {labels.min()}")
+                problems.append(f"label column {label_column!r}: class ids must be >= 0 (the model has an output per "
+                                f"id from 0), got {labels.min()}; number the classes 0..{len(counts) - 1}, or write "
+                                "them as text to be named")
             elif pd.api.types.is_numeric_dtype(labels) and labels.max() >= 1000 and labels.max() + 1 > 10 * len(counts):
                 # the model has one output per id up to the largest: ids as codes would make it huge
                 problems.append(f"label column {label_column!r}: class ids run up to {int(labels.max())} for "

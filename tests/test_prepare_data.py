@@ -144,6 +144,10 @@ def test_class_names_are_numbered_in_sorted_order_and_checked_like_ids(tmp_path)
     with pytest.raises(DatasetError, match=r"class ids run up to 123456 for 3 classes, so the model would have "
                                            r"123457 outputs; number the classes 0..2, or write them as text"):
         prepare_data(PrepareSpec(str(path), str(tmp_path / "f")))
+    pd.DataFrame({"a": rng.normal(size=30), "label": [-1, 1] * 15}).to_csv(path, index=False)  # SVM-style labels
+    with pytest.raises(DatasetError, match=r"class ids must be >= 0 \(the model has an output per id from 0\), got -1; "
+                                           r"number the classes 0..1, or write them as text to be named"):
+        prepare_data(PrepareSpec(str(path), str(tmp_path / "g")))
     assert read_metadata(str(tmp_path / "b"))["class_names"] == ["False", "True"]
     assert prepare_data(PrepareSpec("sample://digits", str(tmp_path / "e")))["class_names"] is None  # ids stay ids
 
