@@ -382,9 +382,13 @@ def serve_predict(name, table, url, model_uri, host_header, token, label_column,
         click.echo(preds.to_csv(index=False), nl=False)
     note = f"{len(preds)} rows predicted by {target.name} at {target.url}"
     if accuracy is not None:
-        note += f"; accuracy against {label_column!r}: {accuracy:.4f}"
+        unlabelled = int(preds["label"].isna().sum())
+        note += f"; accuracy against {label_column!r}: {accuracy:.4f}" + (
+            f" on the {len(preds) - unlabelled} labelled rows ({unlabelled} without a label)" if unlabelled else "")
         if w := weakest_label(preds):
             note += f"; weakest: {_weakest_line(w)}"
+    elif "label" in preds:
+        note += f"; no row has a {label_column!r} to score against"
     click.echo(note + (f"; written to {output}" if output else ""), err=True)
 
 

@@ -169,20 +169,38 @@ def predict_table(target: Target, table, label_column: str | None = None, source
             out[column] = np.round(probs[:, c], 6)
     accuracy = None
     if truth:
-        out["label"] = truth
-        accuracy = float(np.mean([str(p) == str(t) for p, t in zip(shown, truth)]))
+        labels = [label_text(t) for t in truth]
+        ids = res["class"] is None and all(t is None or t.lstrip("-").isdigit() for t in labels)
+        # the label column as the prediction column is typed: ids as integers (empty cells as <NA>), names as text
+        out["label"] = pd.array([None if t is None else int(t) for t in labels], dtype="Int64") if ids else labels
+        scored = [str(p) == t for p, t in zip(shown, labels) if t is not None]
+        accuracy = float(np.mean(scored)) if scored else None
     return Predictions(out, accuracy, label_column)
+
+
+def label_text(value) -> str | None:
+    """A table's label as a prediction is written, to compare them: a class id read as a float is
+    an integer (pandas reads an id column with an empty cell as floats: 3.0 is class 3); an empty
+    cell is None, a row without a label, which no score counts."""
+    if value is None or (isinstance(value, (float, np.floating)) and np.isnan(value)):
+        return None
+    if isinstance(value, (float, np.floating)) and float(value).is_integer():
+        return str(int(value))
+    text = str(value)
+    return text if text.strip() else None
 
 
 def weakest_label(frame: "pd.DataFrame") -> dict | None:
     """:func:`~.evaluate.weakest_class` of a :class:`Predictions` frame with a ``label`` column: the
     true class whose rows were predicted worst, and what they were taken for. Labels and predictions
-    are compared as text, as the accuracy is. None without labels, or when every class was found."""
+    are compared as text, as the accuracy is; rows without a label are left out. None without
+    labels, or when every class was found."""
     if "label" not in frame:
         return None
     from .evaluate import weakest_class
 
-    truth, pred = frame["label"].astype(str).to_numpy(), frame["prediction"].astype(str).to_numpy()
+    labelled = frame[frame["label"].notna()]
+    truth, pred = labelled["label"].astype(str).to_numpy(), labelled["prediction"].astype(str).to_numpy()
     names = sorted(set(truth) | set(pred), key=lambda c: (not c.isdigit(), int(c) if c.isdigit() else 0, c))
     index = {c: i for i, c in enumerate(names)}
     matrix = np.zeros((len(names), len(names)), dtype=np.int64)

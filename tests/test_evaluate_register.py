@@ -526,3 +526,16 @@ def test_a_scored_tables_weakest_class_is_found_by_name_or_id():
     assert weakest_label(ids) == {"class": "10", "recall": 0.5, "correct": 1, "rows": 2, "taken_for": "2",
                                   "taken_rows": 1}
     assert weakest_label(ids.drop(columns="label")) is None and weakest_label(ids.assign(prediction=ids["label"])) is None
+
+
+def test_a_tables_labels_are_compared_as_predictions_are_written():
+    import pandas as pd
+
+    from kfp_pytorch.components.batch_predict import label_text, weakest_label
+
+    assert [label_text(v) for v in (3.0, np.float64(4.0), 7, "setosa", True, 2.5)] == ["3", "4", "7", "setosa", "True", "2.5"]
+    assert [label_text(v) for v in (None, float("nan"), np.nan, "", "  ")] == [None] * 5
+    # rows without a label are left out of the weakest class
+    frame = pd.DataFrame({"prediction": [1, 1, 2, 2], "label": ["1", None, "2", None]})
+    assert weakest_label(frame) is None
+    assert weakest_label(frame.assign(label=[None] * 4)) is None

@@ -276,6 +276,18 @@ def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_mod
     r = cli("digits", str(tmp_path / "rows.csv"), "--url", endpoint.url, "-o", str(tmp_path / "p.csv"))
     assert r.returncode == 0 and r.stdout == "" and f"accuracy against 'label': {acc:.4f}" in r.stderr, r.stderr
     assert (pd.read_csv(tmp_path / "p.csv")["prediction"].to_numpy() == expected).all()
+    # a label column with empty cells (pandas reads its ids as floats: 3.0): the labelled rows are
+    # scored as ids, the others are not counted
+    shuffled.assign(label=shuffled["label"].where(shuffled.index >= 10)).to_csv(tmp_path / "gaps.csv", index=False)
+    r = cli("digits", str(tmp_path / "gaps.csv"), "-o", str(tmp_path / "g.csv"))
+    labelled = float((expected[10:] == truth[10:]).mean())
+    assert r.returncode == 0 and (f"accuracy against 'label': {labelled:.4f} on the {len(table) - 10} labelled rows "
+                                  "(10 without a label)") in r.stderr, r.stderr
+    written = pd.read_csv(tmp_path / "g.csv")
+    assert written["label"][:10].isna().all() and (written["label"][10:] == truth[10:]).all()
+    pd.DataFrame({**{f: table[f][:3] for f in features}, "label": [np.nan] * 3}).to_csv(tmp_path / "none.csv", index=False)
+    r = cli("digits", str(tmp_path / "none.csv"))
+    assert r.returncode == 0 and "3 rows predicted" in r.stderr and "no row has a 'label' to score against" in r.stderr
     table[features].head(7).to_csv(tmp_path / "plain.csv", index=False)
     r = cli("digits", str(tmp_path / "plain.csv"), "--url", endpoint.url, "--probabilities")
     probs = pd.read_csv(io.StringIO(r.stdout))  # a model of class ids: a column per id
@@ -545,3 +557,17 @@ def test_a_request_istios_authorization_refuses_says_so_and_what_allows_it():
     assert e.value.message == (f"Istio refused the request at {url} (HTTP 403 RBAC: access denied): no "
                                "AuthorizationPolicy of the model's namespace allows this caller"), e.value.message
     assert e.value.hint.startswith("allow it with an AuthorizationPolicy on the predictor"), e.value.hint
+
+
+def test_a_scored_tables_label_column_is_typed_as_its_predictions(endpoint, trained_model):
+    import pandas as pd
+
+    from kfp_pytorch.components.batch_predict import predict_table, resolve_target
+    from kfp_pytorch.components.prepare_data import load_table
+
+    table = load_table("sample://digits").head(20)
+    table["label"] = table["label"].where(table.index >= 2)  # two rows without a label: the ids read as floats
+    preds, accuracy, _ = predict_table(resolve_target("digits"), table)
+    assert str(preds["label"].dtype) == "Int64" and preds["label"][:2].isna().all()
+    assert accuracy == pytest.approx((preds["prediction"][2:] == preds["label"][2:]).mean())  # comparable as they are
+    assert pd.isna(predict_table(resolve_target("digits"), table.assign(label=np.nan))[1])
