@@ -186,8 +186,11 @@ def run_cmd(pipeline, local, params, predict, as_json):
         click.echo(json.dumps(summary, indent=1, default=str))
     else:
         _print_summary(summary)
+    confusion = summary.get("confusion", {})
     if "gate_passed" in summary and (why := gate_note({**summary["gate"], "passed": summary["gate_passed"]},
-                                                      summary.get("metrics", {}))):
+                                                      {**summary.get("metrics", {}),
+                                                       **({"confusion_matrix": confusion["rows"]} if confusion else {})},
+                                                      confusion.get("classes"))):
         click.echo(f"note: {why}", err=True)
     if note := pile_note():
         click.echo(f"note: {note}", err=True)

@@ -103,9 +103,12 @@ def accuracy_interval(correct: int, n: int, level: float = 0.95) -> tuple[float,
     return float(ci.low), float(ci.high)
 
 
-def gate_note(gate: dict, metrics: dict) -> str | None:
-    """A note when the test split is too small for the gate's verdict on accuracy to be sure: the
-    95 % interval reaches across the threshold. None otherwise."""
+def gate_note(gate: dict, metrics: dict, classes: list | None = None) -> str | None:
+    """A note when the test split is too small for the gate's verdict to be sure: the 95 % interval
+    of the accuracy, or for ``min_recall`` of a class's recall (from ``metrics["confusion_matrix"]``,
+    its rows named by ``classes``), reaches across the threshold. None otherwise."""
+    if gate["metric"] == "min_recall" and "confusion_matrix" in metrics:
+        return _recall_note(gate, np.asarray(metrics["confusion_matrix"]), classes)
     if gate["metric"] != "accuracy" or "accuracy_ci95_low" not in metrics:
         return None
     lo, hi, t = metrics["accuracy_ci95_low"], metrics["accuracy_ci95_high"], gate["threshold"]
@@ -114,6 +117,26 @@ def gate_note(gate: dict, metrics: dict) -> str | None:
     return (f"the gate {'passed' if gate['passed'] else 'failed'} on {metrics['test_rows']} test rows: accuracy "
             f"{metrics['accuracy']:.4f}, 95% interval {lo:.4f}-{hi:.4f}, which the threshold {t:.4f} falls in; "
             "a larger table (more test rows) would make the verdict sure")
+
+
+def _recall_note(gate: dict, m: np.ndarray, classes: list | None) -> str | None:
+    """The min_recall gate's verdict is sure when a class is surely below the threshold (it failed),
+    or when every class is surely at or above it (it passed); else the class that makes it unsure."""
+    t, stats = gate["threshold"], {}
+    for i in range(len(m)):
+        if (rows := int(m[i].sum())) > 0:
+            stats[i] = (int(m[i, i]), rows, *accuracy_interval(int(m[i, i]), rows))
+    below = [i for i, (c, n, _, _) in stats.items() if c / n < t]
+    if below and any(stats[i][3] < t for i in below):
+        return None
+    unsure = below or [i for i, (_, _, lo, _) in stats.items() if lo < t]
+    if not unsure:
+        return None
+    i = min(unsure, key=lambda i: (stats[i][0] / stats[i][1], i))
+    correct, rows, lo, hi = stats[i]
+    return (f"the gate {'passed' if gate['passed'] else 'failed'} on few test rows of class "
+            f"{classes[i] if classes else i}: its recall {correct / rows:.4f} ({correct} of {rows}), 95% interval "
+            f"{lo:.4f}-{hi:.4f}, which the threshold {t:.4f} falls in; more test rows of it would make the verdict sure")
 
 
 def compute_metrics(y_true: np.ndarray, y_pred: np.ndarray, classes: list[int]) -> dict:
@@ -299,7 +322,7 @@ def render_report(metrics: dict, history: list[dict], classes: list, gate: dict,
             f"<style>body{{font-family:sans-serif;margin:1.5em}}td{{padding:2px 12px}}</style></head><body>"
             f"<h2>Evaluation report</h2><p style='color:{color};font-weight:bold'>Gate {verdict}: "
             f"{html.escape(gate['metric'])} = {gate['value']:.4f} (threshold {gate['threshold']:.4f})</p>"
-            + "".join(f"<p style='color:#9a6700'>{html.escape(n)}</p>" for n in (gate_note(gate, metrics), data_note) if n)
+            + "".join(f"<p style='color:#9a6700'>{html.escape(n)}</p>" for n in (gate_note(gate, metrics, classes), data_note) if n)
             + f"<table>{rows}</table>{figs}</body></html>")
 
 
@@ -332,7 +355,7 @@ def evaluate(spec: EvaluateSpec, storage: Storage | None = None) -> dict:
     history = json.loads(storage.read_bytes(history_uri)) if storage.exists(history_uri) else []
     ticks = classes if names is None else [names[c] for c in classes]
     return {"metrics": metrics, "gate": gate, "classes": classes, "class_names": names, "roc": roc,
-            "per_class": by_class, "gate_note": gate_note(gate, metrics),
+            "per_class": by_class, "gate_note": gate_note(gate, metrics, ticks),
             "report_html": render_report(metrics, history, ticks, gate, model_meta.get("training", {}).get("exported_epoch"),
                                          duplicates_note(data_meta.get("duplicates", {}), data_meta["rows"]), roc,
                                          by_class)}

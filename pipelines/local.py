@@ -362,7 +362,8 @@ def summarize(run: LocalRun) -> dict:
     if cm:  # as the KFP UI has it: the classes' names and the matrix's rows
         from kfp_pytorch.components.evaluate import weakest_class
 
-        if weak := weakest_class([a["displayName"] for a in cm["annotationSpecs"]], [r["row"] for r in cm["rows"]]):
+        s["confusion"] = {"classes": [a["displayName"] for a in cm["annotationSpecs"]], "rows": [r["row"] for r in cm["rows"]]}
+        if weak := weakest_class(s["confusion"]["classes"], s["confusion"]["rows"]):
             s["weakest_class"] = weak
     tm = o.get("train-op", {}).get("artifacts", {}).get("metrics", {}).get("artifacts", [{}])[0].get("metadata", {})
     if "epochs_trained" in tm:  # which epoch's model went on: the last, or the best before an early stop

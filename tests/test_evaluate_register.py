@@ -136,6 +136,31 @@ def test_the_accuracy_interval_is_wilsons():
     assert gate_note({"metric": "accuracy", "threshold": 0.3, "passed": True}, m) is None  # surely above
 
 
+def test_the_min_recall_gate_notes_a_class_with_too_few_test_rows_to_be_sure():
+    from kfp_pytorch.components.evaluate import accuracy_interval, gate_note
+
+    def note(rows, t):
+        passed = min(r[i] / sum(r) for i, r in enumerate(rows) if sum(r)) >= t
+        return gate_note({"metric": "min_recall", "threshold": t, "passed": passed}, {"confusion_matrix": rows},
+                         ["cat", "dog", "fox"])
+
+    # passed: 'fox' found 5 of 5 times is not surely above 0.9; 'cat' 97 of 100 is
+    lo, hi = accuracy_interval(5, 5)
+    assert note([[97, 3, 0], [0, 200, 0], [0, 0, 5]], 0.9) == (
+        f"the gate passed on few test rows of class fox: its recall 1.0000 (5 of 5), 95% interval {lo:.4f}-{hi:.4f}, "
+        "which the threshold 0.9000 falls in; more test rows of it would make the verdict sure")
+    assert note([[970, 30, 0], [0, 2000, 0], [0, 0, 500]], 0.9) is None  # every class surely above
+    # failed: 'fox' 4 of 5 may be above 0.7 ... unless another class is surely below it
+    assert note([[97, 3, 0], [0, 200, 0], [0, 1, 4]], 0.85).startswith("the gate failed on few test rows of class fox: "
+                                                                        "its recall 0.8000 (4 of 5)")
+    assert note([[50, 50, 0], [0, 200, 0], [0, 1, 4]], 0.85) is None  # 'cat' 50 of 100 surely fails
+    assert note([[0, 0, 0], [0, 200, 0], [0, 0, 5]], 0.9).endswith("(5 of 5), 95% interval "
+                                                                     f"{lo:.4f}-{hi:.4f}, which the threshold 0.9000 "
+                                                                     "falls in; more test rows of it would make the verdict sure")
+    # no confusion matrix to read (an older run's summary): no note
+    assert gate_note({"metric": "min_recall", "threshold": 0.9, "passed": True}, {"min_recall": 1.0}) is None
+
+
 def test_evaluate_on_another_preparation_judges_what_the_server_would_answer(trained_model, tmp_path):
     import numpy as np
 

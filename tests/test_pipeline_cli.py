@@ -135,6 +135,8 @@ def test_gate_failure_skips_register_and_serve():
     assert s["gate_passed"] is False and "model" not in s and "endpoint" not in s
     assert s["gate"] == {"metric": "min_recall", "threshold": 0.999} and s["metrics"]["min_recall"] < 0.999
     # the summary names the class that recall is of, read from the confusion matrix the KFP UI shows
+    assert s["confusion"]["classes"] == [str(c) for c in range(10)]
+    assert sum(map(sum, s["confusion"]["rows"])) == s["metrics"]["test_rows"]
     weak = s["weakest_class"]
     assert weak["recall"] == pytest.approx(s["metrics"]["min_recall"]) and weak["class"] in [str(c) for c in range(10)]
     assert weak["correct"] / weak["rows"] == pytest.approx(weak["recall"]) and 0 < weak["taken_rows"] <= weak["rows"]
