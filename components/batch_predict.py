@@ -197,12 +197,11 @@ def weakest_label(frame: "pd.DataFrame") -> dict | None:
     labels, or when every class was found."""
     if "label" not in frame:
         return None
+    from sklearn.metrics import confusion_matrix
+
     from .evaluate import weakest_class
 
     labelled = frame[frame["label"].notna()]
     truth, pred = labelled["label"].astype(str).to_numpy(), labelled["prediction"].astype(str).to_numpy()
     names = sorted(set(truth) | set(pred), key=lambda c: (not c.isdigit(), int(c) if c.isdigit() else 0, c))
-    index = {c: i for i, c in enumerate(names)}
-    matrix = np.zeros((len(names), len(names)), dtype=np.int64)
-    np.add.at(matrix, ([index[t] for t in truth], [index[p] for p in pred]), 1)
-    return weakest_class(names, matrix.tolist())
+    return weakest_class(names, confusion_matrix(truth, pred, labels=names).tolist() if names else [])

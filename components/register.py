@@ -59,7 +59,7 @@ def champion_note(res: dict, metric: str, gate_passed: bool) -> str:
                     f"{metric} to compare, so the version that has one takes over")
         return f"version {v} is the champion: {metric} {res['value']:.4f} beats version {prev}'s {old:.4f}"
     if not gate_passed:
-        return f"version {v} is registered for audit only (tagged gate=failed); the champion stays version {prev}" \
-            if prev is not None else f"version {v} is registered for audit only (tagged gate=failed); there is no champion"
+        return (f"version {v} is registered for audit only (tagged gate=failed); "
+                + (f"the champion stays version {prev}" if prev is not None else "there is no champion"))
     return (f"version {v} is registered, not champion: {metric} {res['value']:.4f} does not beat version {prev}'s "
             f"{old:.4f} (a tie keeps the champion)")
