@@ -164,10 +164,39 @@ def load_table(uri: str, storage: Storage | None = None, label_column: str = "la
                                "check dataset_uri; it must point at a CSV or Parquet file "
                                "(or use sample://digits)") from e
         try:
-            return (pd.read_parquet(path) if parquet else pd.read_csv(path)).rename(columns=str)
+            return (pd.read_parquet(path) if parquet else read_csv(path)).rename(columns=str)
         except Exception as e:  # pandas raises many types for unparsable input
             raise DatasetError(f"cannot parse {uri} as {'Parquet' if parquet else 'CSV'}: {e}",
                                "give a CSV with a header row, or a .parquet file") from e
+
+
+CSV_SEPARATORS = (",", ";", "\t", "|")
+
+
+def read_csv(path):
+    """A CSV as spreadsheets write it: comma-, semicolon-, tab- or pipe-separated (the separator
+    that splits the header into the most columns; a comma on a tie), and with decimal commas
+    (``1,5``) where the separator is a semicolon and the numbers are written so.
+
+    The separator is chosen by pandas' own header reads (quotes and compression as pandas reads
+    them), then the table is read once by pandas' C parser: ``sep=None`` would sniff it, but only
+    with the Python parser, many times slower on a large table. ``df.attrs["csv_format"]`` says
+    what was read when it is not a plain comma-separated table.
+    """
+    import pandas as pd
+
+    widths = {sep: len(pd.read_csv(path, sep=sep, nrows=0).columns) for sep in CSV_SEPARATORS}
+    sep = max(CSV_SEPARATORS, key=lambda s: (widths[s], s == ","))
+    df = pd.read_csv(path, sep=sep)
+    if sep == ";" and any(df[c].dtype == object for c in df.columns):
+        comma = pd.read_csv(path, sep=sep, decimal=",")
+        numeric = lambda t: sum(pd.api.types.is_numeric_dtype(t[c]) for c in t.columns)  # noqa: E731
+        if numeric(comma) > numeric(df):
+            comma.attrs["csv_format"] = "semicolon-separated, decimal commas"
+            return comma
+    if sep != ",":
+        df.attrs["csv_format"] = {";": "semicolon", "\t": "tab", "|": "pipe"}[sep] + "-separated"
+    return df
 
 
 def _split_sizes(n: int, val_fraction: float, test_fraction: float) -> dict[str, int]:

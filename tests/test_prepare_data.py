@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 from kfp_pytorch.components.errors import ConfigError, DatasetError
-from kfp_pytorch.components.prepare_data import PrepareSpec, load_split, prepare_data, read_metadata
+from kfp_pytorch.components.prepare_data import PrepareSpec, load_split, load_table, prepare_data, read_metadata
 
 
 def test_digits_split_is_deterministic_stratified_and_normalised(tmp_path):
@@ -259,3 +259,23 @@ def test_a_parquet_table_is_read_and_its_features_chosen_by_name(tmp_path):
     meta = prepare_data(PrepareSpec(str(tmp_path / "n.parquet"), str(tmp_path / "p"), label_column="4",
                                     feature_columns=("3", "0")))
     assert meta["features"] == ["3", "0"] and meta["label_column"] == "4" and meta["classes"] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("write, expect", [
+    (dict(sep=";", decimal=","), "semicolon-separated, decimal commas"),  # a European spreadsheet's export
+    (dict(sep=";"), "semicolon-separated"),
+    (dict(sep="\t"), "tab-separated"),
+    (dict(sep="|"), "pipe-separated"),
+    (dict(), None),
+])
+def test_a_table_separated_by_semicolons_tabs_or_pipes_is_read_as_its_comma_twin(tmp_path, write, expect):
+    d = _table()
+    d["note"] = ["x, y; z"] * len(d)  # a text cell holding every separator, quoted by the writer
+    d.to_csv(tmp_path / "t.csv", index=False, **write)
+    twin = _table().assign(note="x, y; z")
+    twin.to_csv(tmp_path / "twin.csv", index=False)
+    table, plain = load_table(str(tmp_path / "t.csv")), load_table(str(tmp_path / "twin.csv"))
+    pd.testing.assert_frame_equal(table, plain)
+    assert table.attrs.get("csv_format") == expect
+    meta = prepare_data(PrepareSpec(str(tmp_path / "t.csv"), str(tmp_path / "o"), feature_columns=("a", "b", "c", "d")))
+    assert meta["features"] == ["a", "b", "c", "d"] and meta["classes"] == [0, 1, 2]
