@@ -1,6 +1,6 @@
 """``prepare_data``: dataset URI -> validated, stratified, normalised shards in the store.
 
-Input: a table (CSV or Parquet) with numeric feature columns and one label column (``label``
+Input: a table (CSV, Parquet, or a folder of Parquet partitions) with numeric feature columns and one label column (``label``
 unless named: ``label_column``), of integer class ids or of class names (text: numbered in sorted
 order, the names kept in the metadata and answered by the served model), read from a local path, ``s3://`` / ``minio://`` (through
 :mod:`.storage`), or ``sample://digits``, scikit-learn's 8x8 digits, which ships inside
@@ -24,6 +24,7 @@ import io
 import itertools
 import json
 import math
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -149,25 +150,77 @@ def load_table(uri: str, storage: Storage | None = None, label_column: str = "la
         return df
     storage = storage or Storage()
     loc = parse_uri(uri)
-    suffix = PurePosixPath(loc.key).suffix.lower()
-    parquet = suffix in (".parquet", ".pq")
     with tempfile.TemporaryDirectory(prefix="kfp-pytorch-dataset-") as tmp:
-        # pandas reads a file: the table is never held twice (as bytes, then parsed)
-        path = loc.path if not loc.is_s3 else Path(tmp) / f"table{suffix}"
+        if parts := _parquet_parts(uri, storage):  # a directory of Parquet files (Spark's, pandas' partitions)
+            path = loc.path if not loc.is_s3 else Path(tmp) / "table"
+            if loc.is_s3:  # only the Parquet files, at their relative paths (hive partitions: key=value/)
+                base = loc.key.rstrip("/") + "/" if loc.key else ""
+                parts = [storage.download_file(part, path / parse_uri(part).key[len(base):]) for part in parts]
+
+            def read():  # pyarrow's dataset: these files only, in order, with hive partitions as columns
+                import pyarrow.dataset as ds
+
+                return ds.dataset([str(p) for p in parts], format="parquet", partitioning="hive",
+                                  partition_base_dir=str(path)).to_table().to_pandas()
+            kind = "a Parquet dataset"
+        else:
+            suffix = PurePosixPath(loc.key).suffix.lower()
+            parquet = suffix in PARQUET_SUFFIXES
+            # pandas reads a file: the table is never held twice (as bytes, then parsed)
+            path = loc.path if not loc.is_s3 else Path(tmp) / f"table{suffix}"
+            try:
+                if loc.is_s3:
+                    storage.download_file(uri, path)
+                elif path.is_dir():
+                    raise DatasetError(f"dataset {uri} is a directory without Parquet files",
+                                       "give a CSV or Parquet file, or a directory of .parquet files (a Spark or "
+                                       "pandas partitioned dataset)")
+                elif not path.is_file():
+                    raise StorageNotFound(f"read {uri}: no such file", "check the path")
+            except StorageNotFound as e:
+                raise DatasetError(f"dataset not found: {uri}",
+                                   "check dataset_uri; it must point at a CSV or Parquet file, or a directory "
+                                   "of Parquet files (or use sample://digits)") from e
+            if suffix in SPREADSHEET_SUFFIXES:
+                raise DatasetError(f"dataset {uri} is a spreadsheet workbook ({suffix}), not a table file",
+                                   "save the sheet as CSV (File > Save As > CSV) or Parquet, and give that")
+            read = (lambda: pd.read_parquet(path)) if parquet else (lambda: read_csv(path))
+            kind = "Parquet" if parquet else "CSV"
         try:
-            if loc.is_s3:
-                storage.download_file(uri, path)
-            elif not path.is_file():
-                raise StorageNotFound(f"read {uri}: no such file", "check the path")
-        except StorageNotFound as e:
-            raise DatasetError(f"dataset not found: {uri}",
-                               "check dataset_uri; it must point at a CSV or Parquet file "
-                               "(or use sample://digits)") from e
-        try:
-            return (pd.read_parquet(path) if parquet else read_csv(path)).rename(columns=str)
+            return read().rename(columns=str)
         except Exception as e:  # pandas raises many types for unparsable input
-            raise DatasetError(f"cannot parse {uri} as {'Parquet' if parquet else 'CSV'}: {e}",
+            raise DatasetError(f"cannot parse {uri} as {kind}: {e}",
                                "give a CSV with a header row, or a .parquet file") from e
+
+
+PARQUET_SUFFIXES = (".parquet", ".pq")
+SPREADSHEET_SUFFIXES = (".xlsx", ".xls", ".xlsm", ".ods")
+
+
+def _parquet_parts(uri: str, storage: Storage) -> list[str]:
+    """The Parquet files of a dataset directory at ``uri`` (a local directory, or an S3 prefix:
+    ``s3://bucket/table/``, or a key with no object but objects below it), sorted; empty when
+    ``uri`` is a file. Only the directory's own files and hive partition folders (``key=value/``)
+    are looked into, as Spark and pandas write them; names starting ``_`` or ``.`` (``_SUCCESS``,
+    checkpoints) are not data."""
+    loc = parse_uri(uri)
+    if not loc.is_s3:
+        if not loc.path.is_dir():
+            return []
+        found = []
+        for root, dirs, files in os.walk(loc.path):  # a walk that never leaves the partition folders
+            dirs[:] = sorted(d for d in dirs if "=" in d and not d.startswith(("_", ".")))
+            found += [os.path.join(root, f) for f in files]
+        below = [Path(u).relative_to(loc.path).parts for u in found]
+    else:
+        if loc.key and not loc.key.endswith("/") and storage.exists(uri):
+            return []
+        base = loc.key.rstrip("/") + "/" if loc.key else ""
+        found = storage.list(uri)
+        below = [parse_uri(u).key[len(base):].split("/") for u in found]
+    return sorted(u for u, p in zip(found, below)
+                  if PurePosixPath(p[-1]).suffix.lower() in PARQUET_SUFFIXES and all("=" in d for d in p[:-1])
+                  and not any(s.startswith(("_", ".")) for s in p))
 
 
 CSV_SEPARATORS = (",", ";", "\t", "|")

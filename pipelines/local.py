@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kfp_pytorch.components.errors import DatasetError, KfpPytorchError, PortInUseError, RegistryError
+from kfp_pytorch.components.errors import KfpPytorchError, PortInUseError, RegistryError
 from kfp_pytorch.components.models import build_model, resolve_factory
 from kfp_pytorch.components.paths import home
 from kfp_pytorch.components.prepare_data import (SAMPLE_SCHEME, check_table, encode_labels, feature_names, image_shape,
@@ -37,10 +37,7 @@ def preflight(params: dict, storage: Storage | None = None) -> None:
     chosen = parse_columns(params.get("feature_columns", ""))
     table = None
     if uri and not uri.startswith(SAMPLE_SCHEME):
-        if not storage.exists(uri):
-            raise DatasetError(f"dataset not found: {uri}",
-                               "check dataset_uri (a CSV/Parquet path, s3://bucket/key or sample://digits)")
-        table = load_table(uri, storage, label)
+        table = load_table(uri, storage, label)  # a missing table: "dataset not found", with what to give
         check_table(uri, table, label, feature_columns=chosen)
     custom = ":" in params.get("model_arch", "")
     if uri and table is None and (custom or chosen):  # a bundled sample: its columns, for the checks below

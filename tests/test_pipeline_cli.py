@@ -347,7 +347,7 @@ def test_failed_task_is_read_from_kfp_locals_coloured_message():
     # scikit-learn's split refused it in the prepare step, a traceback in the task's log
     (["run", "train_and_serve", "--local", "--param", "seed=-1"], "seed: must be an integer from 0 to 4294967295, got -1"),
     (["run", "train_and_serve", "--local", "--param", "dataset_uri=/nonexistent/data.csv"], "dataset not found"),
-    (["run", "train_and_serve", "--local", "--param", "dataset_uri=/"], "dataset not found: /"),  # a traceback
+    (["run", "train_and_serve", "--local", "--param", "dataset_uri=/"], "dataset / is a directory without Parquet files"),  # a traceback once
     (["run", "train_and_serve", "--local", "--param", "model_arch=nosuchpkg_q.models:net"],
      "cannot import model factory module 'nosuchpkg_q.models'"),
     (["run", "train_and_serve", "--local", "--param", "batch_size"], "expected key=value"),

@@ -279,3 +279,51 @@ def test_a_table_separated_by_semicolons_tabs_or_pipes_is_read_as_its_comma_twin
     assert table.attrs.get("csv_format") == expect
     meta = prepare_data(PrepareSpec(str(tmp_path / "t.csv"), str(tmp_path / "o"), feature_columns=("a", "b", "c", "d")))
     assert meta["features"] == ["a", "b", "c", "d"] and meta["classes"] == [0, 1, 2]
+
+
+def _partitioned(tmp_path):
+    """A table written as Spark and pandas write one: a folder of hive partitions, with a _SUCCESS
+    marker, and the same rows as one file."""
+    d = _table(90).assign(day=np.repeat(["d1", "d2", "d3"], 30))
+    d.to_parquet(tmp_path / "parts", partition_cols=["day"])
+    (tmp_path / "parts" / "_SUCCESS").write_text("")
+    return d
+
+
+def test_a_directory_of_parquet_partitions_is_read_as_one_table(tmp_path):
+    d = _partitioned(tmp_path)
+    (tmp_path / "parts" / "notes").mkdir()  # a folder that is no partition is not read
+    (tmp_path / "parts" / "notes" / "old.parquet").write_bytes(b"not parquet")
+    table = load_table(str(tmp_path / "parts"))
+    pd.testing.assert_frame_equal(table, d[table.columns.tolist()])
+    assert table["day"].tolist() == d["day"].tolist()  # the partition is a column again
+    meta = prepare_data(PrepareSpec(str(tmp_path / "parts"), str(tmp_path / "o"), feature_columns=("a", "b", "c", "d")))
+    assert sum(meta["rows"].values()) == 90 and meta["classes"] == [0, 1, 2]
+    with pytest.raises(DatasetError, match="column 'day': must be numeric, got text"):  # told to choose features
+        prepare_data(PrepareSpec(str(tmp_path / "parts"), str(tmp_path / "o2")))
+
+
+def test_an_s3_prefix_of_parquet_partitions_is_read_as_one_table(s3, bucket, tmp_path):
+    d = _partitioned(tmp_path)
+    s3.upload_dir(tmp_path / "parts", f"s3://{bucket}/exports/table")
+    s3.write_bytes(f"s3://{bucket}/exports/table.csv", b"a,label\n")  # a neighbour sharing the prefix's name
+    for uri in (f"s3://{bucket}/exports/table/", f"minio://{bucket}/exports/table"):
+        table = load_table(uri, s3)
+        pd.testing.assert_frame_equal(table, d[table.columns.tolist()])
+    meta = prepare_data(PrepareSpec(f"s3://{bucket}/exports/table/", f"s3://{bucket}/prepared-parts",
+                                    feature_columns=("a", "b", "c", "d")), s3)
+    assert sum(meta["rows"].values()) == 90
+    with pytest.raises(DatasetError, match="dataset not found"):
+        load_table(f"s3://{bucket}/exports/none/", s3)
+
+
+def test_a_folder_or_workbook_that_is_no_table_says_what_to_give(tmp_path):
+    (tmp_path / "csvs").mkdir()
+    _table().to_csv(tmp_path / "csvs" / "part-0.csv", index=False)
+    with pytest.raises(DatasetError, match="is a directory without Parquet files") as e:
+        load_table(str(tmp_path / "csvs"))
+    assert "a directory of .parquet files" in e.value.hint
+    (tmp_path / "t.xlsx").write_bytes(b"PK\x03\x04")
+    with pytest.raises(DatasetError, match=r"is a spreadsheet workbook \(.xlsx\)") as e:
+        load_table(str(tmp_path / "t.xlsx"))
+    assert "save the sheet as CSV" in e.value.hint
