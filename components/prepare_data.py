@@ -301,7 +301,14 @@ def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fract
         problems.append("the table has no rows")
     text = set()
     for c in features:
-        if not pd.api.types.is_numeric_dtype(df[c]):
+        if pd.api.types.is_datetime64_any_dtype(df[c]) or pd.api.types.is_timedelta64_dtype(df[c]):
+            # (a Parquet table's typed column) as a number, it would be nanoseconds: 1.7e18 for a date
+            text.add(c)
+            kind = "dates and times" if pd.api.types.is_datetime64_any_dtype(df[c]) else "durations"
+            problems.append(f"column {c!r}: holds {kind}, not numbers; "
+                            + ("leave it out (list the features in feature_columns), or " if not feature_columns
+                               else "") + "give it as numbers (seconds, a day of the week, ...)")
+        elif not pd.api.types.is_numeric_dtype(df[c]):
             col = df[c]
             odd = col.notna() & pd.to_numeric(col, errors="coerce").isna()
             if not odd.any():  # no text at all: every value is empty (named below)

@@ -327,3 +327,19 @@ def test_a_folder_or_workbook_that_is_no_table_says_what_to_give(tmp_path):
     with pytest.raises(DatasetError, match=r"is a spreadsheet workbook \(.xlsx\)") as e:
         load_table(str(tmp_path / "t.xlsx"))
     assert "save the sheet as CSV" in e.value.hint
+
+
+@pytest.mark.parametrize("column, kind", [
+    (pd.date_range("2026-01-01", periods=60, tz="UTC"), "dates and times"),
+    (pd.date_range("2026-01-01", periods=60), "dates and times"),
+    (pd.to_timedelta(np.arange(60), unit="s"), "durations"),
+])
+def test_a_typed_date_or_duration_column_is_no_feature(tmp_path, column, kind):
+    # Parquet keeps them typed; read as a number a date was its nanoseconds (1.7e18), trained on silently
+    _table().assign(when=column).to_parquet(tmp_path / "t.parquet")
+    with pytest.raises(DatasetError, match=f"column 'when': holds {kind}, not numbers; leave it out"):
+        prepare_data(PrepareSpec(str(tmp_path / "t.parquet"), str(tmp_path / "o")))
+    with pytest.raises(DatasetError, match=f"column 'when': holds {kind}, not numbers; give it as numbers"):
+        prepare_data(PrepareSpec(str(tmp_path / "t.parquet"), str(tmp_path / "o"), feature_columns=("a", "when")))
+    meta = prepare_data(PrepareSpec(str(tmp_path / "t.parquet"), str(tmp_path / "o"), feature_columns=("a", "b")))
+    assert meta["features"] == ["a", "b"]
