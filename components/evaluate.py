@@ -213,6 +213,62 @@ def roc_metrics(y_true: np.ndarray, probs: np.ndarray, classes: list[int]) -> tu
     return {"roc_auc": float(roc_auc_score(y_true, p, multi_class="ovr", average="macro", labels=present))}, None
 
 
+CALIBRATION_BINS = 15
+
+
+def calibration(y_true: np.ndarray, probs: np.ndarray, bins: int = CALIBRATION_BINS) -> tuple[dict, dict]:
+    """Whether the model's confidence means what it says: of the rows it answers with confidence
+    0.9 (its top class's probability, which the server answers), are 90 % right? Pure.
+
+    Returns ``({"ece", "log_loss"}, curve)``. ``ece``: the expected calibration error (Guo et al.,
+    2017), the row-weighted gap between accuracy and mean confidence over ``bins`` equal-width
+    confidence bins; 0 is calibrated. ``log_loss``: the test cross-entropy (scikit-learn's), left out
+    when a test label has no output. ``curve``: per bin, its rows, accuracy and mean confidence
+    (None where empty), for the reliability diagram. scikit-learn's ``calibration_curve`` is for one
+    class's probability (two classes); the top-label form a multi-class confidence needs is the few
+    bin counts below."""
+    from sklearn.metrics import log_loss
+
+    y_true, probs = np.asarray(y_true), np.asarray(probs, dtype=np.float64)
+    probs = probs / probs.sum(axis=1, keepdims=True).clip(1e-12)  # float32 softmax: sums off by ~1e-7
+    conf, correct = probs.max(axis=1), probs.argmax(axis=1) == y_true
+    # bin b holds confidences in (b/bins, (b+1)/bins]; a confidence of 1/k or below (k classes) is in bin 0
+    idx = np.clip(np.ceil(conf * bins).astype(np.int64) - 1, 0, bins - 1)
+    rows = np.bincount(idx, minlength=bins)
+    right = np.bincount(idx, weights=correct, minlength=bins)
+    confident = np.bincount(idx, weights=conf, minlength=bins)
+    metrics = {"ece": float(np.abs(right - confident).sum() / max(len(y_true), 1))}
+    if len(y_true) and int(y_true.max()) < probs.shape[1]:
+        metrics["log_loss"] = float(log_loss(y_true, probs, labels=np.arange(probs.shape[1])))
+    curve = {"bins": bins, "rows": rows.tolist(),
+             "accuracy": [float(r / n) if n else None for r, n in zip(right, rows)],
+             "confidence": [float(c / n) if n else None for c, n in zip(confident, rows)]}
+    return metrics, curve
+
+
+def calibration_figure(curve: dict, ece: float):
+    """The reliability diagram: each confidence bin's accuracy against the diagonal of a calibrated
+    model, with how many test rows fall in each bin below."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bins = curve["bins"]
+    left = np.arange(bins) / bins
+    acc = np.array([a if a is not None else np.nan for a in curve["accuracy"]])
+    fig, (ax, hist) = plt.subplots(2, 1, figsize=(4.6, 5.4), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    ax.bar(left, np.nan_to_num(acc), width=1 / bins, align="edge", edgecolor="#24292f", color="#0969da",
+           alpha=0.75, label="accuracy")
+    ax.plot([0, 1], [0, 1], color="#999", linestyle=":", label="calibrated")
+    ax.set(ylabel="accuracy", title=f"Calibration (test): ECE {ece:.4f}", xlim=(0, 1), ylim=(0, 1.02))
+    ax.legend(loc="upper left")
+    hist.bar(left, curve["rows"], width=1 / bins, align="edge", edgecolor="#24292f", color="#8c959f")
+    hist.set(xlabel="confidence (top class's probability)", ylabel="test rows")
+    fig.tight_layout()
+    return fig
+
+
 def roc_figure(roc: dict, auc: float, name: str):
     import matplotlib
 
@@ -262,13 +318,14 @@ def confusion_figure(cm: np.ndarray, classes: list):
 
 def render_report(metrics: dict, history: list[dict], classes: list, gate: dict,
                   exported_epoch: int | None = None, data_note: str | None = None, roc: dict | None = None,
-                  classes_report: list[dict] | None = None) -> str:
+                  classes_report: list[dict] | None = None, calibration_curve: dict | None = None) -> str:
     """A self-contained HTML page (plots inlined as PNG) that the KFP UI renders. ``exported_epoch``:
     the epoch whose weights were evaluated, marked on the curves when it is not the last (an early
     stop kept the best). ``data_note``: a caution about the test split (rows also trained on).
     ``roc``: :func:`roc_metrics`' curve of a two-class test split (with its class's ``name``), drawn.
     ``classes_report``: :func:`per_class`, as a table by ``classes`` (the ticks: names or ids), the
-    worst recall first."""
+    worst recall first. ``calibration_curve``: :func:`calibration`'s bins, drawn as a reliability
+    diagram."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -299,6 +356,10 @@ def render_report(metrics: dict, history: list[dict], classes: list, gate: dict,
         fig = roc_figure(roc, metrics["roc_auc"], roc.get("name", str(roc["positive"])))
         imgs.append(("ROC curve", _png(fig)))
         plt.close(fig)
+    if calibration_curve is not None and "ece" in metrics:
+        fig = calibration_figure(calibration_curve, metrics["ece"])
+        imgs.append(("Calibration", _png(fig)))
+        plt.close(fig)
     verdict = "PASSED" if gate["passed"] else "FAILED"
     color = "#1a7f37" if gate["passed"] else "#cf222e"
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.4f}</td></tr>"
@@ -328,7 +389,7 @@ def render_report(metrics: dict, history: list[dict], classes: list, gate: dict,
 
 def evaluate(spec: EvaluateSpec, storage: Storage | None = None) -> dict:
     """Returns ``{"metrics", "gate", "gate_note", "report_html", "classes", "class_names", "roc",
-    "per_class"}``."""
+    "per_class", "calibration"}``."""
     import torch
 
     spec.validate()
@@ -346,6 +407,8 @@ def evaluate(spec: EvaluateSpec, storage: Storage | None = None) -> dict:
     metrics = compute_metrics(y, pred, classes)
     auc, roc = roc_metrics(y, probs, classes)
     metrics.update(auc)
+    calibrated, reliability = calibration(y, probs)
+    metrics.update(calibrated)
     by_class = per_class(y, pred, classes)
     if roc is not None:
         roc["name"] = names[roc["positive"]] if names else str(roc["positive"])
@@ -355,7 +418,7 @@ def evaluate(spec: EvaluateSpec, storage: Storage | None = None) -> dict:
     history = json.loads(storage.read_bytes(history_uri)) if storage.exists(history_uri) else []
     ticks = classes if names is None else [names[c] for c in classes]
     return {"metrics": metrics, "gate": gate, "classes": classes, "class_names": names, "roc": roc,
-            "per_class": by_class, "gate_note": gate_note(gate, metrics, ticks),
+            "per_class": by_class, "calibration": reliability, "gate_note": gate_note(gate, metrics, ticks),
             "report_html": render_report(metrics, history, ticks, gate, model_meta.get("training", {}).get("exported_epoch"),
                                          duplicates_note(data_meta.get("duplicates", {}), data_meta["rows"]), roc,
-                                         by_class)}
+                                         by_class, reliability)}

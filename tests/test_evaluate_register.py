@@ -22,7 +22,12 @@ def test_evaluate_metrics_gate_and_report(digits_data, trained_model):
     assert sum(cm[i][i] for i in range(10)) / 270 == pytest.approx(m["accuracy"])
     assert res["gate"]["passed"] is True
     html = res["report_html"]
-    assert html.count("data:image/png;base64,") == 2 and "Gate PASSED" in html
+    assert html.count("data:image/png;base64,") == 3 and "Gate PASSED" in html  # confusion, calibration
+    # calibration: the reliability diagram's bins hold every test row, and its gaps make the ECE
+    cal = res["calibration"]
+    assert sum(cal["rows"]) == 270 and "<h3>Calibration</h3>" in html and "<td>ece</td>" in html
+    gaps = sum(n * abs(a - c) for n, a, c in zip(cal["rows"], cal["accuracy"], cal["confidence"]) if n)
+    assert m["ece"] == pytest.approx(gaps / 270) and 0 <= m["ece"] < 0.2 and 0 < m["log_loss"] < 1
     strict = evaluate(EvaluateSpec(digits_data, trained_model.model_uri, threshold=0.999999, metric="macro_f1"))
     assert strict["gate"]["passed"] is False and "Gate FAILED" in strict["report_html"]
     # the accuracy's 95% interval (Wilson) comes with it; a threshold inside it gets a note
@@ -83,6 +88,34 @@ def test_roc_auc_is_scikit_learns_and_the_two_class_curve_is_drawn_from_it():
     assert roc_metrics(np.array([0, 2, 0, 2]), probs[:4], [0, 2]) == ({}, None)  # a label with no output
 
 
+def test_calibration_is_the_gap_between_confidence_and_accuracy_per_confidence_bin():
+    from sklearn.metrics import log_loss
+
+    from kfp_pytorch.components.evaluate import calibration
+
+    # overconfident: 0.99 sure every time, right 7 times in 10
+    y = np.array([1] * 7 + [0] * 3)
+    metrics, curve = calibration(y, np.tile([0.01, 0.99], (10, 1)))
+    assert metrics["ece"] == pytest.approx(0.29) and curve["rows"][-1] == 10 and sum(curve["rows"]) == 10
+    assert curve["accuracy"][-1] == pytest.approx(0.7) and curve["confidence"][-1] == pytest.approx(0.99)
+    assert curve["accuracy"][0] is None  # an empty bin has no accuracy (not 0)
+    assert metrics["log_loss"] == pytest.approx(log_loss(y, np.tile([0.01, 0.99], (10, 1))))
+    # two bins, by hand: 0.6 sure and right 1 of 2 (gap 0.1), 1.0 sure and right 2 of 2 (gap 0)
+    probs = np.array([[0.6, 0.4], [0.4, 0.6], [1.0, 0.0], [0.0, 1.0]])
+    metrics, curve = calibration(np.array([0, 0, 0, 1]), probs, bins=10)
+    assert metrics["ece"] == pytest.approx((2 * 0.1 + 2 * 0) / 4)
+    assert curve["rows"] == [0, 0, 0, 0, 0, 2, 0, 0, 0, 2]  # 0.6 is in (0.5, 0.6]; 1.0 in the last bin
+    # calibrated on average over many rows: the label drawn with the model's own probability
+    rng = np.random.default_rng(0)
+    p = rng.uniform(size=50_000)
+    metrics, _ = calibration((rng.uniform(size=p.size) < p).astype(int), np.c_[1 - p, p])
+    assert metrics["ece"] < 0.01
+    # float32 softmax rows (sums off by ~1e-7) are taken; a label with no output has no log loss
+    f32 = np.array([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]], dtype=np.float32)
+    assert set(calibration(np.array([0, 2]), f32)[0]) == {"ece", "log_loss"}
+    assert set(calibration(np.array([0, 3]), f32)[0]) == {"ece"}
+
+
 def test_a_two_class_model_gets_its_roc_curve_in_the_kfp_ui_and_the_report(digits_data, tmp_path):
     from kfp.dsl import HTML, ClassificationMetrics, Dataset, Metrics, Model
 
@@ -107,7 +140,7 @@ def test_a_two_class_model_gets_its_roc_curve_in_the_kfp_ui_and_the_report(digit
     assert len(curve) > 10 and fpr == sorted(fpr) and fpr[-1] == 1 and curve[-1]["recall"] == 1
     assert np.trapezoid([p["recall"] for p in curve], fpr) == pytest.approx(metrics.metadata["roc_auc"])
     html = (tmp_path / "report.html").read_text()
-    assert "<h3>ROC curve</h3>" in html and html.count("data:image/png;base64,") == 3
+    assert "<h3>ROC curve</h3>" in html and html.count("data:image/png;base64,") == 4  # curves, confusion, ROC, calibration
 
 
 def test_the_report_says_when_test_rows_were_also_trained_on(digits_data, trained_model, tmp_path):
