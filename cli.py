@@ -93,8 +93,10 @@ def pipelines_cmd(as_json):
     for name, entry in PIPELINES.items():
         click.secho(f"{name}", bold=True, nl=False)
         click.echo(f"  {entry.summary}")
+        name_w = max(len(p.name) for p in entry.params)
+        default_w = max(len(repr(p.default)) for p in entry.params)
         for p in entry.params:
-            click.echo(f"  {p.name:<14} {p.type.__name__:<6} default={p.default!r:<18} {p.description}")
+            click.echo(f"  {p.name:<{name_w}} {p.type.__name__:<5} default={p.default!r:<{default_w}}  {p.description}")
 
 
 def _platform_option(f):

@@ -82,6 +82,16 @@ def test_pipelines_lists_parameters():
     params = json.loads(r.stdout)["train_and_serve"]
     assert params["epochs"] == {"type": "int", "default": 8, "help": "training epochs"}
     assert params["dataset_uri"]["default"] == "sample://digits"
+    # the table: every parameter's type, default and help start in the same column, however long its name
+    rows = [line for line in run_cli("pipelines").stdout.splitlines() if line.startswith("  ")]
+    assert len(rows) == len(params) and {row.split()[0] for row in rows} == set(params)
+    def column(row, text):  # where ``text`` starts in a row, after the parameter's name
+        return row.index(text, 2 + len(row.split()[0]))
+
+    for field in ("type", "default", "help"):
+        starts = {column(row, f"default={params[row.split()[0]]['default']!r}" if field == "default" else
+                         params[row.split()[0]][field]) for row in rows}
+        assert len(starts) == 1, (field, rows)
 
 
 def test_end_to_end_on_s3_and_mlflow_server(s3, bucket, mlflow_server):
