@@ -346,6 +346,36 @@ def serve_stop(names, stop_all):
                            "kfp-pytorch serve list shows the running ones")
 
 
+@serve_grp.command("start")
+@click.argument("names", nargs=-1)
+@click.option("--all", "start_all", is_flag=True, help="Every local model server that is down.")
+@click.option("--port", type=click.IntRange(0, 65535), default=0,
+              help="Port for a server whose old port is taken (0: a free one).  [default: its old port]")
+def serve_start(names, start_all, port):
+    """Start the local model servers NAMES again (down after a reboot or a crash; see serve list):
+    the model each served, on its old port when that is free, smoke-tested before it is listed up."""
+    from kfp_pytorch.components.errors import ServingError
+    from kfp_pytorch.components.serve import list_servers, revive
+
+    if start_all == bool(names):
+        raise click.UsageError("give the names of the servers to start, or --all")
+    if start_all:
+        names = [s["name"] for s in list_servers() if not s.get("alive") and not s.get("unreadable")]
+        if not names:
+            click.echo("every local model server is up" if list_servers() else "no local model servers")
+    failed = []
+    for name in names:
+        try:
+            ep, started = revive(name, port)
+        except ServingError as e:  # the others still start; each failure is told
+            click.secho(f"{name}: {e}", fg="red", err=True)
+            failed.append(name)
+            continue
+        click.echo(f"{name}: {'started' if started else 'already up'} at {ep.infer_url} (pid {ep.pid})")
+    if failed:
+        raise ServingError(f"could not start {', '.join(map(repr, failed))}", "see each server's error above")
+
+
 @serve_grp.command("predict")
 @click.argument("name")
 @click.argument("table")

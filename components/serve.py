@@ -477,15 +477,17 @@ def read_server(name: str) -> dict | None:
     return {"name": name, "pid": None, "infer_url": f"(unreadable record {p})", "unreadable": True}
 
 
-def list_servers() -> list[dict]:
-    out = []
-    for p in sorted(_servers_dir().glob("*.json")):
-        info = read_server(p.stem)
-        if info is None:  # removed since the listing
-            continue
+def server_status(name: str) -> dict | None:
+    """:func:`read_server`'s record with ``alive``: whether its process is still our server."""
+    info = read_server(name)
+    if info is not None:
         info["alive"] = _ours(info)
-        out.append(info)
-    return out
+    return info
+
+
+def list_servers() -> list[dict]:
+    return [info for p in sorted(_servers_dir().glob("*.json"))
+            if (info := server_status(p.stem)) is not None]  # None: removed since the listing
 
 
 def stop_server(name: str) -> bool:
@@ -497,6 +499,45 @@ def stop_server(name: str) -> bool:
         _terminate(info["pid"])
     _pidfile(name).unlink(missing_ok=True)  # a server that died: only its record is left to remove
     return True
+
+
+def revive(name: str, port: int = 0) -> tuple[Endpoint, bool]:
+    """Server ``name`` up again from its record when it is down (a reboot, a crash, a kill): the
+    same model, on its old port when that is free (else ``port``, 0: a free one), smoke-tested as
+    the serve step does. Returns ``(endpoint, started)``: ``started`` False when it was up already.
+    Raises ServingError when there is no such server, or its model is gone."""
+    from .storage import Storage, join
+
+    info = read_server(name)
+    if info is None or info.get("unreadable") or not info.get("model_uri"):
+        raise ServingError(f"no local model server named {name!r} to start again",
+                           "`kfp-pytorch serve list` names the servers; a pipeline run serves a new model")
+    if _ours(info):
+        return Endpoint(**{k: info.get(k) for k in ("name", "url", "infer_url", "pid", "model_uri")}), False
+    if not Storage().exists(join(info["model_uri"], "metadata.json")):
+        raise ServingError(f"the model that {name!r} served is gone: {info['model_uri']}",
+                           "serve a model again with a pipeline run (`runs --local --keep` keeps a served "
+                           f"model's run; `kfp-pytorch serve stop {name}` removes the record)")
+    old = _port_of(info)
+    host = urllib.parse.urlsplit(info.get("url") or "").hostname or "127.0.0.1"
+    keep = port == 0 and old is not None and port_is_free(host, old)
+    return serve(ServeSpec(model_uri=info["model_uri"], model_name=name, host=host, port=old if keep else port)), True
+
+
+def keep_champion_served(name: str) -> str:
+    """For a run whose model did not beat the champion: the champion's local server up, started
+    again from its record when it is down. Says what holds, to end "did not beat the champion,
+    ...": the champion is no longer claimed to stay served when nothing serves it."""
+    info = read_server(name)
+    if info is None:
+        return ("and no local server serves it here (it may serve elsewhere; `kfp-pytorch serve list` shows "
+                "this machine's)")
+    try:
+        ep, started = revive(name)
+    except KfpPytorchError as e:
+        return f"whose local server is down and cannot start again: {e.message}"
+    return (f"whose local server was down; it serves again at {ep.infer_url} (pid {ep.pid})" if started
+            else f"which stays served at {ep.infer_url}")
 
 
 def serve(spec: ServeSpec, sample_row: list[float] | None = None) -> Endpoint:

@@ -377,8 +377,14 @@ def summarize(run: LocalRun) -> dict:
         s["endpoint"] = sv.get("endpoint")
         s["server_url"] = sv.get("url")
     elif reg and reg.get("champion") is False:
-        s["not_served"] = (f"version {reg.get('version')} did not beat the champion, which stays served "
-                           "(only a new champion is served)")
+        s["not_served"] = f"version {reg.get('version')} did not beat the champion (only a new champion is served)"
+        name = (reg.get("registry_uri") or "").removeprefix("models:/").split("/")[0]
+        from kfp_pytorch.components.serve import server_status
+
+        # what serves the champion on this machine now, read, not claimed (no record: it serves elsewhere)
+        if name and (server := server_status(name)) is not None:
+            s["not_served"] += (f"; the champion serves at {server['infer_url']}" if server["alive"] else
+                                f"; its local server is down (`kfp-pytorch serve start {name}`)")
     return s
 
 

@@ -119,7 +119,10 @@ def test_end_to_end_on_s3_and_mlflow_server(s3, bucket, mlflow_server):
             assert secret not in f.read_text()
         assert secret not in r.stdout and secret not in r.stderr
         # A nightly retraining that passes the gate but does not beat the champion: registered, not
-        # served; the champion's server goes on answering
+        # served; the champion's server goes on answering, started again as it was, had it died (a reboot)
+        [first] = [x for x in json.loads(run_cli("serve", "list", "--json").stdout) if x["name"] == "digits-e2e"]
+        psutil.Process(first["pid"]).kill()
+        psutil.Process(first["pid"]).wait(10)
         r = run_cli("run", "train_and_serve", "--local", "--json", "--param", "epochs=1", "--param", "threshold=0.5",
                     "--param", f"storage_root=s3://{bucket}/runs", "--param", f"tracking_uri={mlflow_server.url}",
                     "--param", "model_name=digits-e2e")
@@ -128,10 +131,12 @@ def test_end_to_end_on_s3_and_mlflow_server(s3, bucket, mlflow_server):
         assert again["gate_passed"] is True and again["metrics"]["accuracy"] < s["metrics"]["accuracy"]
         assert again["model"] == {"registry_uri": "models:/digits-e2e/2", "version": 2, "champion": False}
         assert "endpoint" not in again and "prediction" not in again
-        assert again["not_served"] == "version 2 did not beat the champion, which stays served (only a new champion is served)"
+        assert again["not_served"] == ("version 2 did not beat the champion (only a new champion is served); "
+                                       f"the champion serves at {s['endpoint']}")
+        assert "whose local server was down; it serves again at " + s["endpoint"] in r.stdout  # the serve step's log
         listed = json.loads(run_cli("serve", "list", "--json").stdout)
-        assert [(x["name"], x["model_uri"]) for x in listed if x["name"] == "digits-e2e"] == [
-            ("digits-e2e", s["artifacts"]["train-op.model"])], listed  # the first run's model
+        assert [(x["name"], x["model_uri"], x["alive"]) for x in listed if x["name"] == "digits-e2e"] == [
+            ("digits-e2e", s["artifacts"]["train-op.model"], True)], listed  # the first run's model
     finally:
         run_cli("serve", "stop", "digits-e2e")
 

@@ -401,6 +401,50 @@ def test_an_unreadable_record_is_listed_and_removed_and_stop_all_stops_every_ser
     assert not list_servers() and cli("stop", "--all").stdout == "no local model servers\n"
 
 
+def test_a_server_that_died_is_started_again_with_its_model_on_its_port(endpoint, tmp_path):
+    import subprocess
+    import sys
+
+    from kfp_pytorch.components.serve import _write_record, keep_champion_served, revive
+
+    cli = lambda *a: subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "serve", *a],  # noqa: E731
+                                    capture_output=True, text=True)
+    row = [read_metadata(endpoint.model_uri)["normalization"]["mean"]]
+    answer = infer(endpoint.url, "digits", row)["outputs"]
+    assert revive("digits") == (revive("digits")[0], False)  # up: left as it is
+    assert keep_champion_served("digits") == f"which stays served at {endpoint.infer_url}"
+    psutil.Process(endpoint.pid).kill()  # a crash, or a reboot
+    psutil.Process(endpoint.pid).wait(10)
+    [down] = [s for s in list_servers() if s["name"] == "digits"]
+    assert down["alive"] is False
+    r = cli("start", "--all")
+    assert r.returncode == 0, r.stderr
+    [up] = [s for s in list_servers() if s["name"] == "digits"]
+    assert up["alive"] and up["pid"] != endpoint.pid and up["infer_url"] == endpoint.infer_url  # its old port
+    assert up["model_uri"] == endpoint.model_uri
+    assert r.stdout == f"digits: started at {endpoint.infer_url} (pid {up['pid']})\n"
+    assert infer(endpoint.url, "digits", row)["outputs"] == answer  # the same model answers
+    assert cli("start", "--all").stdout == "every local model server is up\n"
+    # the serve step of a run that did not beat the champion starts the champion's server again
+    psutil.Process(up["pid"]).kill()
+    psutil.Process(up["pid"]).wait(10)
+    note = keep_champion_served("digits")
+    [again] = [s for s in list_servers() if s["name"] == "digits"]
+    assert again["alive"] and note == f"whose local server was down; it serves again at {endpoint.infer_url} (pid {again['pid']})"
+    # a model that is gone, and a name with no server, say so; a name given twice is not a usage error
+    _write_record("gone", {"name": "gone", "url": "http://127.0.0.1:1", "infer_url": "http://127.0.0.1:1/v2/models/gone/infer",
+                           "pid": None, "model_uri": str(tmp_path / "pruned" / "model")})
+    r = cli("start", "gone", "nothere", "digits")
+    assert r.returncode == 1 and r.stdout == f"digits: already up at {endpoint.infer_url} (pid {again['pid']})\n"
+    assert f"gone: the model that 'gone' served is gone: {tmp_path / 'pruned' / 'model'}" in r.stderr
+    assert "nothere: no local model server named 'nothere' to start again" in r.stderr
+    assert "Error: could not start 'gone', 'nothere'" in r.stderr
+    assert keep_champion_served("gone").startswith("whose local server is down and cannot start again: the model")
+    assert keep_champion_served("nothere").startswith("and no local server serves it here")
+    assert cli("start").returncode == 2 and cli("start", "digits", "--all").returncode == 2
+    stop_server("gone")
+
+
 def test_port_in_use_is_a_clear_error(trained_model):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -13,11 +13,17 @@ def serve_op(model: Input[Model], model_name: str, port: int = 0, backend: str =
              champion: bool = True) -> NamedTuple("Outputs", [("endpoint", str), ("url", str)]):
     """Serve the model over the Open Inference Protocol v2 and smoke-test one prediction.
     ``champion`` False (register's verdict: it did not beat the champion): serve nothing, so the
-    champion stays served; the outputs are empty."""
+    champion stays served (locally: its server is started again if it is down); the outputs are
+    empty."""
     from collections import namedtuple
 
     if not champion:
-        print(f"not served: this model did not beat the champion of {model_name!r}, which stays served")
+        note = "which stays served"
+        if backend == "local":
+            from kfp_pytorch.components.serve import keep_champion_served
+
+            note = keep_champion_served(model_name)
+        print(f"not served: this model did not beat the champion of {model_name!r}, {note}")
         return namedtuple("Outputs", ["endpoint", "url"])("", "")
 
     from kfp_pytorch.components.serve import ServeSpec, serve
