@@ -683,7 +683,9 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
         for r in removed:
             click.echo(f"{verb} {r.name}  {r.status:<10} {_size(r.size)}")
         for r in spared:
-            why = (f"its model is served by {', '.join(r.served_by)}" if r.served_by
+            why = (f"its model is served by {', '.join(r.served_by)}" + (
+                       "; `kfp-pytorch serve start --all` starts what is down" if any(" (down)" in n for n in r.served_by)
+                       else "") if r.served_by
                    else "no record and written within the hour: it may still be running")
             click.echo(f"kept {r.name}: {why}")
         click.echo(f"{verb} {len(removed)} local run(s), {_size(sum(r.size for r in removed))}; "

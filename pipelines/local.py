@@ -244,7 +244,8 @@ class LocalRunInfo:
     steps: list[str]
     """Tasks that finished (they left an executor output)."""
     served_by: list[str] = field(default_factory=list)
-    """Live local model servers whose model is in this run: never pruned."""
+    """Local model servers whose model is in this run, ``NAME (down)`` for one that is down (`serve
+    start` starts it again): never pruned."""
     params: dict = field(default_factory=dict)
     result: dict = field(default_factory=dict)
     """:func:`run_result` of its record: metrics, the gate's verdict, the registered version."""
@@ -258,8 +259,9 @@ def local_runs(root: Path | None = None, now: float | None = None) -> list[Local
 
     root = Path(root or home() / "local_outputs")
     now = time.time() if now is None else now
-    served = [(s["name"], Path(s["model_uri"]).resolve()) for s in list_servers()
-              if s.get("alive") and s.get("model_uri") and "://" not in s["model_uri"]]
+    # a server that is down keeps its run too: `serve start` starts it again with that model
+    served = [(s["name"] if s.get("alive") else f"{s['name']} (down)", Path(s["model_uri"]).resolve())
+              for s in list_servers() if s.get("model_uri") and "://" not in s["model_uri"]]
     out = []
     for d in (root.iterdir() if root.is_dir() else []):
         if not d.is_dir():
@@ -305,7 +307,8 @@ def pile_note(root: Path | None = None) -> str | None:
 def prune_local_runs(keep: int, root: Path | None = None, now: float | None = None,
                      dry_run: bool = False) -> tuple[list[LocalRunInfo], list[LocalRunInfo]]:
     """Remove all but the newest ``keep`` local runs; returns (removed, spared). Spared, whatever
-    their age: a run whose model a live local server serves, and a run with no record that wrote
+    their age: a run whose model a local server serves (or served, and is down: `serve start`
+    needs it), and a run with no record that wrote
     within the last hour (it may still be running)."""
     if keep < 0:
         raise ValueError("keep must be >= 0")

@@ -263,6 +263,14 @@ def test_local_runs_are_listed_and_pruned_but_a_served_model_and_a_running_run_a
         assert "kept train-and-serve-a: its model is served by kept-model" in r.stdout
         assert "kept train-and-serve-e: no record and written within the hour: it may still be running" in r.stdout
         assert "removed 3 local run(s), 29.6 KB; kept the newest 1 and 2 more" in r.stdout
+        # a server that died (a reboot) still keeps its model's run: `serve start` needs it
+        psutil.Process(served.pid).kill()
+        psutil.Process(served.pid).wait(10)
+        assert run_cli("runs", "--local").stdout.splitlines()[2].endswith("serving: kept-model (down)")
+        r = run_cli("runs", "--local", "--keep", "1")
+        assert sorted(d.name for d in root.iterdir()) == [f"train-and-serve-{x}" for x in "aef"]
+        assert ("kept train-and-serve-a: its model is served by kept-model (down); `kfp-pytorch serve start --all` "
+                "starts what is down") in r.stdout
         assert run_cli("runs", "--local", "--keep", "0").returncode == 2  # a run is always kept
         r = run_cli("runs", "--local", "--host", "http://127.0.0.1:1")
         assert r.returncode == 2 and "leave out --host" in r.stderr
