@@ -319,6 +319,10 @@ def serve_list(as_json):
         state = "?" if s.get("unreadable") else "up" if s["alive"] else "down"
         model = f"  model: {s['model_uri']}" if s.get("model_uri") else ""
         click.echo(f"{s['name']:<16} pid={str(s['pid'] or '-'):<8} {state:<5} {s['infer_url']}{model}")
+    if down := [s["name"] for s in servers if not s.get("alive") and not s.get("unreadable")]:
+        click.echo(f"{len(down)} down: `kfp-pytorch serve start {' '.join(down)}` starts "
+                   f"{'it' if len(down) == 1 else 'them'} again with {'its' if len(down) == 1 else 'their'} model; "
+                   "`serve stop` removes the record")
 
 
 @serve_grp.command("stop")

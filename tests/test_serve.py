@@ -417,6 +417,9 @@ def test_a_server_that_died_is_started_again_with_its_model_on_its_port(endpoint
     psutil.Process(endpoint.pid).wait(10)
     [down] = [s for s in list_servers() if s["name"] == "digits"]
     assert down["alive"] is False
+    listed = cli("list").stdout.splitlines()
+    assert " down  " in listed[0] and listed[-1] == ("1 down: `kfp-pytorch serve start digits` starts it again with its "
+                                                   "model; `serve stop` removes the record")
     r = cli("start", "--all")
     assert r.returncode == 0, r.stderr
     [up] = [s for s in list_servers() if s["name"] == "digits"]
