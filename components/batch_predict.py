@@ -19,7 +19,7 @@ import numpy as np
 
 from .errors import DatasetError, ServingError
 from .exported_model import lacking, probability_columns
-from .serve import infer, model_inputs, read_server
+from .serve import infer, model_inputs, server_status
 from .storage import Storage, join
 
 if TYPE_CHECKING:
@@ -48,11 +48,14 @@ def resolve_target(name: str, url: str | None = None, model_uri: str | None = No
     if host_header:
         raise ServingError("--host-header goes with --url (the ingress gateway's address)",
                            "a local server is reached by its name alone")
-    info = read_server(name)
+    info = server_status(name)
     if info is None or info.get("unreadable") or not info.get("url"):
         raise ServingError(f"no local model server named {name!r}",
                            "`kfp-pytorch serve list` shows the local ones; for a KServe InferenceService "
                            "pass --url (its status.url) and the model's name")
+    if not info["alive"]:  # told before the table is read, and by what starts it again
+        raise ServingError(f"the local model server {name!r} is down (its process {info.get('pid')} is gone: a reboot, "
+                           "a crash or a kill)", f"`kfp-pytorch serve start {name}` starts it again with its model")
     return Target(info["url"], name, model_uri or info.get("model_uri"))
 
 

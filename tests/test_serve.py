@@ -417,6 +417,10 @@ def test_a_server_that_died_is_started_again_with_its_model_on_its_port(endpoint
     psutil.Process(endpoint.pid).wait(10)
     [down] = [s for s in list_servers() if s["name"] == "digits"]
     assert down["alive"] is False
+    r = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "serve", "predict", "digits", "sample://digits"],
+                       capture_output=True, text=True)  # was "rows 1-1797: could not reach the model server"
+    assert r.returncode == 1 and f"the local model server 'digits' is down (its process {endpoint.pid} is gone" in r.stderr
+    assert "hint: `kfp-pytorch serve start digits` starts it again with its model" in r.stderr
     listed = cli("list").stdout.splitlines()
     assert " down  " in listed[0] and listed[-1] == ("1 down: `kfp-pytorch serve start digits` starts it again with its "
                                                    "model; `serve stop` removes the record")
