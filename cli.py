@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from contextlib import nullcontext
+from pathlib import PurePosixPath
 
 import click
 from click.core import ParameterSource
@@ -144,6 +145,22 @@ def compile_cmd(pipeline, output, platform_file):
 def _before_submit(values: dict, platform) -> None:
     """Notes on a run bound for a KFP server whose results would not outlive its pods; and, before
     anything is sent, what its serve step would refuse in the platform's KServe mode."""
+    uri = values.get("dataset_uri") or ""
+    if uri and not uri.startswith(("s3://", "minio://", "sample://")):  # read by the prepare step's pod
+        from pathlib import Path
+
+        from kfp_pytorch.components.errors import ConfigError
+        from kfp_pytorch.components.storage import parse_uri
+
+        path = parse_uri(uri).path
+        if path.exists():  # a table on this machine, which no pod of the cluster can read
+            raise ConfigError([f"dataset_uri: {uri} is on this machine; the KFP server's pods cannot read it"],
+                              f"upload it: `kfp-pytorch storage cp {uri} s3://BUCKET/datasets/` and pass "
+                              f"--param dataset_uri=s3://BUCKET/datasets/{Path(path).name}",
+                              title="invalid parameters")
+        click.echo(f"note: dataset_uri {uri} is a path: the prepare step's pod reads it from its own file system "
+                   "(the component image); a table on your machine must be uploaded first (`kfp-pytorch storage cp`)",
+                   err=True)
     if values.get("serve_backend") == "cluster":
         from kfp_pytorch.components.cluster import serving_mode_problems
         from kfp_pytorch.components.errors import ConfigError
@@ -452,6 +469,48 @@ def storage_ls(uri):
     if not found:  # as `aws s3 ls`: an empty answer is not a success a script should read on
         click.echo(f"nothing under {uri}", err=True)
         sys.exit(1)
+
+
+@storage_grp.command("cp")
+@click.argument("source")
+@click.argument("dest")
+def storage_cp(source, dest):
+    """Copy a file or a directory to S3 (SOURCE a local path, DEST s3://BUCKET/KEY or minio://), or
+    from S3 (SOURCE an object or a prefix, DEST a local path): a table for a KFP run's dataset_uri,
+    a model to look at. A DEST ending in / (or an existing directory) takes the source's name."""
+    from kfp_pytorch.components.errors import StorageNotFound
+    from kfp_pytorch.components.storage import Storage, join, parse_uri
+
+    src, dst = parse_uri(source), parse_uri(dest)
+    if src.is_s3 == dst.is_s3:
+        raise click.UsageError("one of SOURCE and DEST must be s3:// (or minio://), the other a local path")
+    storage = Storage()
+    if not src.is_s3:
+        if not src.path.exists():
+            raise StorageNotFound(f"copy {source}: no such file or directory", "check the path")
+        files = [src.path] if src.path.is_file() else sorted(p for p in src.path.rglob("*") if p.is_file())
+        if not files:
+            raise StorageNotFound(f"copy {source}: the directory holds no files", "check the path")
+        if dest.endswith("/") or not dst.key:
+            dest = join(dest, src.path.name)
+        if src.path.is_file():
+            storage.upload_file(src.path, dest)
+        else:
+            storage.upload_dir(src.path, dest)
+        size = sum(p.stat().st_size for p in files)
+        click.echo(f"uploaded {len(files)} file(s), {_size(size)}, to {dest}")
+        return
+    target = dst.path / PurePosixPath(src.key.rstrip("/")).name if dest.endswith("/") or dst.path.is_dir() else dst.path
+    if src.key and not src.key.endswith("/") and storage.exists(source):
+        storage.download_file(source, target)
+        click.echo(f"downloaded 1 file(s), {_size(target.stat().st_size)}, to {target}")
+        return
+    found = storage.list(source)
+    if not found:
+        raise StorageNotFound(f"copy {source}: nothing stored there", "`kfp-pytorch storage ls` lists what is there")
+    storage.download_dir(source, target)
+    click.echo(f"downloaded {len(found)} file(s), {_size(sum(f.stat().st_size for f in target.rglob('*') if f.is_file()))}, "
+               f"to {target}")
 
 
 def _namespace(ctx, param, value):
