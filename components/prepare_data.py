@@ -228,27 +228,40 @@ CSV_SEPARATORS = (",", ";", "\t", "|")
 
 def read_csv(path):
     """A CSV as spreadsheets write it: comma-, semicolon-, tab- or pipe-separated (the separator
-    that splits the header into the most columns; a comma on a tie), and with decimal commas
-    (``1,5``) where the separator is a semicolon and the numbers are written so.
+    that splits the header into the most columns; a comma on a tie), with decimal commas (``1,5``)
+    where the separator is a semicolon and the numbers are written so, and in UTF-8 (a BOM too) or,
+    failing that, Windows-1252, the encoding Excel's plain "CSV" export uses in western locales.
 
     The separator is chosen by pandas' own header reads (quotes and compression as pandas reads
     them), then the table is read once by pandas' C parser: ``sep=None`` would sniff it, but only
     with the Python parser, many times slower on a large table. ``df.attrs["csv_format"]`` says
-    what was read when it is not a plain comma-separated table.
+    what was read when it is not a plain comma-separated UTF-8 table.
     """
+    try:
+        return _read_csv(path, "utf-8")
+    except UnicodeDecodeError:  # not UTF-8 at all: one byte per character
+        try:
+            return _read_csv(path, "cp1252")
+        except UnicodeDecodeError:  # one of cp1252's five unassigned bytes: Latin-1 reads every byte
+            return _read_csv(path, "latin-1")
+
+
+def _read_csv(path, encoding: str):
     import pandas as pd
 
-    widths = {sep: len(pd.read_csv(path, sep=sep, nrows=0).columns) for sep in CSV_SEPARATORS}
+    widths = {sep: len(pd.read_csv(path, sep=sep, nrows=0, encoding=encoding).columns) for sep in CSV_SEPARATORS}
     sep = max(CSV_SEPARATORS, key=lambda s: (widths[s], s == ","))
-    df = pd.read_csv(path, sep=sep)
+    df = pd.read_csv(path, sep=sep, encoding=encoding)
+    form = [] if sep == "," else [{";": "semicolon", "\t": "tab", "|": "pipe"}[sep] + "-separated"]
     if sep == ";" and any(df[c].dtype == object for c in df.columns):
-        comma = pd.read_csv(path, sep=sep, decimal=",")
+        comma = pd.read_csv(path, sep=sep, decimal=",", encoding=encoding)
         numeric = lambda t: sum(pd.api.types.is_numeric_dtype(t[c]) for c in t.columns)  # noqa: E731
         if numeric(comma) > numeric(df):
-            comma.attrs["csv_format"] = "semicolon-separated, decimal commas"
-            return comma
-    if sep != ",":
-        df.attrs["csv_format"] = {";": "semicolon", "\t": "tab", "|": "pipe"}[sep] + "-separated"
+            df, form = comma, [*form, "decimal commas"]
+    if encoding != "utf-8":
+        form.append(f"{encoding}-encoded")
+    if form:
+        df.attrs["csv_format"] = ", ".join(form)
     return df
 
 

@@ -343,3 +343,17 @@ def test_a_typed_date_or_duration_column_is_no_feature(tmp_path, column, kind):
         prepare_data(PrepareSpec(str(tmp_path / "t.parquet"), str(tmp_path / "o"), feature_columns=("a", "when")))
     meta = prepare_data(PrepareSpec(str(tmp_path / "t.parquet"), str(tmp_path / "o"), feature_columns=("a", "b")))
     assert meta["features"] == ["a", "b"]
+
+
+@pytest.mark.parametrize("encoding, expect", [
+    ("cp1252", "semicolon-separated, decimal commas, cp1252-encoded"),  # Excel's plain "CSV" in a German locale
+    ("utf-8-sig", "semicolon-separated, decimal commas"),  # Excel's "CSV UTF-8": a BOM first
+])
+def test_a_spreadsheets_csv_export_is_read_in_its_encoding(tmp_path, encoding, expect):
+    d = _table().rename(columns={"a": "größe"}).assign(label=lambda t: t["label"].map({0: "Äpfel", 1: "Birne", 2: "Café"}))
+    d.to_csv(tmp_path / "t.csv", index=False, sep=";", decimal=",", encoding=encoding)
+    table = load_table(str(tmp_path / "t.csv"))
+    pd.testing.assert_frame_equal(table, d)
+    assert table.attrs["csv_format"] == expect
+    meta = prepare_data(PrepareSpec(str(tmp_path / "t.csv"), str(tmp_path / "o")))
+    assert meta["features"] == ["größe", "b", "c", "d"] and meta["class_names"] == ["Birne", "Café", "Äpfel"]
