@@ -478,6 +478,8 @@ def prepare_data(spec: PrepareSpec, storage: Storage | None = None) -> dict:
         "num_classes": max(classes) + 1,
         "class_names": class_names,  # of a text label column, by class id (None: the labels were ids)
         "label_column": spec.label_column,
+        # how a CSV that is not plain comma-separated UTF-8 was read (None: it was, or not a CSV)
+        "source_format": df.attrs.get("csv_format"),
         "image_shape": image_shape(df, spec.label_column, spec.feature_columns),
         "normalization": {"mean": mean.tolist(), "std": std.tolist()},
         "split": {"seed": spec.seed, "val_fraction": spec.val_fraction, "test_fraction": spec.test_fraction,

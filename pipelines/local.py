@@ -352,7 +352,7 @@ def summarize(run: LocalRun) -> dict:
     data = o.get("prepare-data-op", {}).get("artifacts", {}).get("dataset", {}).get("artifacts", [{}])[0].get(
         "metadata", {})
     if "rows" in data:
-        s["data"] = {k: data[k] for k in ("rows", "num_features", "classes", "duplicates") if k in data}
+        s["data"] = {k: data[k] for k in ("rows", "num_features", "classes", "duplicates", "source_format") if k in data}
     ev = o.get("evaluate-op", {})
     for name, a in ev.get("artifacts", {}).items():
         if name == "metrics":

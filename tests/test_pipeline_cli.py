@@ -310,6 +310,10 @@ def test_the_summary_says_how_to_use_and_stop_the_served_model(capsys):
     assert "stop the server with:  kfp-pytorch serve stop digits-x\n" in out  # with --no-predict too
     assert "gate:      passed\n" in out  # a summary without the gate's figures (an older run's)
     assert "training:" not in out
+    _print_summary({**s, "data": {"rows": {"train": 90, "val": 20, "test": 20}, "num_features": 4, "classes": [0, 1],
+                                  "source_format": "semicolon-separated, decimal commas"}})
+    assert ("data:      90/20/20 rows (train/val/test), 4 features, 2 classes; read as semicolon-separated, "
+            "decimal commas\n") in capsys.readouterr().out
     _print_summary({**s, "training": {"epochs_trained": 14, "exported_epoch": 11, "val_accuracy": 0.9}})
     assert "training:  14 epoch(s), stopped early; the model is epoch 11's, the best on validation\n" in (
         capsys.readouterr().out)
@@ -480,7 +484,7 @@ def test_a_table_of_ones_own_with_a_named_label_and_chosen_features_end_to_end(t
     table.insert(0, "sample_id", [f"s{i:03d}" for i in range(len(table))])
     table["note"] = ["checked", None, "re-measured"] * (len(table) // 3)
     path = tmp_path / "iris.csv"
-    table.to_csv(path, index=False)
+    table.to_csv(path, index=False, sep=";", decimal=",")  # as a spreadsheet in a European locale exports it
     features = "petal_length,petal_width,sepal_length,sepal_width"
     r = run_cli("run", "train_and_serve", "--local", "--json", "--param", f"dataset_uri={path}",
                 "--param", "label_column=species", "--param", f"feature_columns={features}",
@@ -494,6 +498,9 @@ def test_a_table_of_ones_own_with_a_named_label_and_chosen_features_end_to_end(t
         # iris repeats one row (rows 102 and 143 of the original), with its label: counted, not a conflict
         assert s["data"]["rows"] == {"train": 104, "val": 23, "test": 23} and s["data"]["num_features"] == 4
         assert s["data"]["duplicates"]["rows"] == 1 and s["data"]["duplicates"]["conflicting"] == 0
+        assert s["data"]["source_format"] == "semicolon-separated, decimal commas"  # what was inferred, said
+        assert (f"read {path} as semicolon-separated, decimal commas; features: petal_length, petal_width, "
+                "sepal_length, sepal_width") in r.stdout
         model_meta = model_features(s["artifacts"]["train-op.model"])
         assert model_meta["features"] == features.split(",") and model_meta["label_column"] == "species"
         assert model_meta["training"]["early_stopping_patience"] == 5  # the pipeline's setting reached the workers

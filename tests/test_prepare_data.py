@@ -279,6 +279,7 @@ def test_a_table_separated_by_semicolons_tabs_or_pipes_is_read_as_its_comma_twin
     assert table.attrs.get("csv_format") == expect
     meta = prepare_data(PrepareSpec(str(tmp_path / "t.csv"), str(tmp_path / "o"), feature_columns=("a", "b", "c", "d")))
     assert meta["features"] == ["a", "b", "c", "d"] and meta["classes"] == [0, 1, 2]
+    assert meta["source_format"] == expect  # said in the step's log and the run's summary
 
 
 def _partitioned(tmp_path):

@@ -22,5 +22,10 @@ def prepare_data_op(dataset_uri: str, dataset: Output[Dataset], label_column: st
                                     shard_rows=shard_rows))
     dataset.metadata.update({"uri": out, "rows": meta["rows"], "num_features": meta["num_features"],
                              "classes": meta["classes"], "split_seed": seed, "duplicates": meta["duplicates"]})
+    if meta["source_format"]:  # what was inferred, said: a wrong guess would change the data
+        dataset.metadata["source_format"] = meta["source_format"]
+        shown = meta["features"][:8]
+        print(f"read {dataset_uri} as {meta['source_format']}; features: {', '.join(shown)}"
+              + (f" and {len(meta['features']) - len(shown)} more" if len(meta["features"]) > len(shown) else ""))
     if note := duplicates_note(meta["duplicates"], meta["rows"]):
         print(f"warning: {note}", file=sys.stderr)
