@@ -349,8 +349,13 @@ def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fract
         if _names_classes(labels):
             labels = labels.astype(str)  # class names: any text, counted as such
         if pd.api.types.is_numeric_dtype(labels) and not np.all(np.mod(labels.to_numpy(dtype=float), 1) == 0):
+            frac = np.flatnonzero(np.mod(labels.to_numpy(dtype=float), 1) != 0)
             problems.append(f"label column {label_column!r}: must hold integer class ids or class names, "
-                            f"got fractional numbers (dtype {labels.dtype})")
+                            f"got fractional numbers ({len(frac)} of {len(labels)}: "
+                            + ", ".join(f"row {i + 1} {float(labels.iloc[i]):g}" for i in frac[:3])
+                            + (" ..." if len(frac) > 3 else "") + "); "
+                            "this pipeline trains classifiers: a quantity to predict (regression) is not one of "
+                            "them, though binned into ranges (low, medium, high) it is")
         else:
             counts = labels.value_counts()
             if len(counts) < 2:

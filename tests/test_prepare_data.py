@@ -138,8 +138,10 @@ def test_class_names_are_numbered_in_sorted_order_and_checked_like_ids(tmp_path)
     with pytest.raises(DatasetError, match=r"classes \['rare'\] have fewer than 3 rows"):
         prepare_data(PrepareSpec(str(path), str(tmp_path / "c")))
     pd.DataFrame({"a": rng.normal(size=30), "label": [0.5, 1.0, 2.0] * 10}).to_csv(path, index=False)
-    with pytest.raises(DatasetError, match="must hold integer class ids or class names, got fractional numbers"):
+    with pytest.raises(DatasetError, match="must hold integer class ids or class names, got fractional numbers") as e:
         prepare_data(PrepareSpec(str(path), str(tmp_path / "d")))
+    assert ("(10 of 30: row 1 0.5, row 4 0.5, row 7 0.5 ...); this pipeline trains classifiers: a quantity to predict "
+            "(regression) is not one of them, though binned into ranges (low, medium, high) it is") in str(e.value)
     pd.DataFrame({"a": rng.normal(size=30), "label": [7, 40000, 123456] * 10}).to_csv(path, index=False)
     with pytest.raises(DatasetError, match=r"class ids run up to 123456 for 3 classes, so the model would have "
                                            r"123457 outputs; number the classes 0..2, or write them as text"):
