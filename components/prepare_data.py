@@ -362,8 +362,13 @@ def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fract
                 problems.append(f"label column {label_column!r}: needs at least 2 classes, got {len(counts)}")
             small = counts[counts < 3]
             if len(small):
-                problems.append(f"label column {label_column!r}: classes {sorted(small.index.tolist())} have fewer "
-                                "than 3 rows; a stratified train/val/test split needs at least 3 per class")
+                names = sorted(small.index.tolist())
+                listed = f"{names}" if len(names) <= 10 else f"{str(names[:10])[:-1]}, ...] ({len(names)} of {len(counts)})"
+                problems.append(f"label column {label_column!r}: classes {listed} have fewer than 3 rows; a stratified "
+                                "train/val/test split needs at least 3 per class"
+                                + ("; with so many values the label may be a quantity (regression), which this "
+                                   "pipeline does not train: bin it into ranges, or merge the rare classes"
+                                   if len(counts) > 20 and len(small) > len(counts) / 2 else ""))
             elif len(counts) >= 2 and (why := _too_few_rows(len(df), len(counts), val_fraction, test_fraction)):
                 problems.append(why)
             if pd.api.types.is_numeric_dtype(labels) and labels.min() < 0:

@@ -137,6 +137,13 @@ def test_class_names_are_numbered_in_sorted_order_and_checked_like_ids(tmp_path)
     pd.DataFrame({"a": rng.normal(size=32), "label": ["cat", "dog"] * 15 + ["rare", "rare"]}).to_csv(path, index=False)
     with pytest.raises(DatasetError, match=r"classes \['rare'\] have fewer than 3 rows"):
         prepare_data(PrepareSpec(str(path), str(tmp_path / "c")))
+    ages = np.r_[np.arange(18, 90), [30, 30, 30, 40, 40, 40]]  # an age to predict, as integers: 72 values
+    pd.DataFrame({"a": rng.normal(size=len(ages)), "label": ages}).to_csv(path, index=False)
+    with pytest.raises(DatasetError) as e:
+        prepare_data(PrepareSpec(str(path), str(tmp_path / "ages")))
+    assert ("classes [18, 19, 20, 21, 22, 23, 24, 25, 26, 27, ...] (70 of 72) have fewer than 3 rows; a stratified "
+            "train/val/test split needs at least 3 per class; with so many values the label may be a quantity "
+            "(regression)") in str(e.value)
     pd.DataFrame({"a": rng.normal(size=30), "label": [0.5, 1.0, 2.0] * 10}).to_csv(path, index=False)
     with pytest.raises(DatasetError, match="must hold integer class ids or class names, got fractional numbers") as e:
         prepare_data(PrepareSpec(str(path), str(tmp_path / "d")))
