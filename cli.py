@@ -398,6 +398,31 @@ def serve_start(names, start_all, port):
         raise ServingError(f"could not start {', '.join(map(repr, failed))}", "see each server's error above")
 
 
+@serve_grp.command("logs")
+@click.argument("name")
+@click.option("--tail", type=click.IntRange(0), default=None, help="Only the last N lines.")
+@click.option("-p", "--previous", is_flag=True,
+              help="The log of the server it replaced: the one that died, or the model served before.")
+def serve_logs(name, tail, previous):
+    """Print the log of the local model server NAME (see serve list), as kubectl logs does a pod's."""
+    import collections
+
+    from kfp_pytorch.components.errors import ServingError
+    from kfp_pytorch.components.serve import server_log, server_status
+
+    path = server_log(name, previous)
+    if not path.exists():
+        what = "log of an earlier server" if previous else "log"
+        raise ServingError(f"no {what} for a local model server named {name!r} ({path})",
+                           "`kfp-pytorch serve list` names the servers" + (
+                               "; --previous is kept once a server was started again or replaced" if previous
+                               and server_status(name) else ""))
+    with open(path, errors="replace") as f:
+        lines = collections.deque(f, maxlen=tail) if tail is not None else f.readlines()
+    text = "".join(lines)
+    click.echo(text, nl=bool(text) and not text.endswith("\n"))
+
+
 @serve_grp.command("predict")
 @click.argument("name")
 @click.argument("table")

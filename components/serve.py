@@ -86,6 +86,12 @@ class Endpoint:
     """Cluster backend: the InferenceService's in-cluster address (status.address.url)."""
 
 
+def server_log(name: str, previous: bool = False) -> Path:
+    """The log of local server ``name``; ``previous``: that of the server it replaced (the one that
+    died, before `serve start`), as `kubectl logs --previous` reads a restarted container's."""
+    return _servers_dir() / f"{name}{'.previous' if previous else ''}.log"
+
+
 def _servers_dir() -> Path:
     d = home() / "servers"
     d.mkdir(parents=True, exist_ok=True)
@@ -288,9 +294,12 @@ class LocalServeBackend:
         if not port_is_free(spec.host, port):
             raise PortInUseError(f"port {port} on {spec.host} is already in use",
                                  "choose another port (or port=0 for a free one), or stop the process using it")
-        log = _servers_dir() / f"{spec.model_name}.log"
-        # beside a live server, the new one logs apart until it takes over (the old one's log is open)
+        log = server_log(spec.model_name)
+        # beside a live server, the new one logs apart until it takes over (the old one's log is open);
+        # the server it replaces keeps its log as the previous one (why a server that died, died)
         new_log = log.with_suffix(".new.log") if live else log
+        if not live and log.exists():
+            os.replace(log, server_log(spec.model_name, previous=True))
         cmd = [sys.executable, "-m", PREDICTOR_MODULE, "--model_name", spec.model_name, "--model_uri",
                spec.model_uri, "--http_port", str(port), "--enable_grpc", "false", "--workers", "1",
                # No log line per request: KServe's /metrics histograms keep the latencies, and the
@@ -317,6 +326,8 @@ class LocalServeBackend:
             raise
         if live is not None:
             stop_server(spec.model_name)  # the old one goes only now
+            if log.exists():
+                os.replace(log, server_log(spec.model_name, previous=True))
             os.replace(new_log, log)  # the file stays open in the new server: it logs on, under the usual name
         _write_record(spec.model_name, {**asdict(ep), "create_time": _create_time(proc.pid),
                                         "start_ticks": _start_ticks(proc.pid)})

@@ -197,7 +197,9 @@ def test_a_failed_redeploy_leaves_the_running_server_serving(trained_model, tmp_
         [info] = [s for s in list_servers() if s["name"] == "swap"]
         assert info["pid"] == new.pid
         logs = sorted(p.name for p in (home() / "servers").glob("swap*.log"))
-        assert logs == ["swap.log"] and "Uvicorn running" in (home() / "servers" / "swap.log").read_text()
+        assert logs == ["swap.log", "swap.previous.log"]  # the one it replaced: `serve logs --previous`
+        assert str(new.pid) in (home() / "servers" / "swap.log").read_text()
+        assert str(old.pid) in (home() / "servers" / "swap.previous.log").read_text()
     finally:
         stop_server("swap")
 
@@ -424,8 +426,12 @@ def test_a_server_that_died_is_started_again_with_its_model_on_its_port(endpoint
     listed = cli("list").stdout.splitlines()
     assert " down  " in listed[0] and listed[-1] == ("1 down: `kfp-pytorch serve start digits` starts it again with its "
                                                    "model; `serve stop` removes the record")
+    died = cli("logs", "digits").stdout
+    assert "Uvicorn running on" in died or "Started server process" in died, died[-2000:]
     r = cli("start", "--all")
     assert r.returncode == 0, r.stderr
+    assert cli("logs", "digits", "--previous").stdout == died  # the dead server's log, kept as the previous one
+    assert len(cli("logs", "digits", "--tail", "2").stdout.splitlines()) == 2
     [up] = [s for s in list_servers() if s["name"] == "digits"]
     assert up["alive"] and up["pid"] != endpoint.pid and up["infer_url"] == endpoint.infer_url  # its old port
     assert up["model_uri"] == endpoint.model_uri
@@ -449,6 +455,8 @@ def test_a_server_that_died_is_started_again_with_its_model_on_its_port(endpoint
     assert keep_champion_served("gone").startswith("whose local server is down and cannot start again: the model")
     assert keep_champion_served("nothere").startswith("and no local server serves it here")
     assert cli("start").returncode == 2 and cli("start", "digits", "--all").returncode == 2
+    r = cli("logs", "nothere")
+    assert r.returncode == 1 and "no log for a local model server named 'nothere'" in r.stderr
     stop_server("gone")
 
 
