@@ -389,7 +389,7 @@ def serve_start(names, start_all, port):
     for name in names:
         try:
             ep, started = revive(name, port)
-        except ServingError as e:  # the others still start; each failure is told
+        except KfpPytorchError as e:  # (a model gone, a port taken) the others still start; each failure is told
             click.secho(f"{name}: {e}", fg="red", err=True)
             failed.append(name)
             continue
@@ -772,10 +772,12 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
         for r in removed:
             click.echo(f"{verb} {r.name}  {r.status:<10} {_size(r.size)}")
         for r in spared:
-            why = (f"its model is served by {', '.join(r.served_by)}" + (
-                       "; `kfp-pytorch serve start --all` starts what is down" if any(" (down)" in n for n in r.served_by)
-                       else "") if r.served_by
-                   else "no record and written within the hour: it may still be running")
+            if not r.served_by:
+                why = "no record and written within the hour: it may still be running"
+            else:
+                why = f"its model is served by {', '.join(r.served_by)}" + (
+                    "; `kfp-pytorch serve start --all` starts what is down" if any(n.endswith(" (down)") for n in r.served_by)
+                    else "")
             click.echo(f"kept {r.name}: {why}")
         click.echo(f"{verb} {len(removed)} local run(s), {_size(sum(r.size for r in removed))}; "
                    f"kept the newest {keep}" + (f" and {len(spared)} more" if spared else "")

@@ -519,11 +519,11 @@ def revive(name: str, port: int = 0) -> tuple[Endpoint, bool]:
     Raises ServingError when there is no such server, or its model is gone."""
     from .storage import Storage, join
 
-    info = read_server(name)
+    info = server_status(name)
     if info is None or info.get("unreadable") or not info.get("model_uri"):
         raise ServingError(f"no local model server named {name!r} to start again",
                            "`kfp-pytorch serve list` names the servers; a pipeline run serves a new model")
-    if _ours(info):
+    if info["alive"]:
         return Endpoint(**{k: info.get(k) for k in ("name", "url", "infer_url", "pid", "model_uri")}), False
     if not Storage().exists(join(info["model_uri"], "metadata.json")):
         raise ServingError(f"the model that {name!r} served is gone: {info['model_uri']}",
