@@ -535,8 +535,9 @@ def storage_cp(source, dest):
     if not found:
         raise StorageNotFound(f"copy {source}: nothing stored there", "`kfp-pytorch storage ls` lists what is there")
     storage.download_dir(source, target)
-    click.echo(f"downloaded {len(found)} file(s), {_size(sum(f.stat().st_size for f in target.rglob('*') if f.is_file()))}, "
-               f"to {target}")
+    base = src.key.rstrip("/") + "/" if src.key else ""
+    size = sum((target / parse_uri(u).key[len(base):]).stat().st_size for u in found)  # these files, not others there
+    click.echo(f"downloaded {len(found)} file(s), {_size(size)}, to {target}")
 
 
 def _namespace(ctx, param, value):

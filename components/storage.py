@@ -432,7 +432,7 @@ class Storage:
                 raise StorageNotFound(f"read {loc}: no such directory", "check the path")
             shutil.copytree(loc.path, dest, dirs_exist_ok=True)
             return dest
-        base = loc.key.rstrip("/") + "/"
+        base = loc.key.rstrip("/") + "/" if loc.key else ""  # a whole bucket: keys are relative as they are
         found = self.list(uri)
         if not found:
             raise StorageNotFound(f"read {loc}: nothing stored under this prefix", "check the URI")

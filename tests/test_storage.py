@@ -238,9 +238,16 @@ def test_storage_cp_uploads_and_downloads_files_and_directories(s3, bucket, tmp_
     (tmp_path / "back").mkdir()
     r = cp(f"s3://{bucket}/datasets/iris.csv", str(tmp_path / "back"))
     assert r.returncode == 0 and (tmp_path / "back" / "iris.csv").read_text() == "a,label\n1,0\n", r.stderr
+    (tmp_path / "back" / "table").mkdir()
+    (tmp_path / "back" / "table" / "mine.txt").write_text("not downloaded")  # not counted as downloaded
     r = cp(f"s3://{bucket}/exports/table/", str(tmp_path / "back") + "/")
     assert r.returncode == 0 and (tmp_path / "back" / "table" / "day=1" / "part-0.parquet").read_bytes() == b"p" * 10
     assert r.stdout == f"downloaded 2 file(s), 10 B, to {tmp_path / 'back' / 'table'}\n"
+    # a whole bucket: its keys keep their names (the first character of each was cut)
+    r = cp(f"s3://{bucket}", str(tmp_path / "all"))
+    assert r.returncode == 0 and r.stdout.startswith("downloaded 3 file(s), 22 B, to "), r.stdout + r.stderr
+    assert sorted(str(p.relative_to(tmp_path / "all")) for p in (tmp_path / "all").rglob("*") if p.is_file()) == [
+        "datasets/iris.csv", "exports/table/_SUCCESS", "exports/table/day=1/part-0.parquet"]
     # what cannot be copied says why
     r = cp(str(tmp_path / "none.csv"), f"s3://{bucket}/x")
     assert r.returncode == 1 and "copy " + str(tmp_path / "none.csv") + ": no such file or directory" in r.stderr
