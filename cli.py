@@ -481,20 +481,38 @@ def storage_grp():
 
 @storage_grp.command("ls")
 @click.argument("uri")
-def storage_ls(uri):
+@click.option("-l", "--long", "long_", is_flag=True,
+              help="Each object's last-modified time (UTC) and size too, and the count and total size at the end.")
+def storage_ls(uri, long_):
     """Every object under URI (s3://BUCKET/PREFIX, minio:// or a local path), one per line."""
     from kfp_pytorch.components.storage import Storage, parse_uri
 
     storage = Storage()
-    found = storage.list(uri)
+    found = storage.entries(uri)
     loc = parse_uri(uri)
-    if not found and (loc.key if loc.is_s3 else loc.path.is_file()) and storage.exists(uri):
-        found = [uri]  # an object itself, as `aws s3 ls s3://b/file` shows it
-    for u in found:
-        click.echo(u)
+    if not found and (loc.key if loc.is_s3 else loc.path.is_file()) and (entry := storage.stat(uri)):
+        found = [entry]  # an object itself, as `aws s3 ls s3://b/file` shows it
     if not found:  # as `aws s3 ls`: an empty answer is not a success a script should read on
         click.echo(f"nothing under {uri}", err=True)
         sys.exit(1)
+    if not long_:
+        for e in found:
+            click.echo(e.uri)
+        return
+    sizes = [_size(e.size) for e in found]
+    width = max(map(len, sizes))
+    for e, size in zip(found, sizes):  # as `aws s3 ls`: time, size, name; the names stay last for a script's cut
+        click.echo(f"{e.modified:%Y-%m-%d %H:%M:%S}  {size:>{width}}  {e.uri}")
+    click.echo(f"{len(found)} object(s), {_size(sum(e.size for e in found))}", err=True)
+
+
+def _bytes_bar(total: int, label: str):
+    """A bar of the bytes a copy has moved, on stderr when that is a terminal (none in a log or a pipe);
+    it is gone when the copy is done, and the line that says what was copied stays."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                disable=None, leave=False, mininterval=0.2)
 
 
 @storage_grp.command("cp")
@@ -503,7 +521,8 @@ def storage_ls(uri):
 def storage_cp(source, dest):
     """Copy a file or a directory to S3 (SOURCE a local path, DEST s3://BUCKET/KEY or minio://), or
     from S3 (SOURCE an object or a prefix, DEST a local path): a table for a KFP run's dataset_uri,
-    a model to look at. A DEST ending in / (or an existing directory) takes the source's name."""
+    a model to look at. A DEST ending in / (or an existing directory) takes the source's name.
+    A bar shows the bytes moved when stderr is a terminal."""
     from kfp_pytorch.components.errors import StorageNotFound
     from kfp_pytorch.components.storage import Storage, join, parse_uri
 
@@ -519,24 +538,26 @@ def storage_cp(source, dest):
             raise StorageNotFound(f"copy {source}: the directory holds no files", "check the path")
         if dest.endswith("/") or not dst.key:
             dest = join(dest, src.path.name)
-        if src.path.is_file():
-            storage.upload_file(src.path, dest)
-        else:
-            storage.upload_dir(src.path, dest)
         size = sum(p.stat().st_size for p in files)
+        with _bytes_bar(size, "upload") as bar:
+            if src.path.is_file():
+                storage.upload_file(src.path, dest, bar.update)
+            else:
+                storage.upload_dir(src.path, dest, bar.update)
         click.echo(f"uploaded {len(files)} file(s), {_size(size)}, to {dest}")
         return
     target = dst.path / PurePosixPath(src.key.rstrip("/")).name if dest.endswith("/") or dst.path.is_dir() else dst.path
-    if src.key and not src.key.endswith("/") and storage.exists(source):
-        storage.download_file(source, target)
-        click.echo(f"downloaded 1 file(s), {_size(target.stat().st_size)}, to {target}")
+    if src.key and not src.key.endswith("/") and (entry := storage.stat(source)):
+        with _bytes_bar(entry.size, "download") as bar:
+            storage.download_file(source, target, bar.update)
+        click.echo(f"downloaded 1 file(s), {_size(entry.size)}, to {target}")
         return
-    found = storage.list(source)
+    found = storage.entries(source)
     if not found:
         raise StorageNotFound(f"copy {source}: nothing stored there", "`kfp-pytorch storage ls` lists what is there")
-    storage.download_dir(source, target)
-    base = src.key.rstrip("/") + "/" if src.key else ""
-    size = sum((target / parse_uri(u).key[len(base):]).stat().st_size for u in found)  # these files, not others there
+    size = sum(e.size for e in found)  # these files, not others already in the folder
+    with _bytes_bar(size, "download") as bar:
+        storage.download_dir(source, target, bar.update)
     click.echo(f"downloaded {len(found)} file(s), {_size(size)}, to {target}")
 
 

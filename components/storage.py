@@ -31,8 +31,9 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 from urllib.parse import urlparse
 
 from .errors import StorageAuthError, StorageError, StorageNotFound, StorageUnreachable
@@ -176,6 +177,29 @@ class Location:
         return f"s3://{self.bucket}/{self.key}" if self.is_s3 else self.key
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One stored object (or local file): its URI, its size in bytes, when it was last written (UTC)."""
+
+    uri: str
+    size: int
+    modified: datetime
+
+
+class _Progress:
+    """minio's progress protocol (``set_meta``, then ``update`` with each chunk's bytes) over a
+    callback of bytes moved, so a caller's bar need not know minio."""
+
+    def __init__(self, callback: Callable[[int], None]):
+        self.callback = callback
+
+    def set_meta(self, object_name: str, total_length: int) -> None:
+        pass
+
+    def update(self, length: int) -> None:
+        self.callback(length)
+
+
 def parse_endpoint(raw: str) -> tuple[str, str]:
     """An S3 endpoint, ``http(s)://HOST[:PORT]`` or ``HOST:PORT``, as (``HOST[:PORT]``, scheme or "")."""
     parsed = urlparse(raw if "://" in raw else f"//{raw}")
@@ -312,17 +336,27 @@ class Storage:
         loc = self._object(uri, "stat")
         if not loc.is_s3:
             return loc.path.exists()
+        return self.stat(uri) is not None
+
+    def stat(self, uri: str) -> Entry | None:
+        """The object (or local file) ``uri`` names, with its size and time; None when there is none."""
+        loc = self._object(uri, "stat")
+        if not loc.is_s3:
+            if not loc.path.is_file():
+                return None
+            st = loc.path.stat()
+            return Entry(uri, st.st_size, datetime.fromtimestamp(st.st_mtime, timezone.utc))
         from minio.error import S3Error
 
         try:
-            self.client.stat_object(loc.bucket, loc.key)
-            return True
+            o = self.client.stat_object(loc.bucket, loc.key)
         except S3Error as e:
             if e.code in _NOT_FOUND_CODES:
-                return False
+                return None
             raise self._map_error(e, loc, "stat") from e
         except Exception as e:
             raise self._map_error(e, loc, "stat") from e
+        return Entry(f"s3://{loc.bucket}/{loc.key}", o.size or 0, o.last_modified)
 
     def read_bytes(self, uri: str) -> bytes:
         loc = self._object(uri, "read")
@@ -365,37 +399,52 @@ class Storage:
         self._s3(loc, "write", self.client.put_object, loc.bucket, loc.key, io.BytesIO(data), len(data),
                  content_type=content_type)
 
-    def upload_file(self, path: str | Path, uri: str) -> None:
+    def upload_file(self, path: str | Path, uri: str, progress: Callable[[int], None] | None = None) -> None:
+        """``path`` to ``uri``; ``progress``, if given, is called with the bytes of each chunk sent."""
         loc = self._object(uri, "upload")
         if not loc.is_s3:
             loc.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = loc.path.with_name(f".{loc.path.name}.tmp-{os.getpid()}")
             shutil.copyfile(path, tmp)
             os.replace(tmp, loc.path)
+            if progress:
+                progress(loc.path.stat().st_size)
             return
-        self._s3(loc, "upload", self.client.fput_object, loc.bucket, loc.key, str(path))
+        self._s3(loc, "upload", self.client.fput_object, loc.bucket, loc.key, str(path),
+                 progress=_Progress(progress) if progress else None)
 
-    def download_file(self, uri: str, path: str | Path) -> Path:
+    def download_file(self, uri: str, path: str | Path, progress: Callable[[int], None] | None = None) -> Path:
+        """``uri`` to ``path``; ``progress``, if given, is called with the bytes of each chunk received."""
         loc, path = self._object(uri, "download"), Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         if not loc.is_s3:
             if not loc.path.exists():
                 raise StorageNotFound(f"read {loc}: no such file", "check the path")
             shutil.copyfile(loc.path, path)
+            if progress:
+                progress(path.stat().st_size)
             return path
-        self._s3(loc, "download", self.client.fget_object, loc.bucket, loc.key, str(path))
+        self._s3(loc, "download", self.client.fget_object, loc.bucket, loc.key, str(path),
+                 progress=_Progress(progress) if progress else None)
         return path
 
     def list(self, uri: str) -> list[str]:
         """URIs of every object below ``uri`` (recursive), sorted."""
+        return [e.uri for e in self.entries(uri)]
+
+    def entries(self, uri: str) -> list[Entry]:
+        """Every object below ``uri`` (recursive) with its size and last-modified time, sorted by URI."""
         loc = parse_uri(uri)
         if not loc.is_s3:
             if not loc.path.exists():
                 return []
-            return sorted(str(p) for p in loc.path.rglob("*") if p.is_file())
+            files = sorted(str(p) for p in loc.path.rglob("*") if p.is_file())
+            return [Entry(f, (st := os.stat(f)).st_size, datetime.fromtimestamp(st.st_mtime, timezone.utc))
+                    for f in files]
         prefix = loc.key.rstrip("/") + "/" if loc.key else ""
         objs = self._s3(loc, "list", lambda: list(self.client.list_objects(loc.bucket, prefix=prefix, recursive=True)))
-        return sorted(f"s3://{loc.bucket}/{o.object_name}" for o in objs)
+        return sorted((Entry(f"s3://{loc.bucket}/{o.object_name}", o.size or 0, o.last_modified) for o in objs),
+                      key=lambda e: e.uri)
 
     def delete(self, uri: str) -> None:
         """Remove one object (or local file); one that is not there is no error, as in S3."""
@@ -423,14 +472,19 @@ class Storage:
         if not self._s3(loc, "check bucket", self.client.bucket_exists, loc.bucket):
             self._s3(loc, "create bucket", self.client.make_bucket, loc.bucket)
 
-    def download_dir(self, uri: str, dest: str | Path) -> Path:
+    def download_dir(self, uri: str, dest: str | Path, progress: Callable[[int], None] | None = None) -> Path:
         """Copy every object below ``uri`` into ``dest`` keeping relative paths."""
         dest = Path(dest)
         loc = parse_uri(uri)
         if not loc.is_s3:
             if not loc.path.is_dir():
                 raise StorageNotFound(f"read {loc}: no such directory", "check the path")
-            shutil.copytree(loc.path, dest, dirs_exist_ok=True)
+            def copy(src, dst):
+                shutil.copy2(src, dst)
+                if progress:
+                    progress(os.path.getsize(dst))
+
+            shutil.copytree(loc.path, dest, dirs_exist_ok=True, copy_function=copy)
             return dest
         base = loc.key.rstrip("/") + "/" if loc.key else ""  # a whole bucket: keys are relative as they are
         found = self.list(uri)
@@ -438,14 +492,14 @@ class Storage:
             raise StorageNotFound(f"read {loc}: nothing stored under this prefix", "check the URI")
         for u in found:
             rel = parse_uri(u).key[len(base):]
-            self.download_file(u, dest / rel)
+            self.download_file(u, dest / rel, progress)
         return dest
 
-    def upload_dir(self, src: str | Path, uri: str) -> None:
+    def upload_dir(self, src: str | Path, uri: str, progress: Callable[[int], None] | None = None) -> None:
         src = Path(src)
         for p in sorted(src.rglob("*")):
             if p.is_file():
-                self.upload_file(p, join(uri, str(p.relative_to(src))))
+                self.upload_file(p, join(uri, str(p.relative_to(src))), progress)
 
 
 def _atomic_write_local(path: Path, data: bytes) -> None:

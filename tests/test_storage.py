@@ -257,6 +257,85 @@ def test_storage_cp_uploads_and_downloads_files_and_directories(s3, bucket, tmp_
     assert r.returncode == 2 and "one of SOURCE and DEST must be s3://" in r.stderr
 
 
+def test_copies_report_their_bytes_as_they_move(s3, bucket, tmp_path):
+    import os
+
+    data = os.urandom(6 * 1024 * 1024 + 123)  # more than one minio chunk each way
+    (tmp_path / "big.bin").write_bytes(data)
+    sent, received = [], []
+    s3.upload_file(tmp_path / "big.bin", f"s3://{bucket}/big.bin", sent.append)
+    s3.download_file(f"s3://{bucket}/big.bin", tmp_path / "back.bin", received.append)
+    assert (tmp_path / "back.bin").read_bytes() == data
+    assert sum(sent) == len(data) and sum(received) == len(data) and len(received) > 1, (sent, received)
+    moved = []  # a folder, both ways, and a local copy, on the same callback
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "a").write_bytes(b"x" * 10)
+    (tmp_path / "dir" / "b").write_bytes(b"y" * 5)
+    s3.upload_dir(tmp_path / "dir", f"s3://{bucket}/dir", moved.append)
+    s3.download_dir(f"s3://{bucket}/dir", tmp_path / "dir-back", moved.append)
+    s3.download_dir(str(tmp_path / "dir"), tmp_path / "dir-local", moved.append)
+    assert sum(moved) == 3 * 15
+    entry = s3.stat(f"s3://{bucket}/big.bin")
+    assert entry.size == len(data) and entry.modified.tzinfo is not None
+    assert s3.stat(f"s3://{bucket}/none.bin") is None and s3.stat(str(tmp_path / "none")) is None
+
+
+def test_storage_cp_shows_a_bar_on_a_terminal_and_none_in_a_log(s3, bucket, tmp_path):
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    (tmp_path / "t.csv").write_bytes(b"a,label\n" * 100_000)
+    cmd = [sys.executable, "-m", "kfp_pytorch.cli", "storage", "cp", str(tmp_path / "t.csv")]
+    piped = subprocess.run([*cmd, f"s3://{bucket}/piped.csv"], capture_output=True, text=True)
+    assert piped.returncode == 0 and piped.stderr == "", piped.stderr  # a log gets no bar
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal has a width
+    proc = subprocess.Popen([*cmd, f"s3://{bucket}/tty.csv"], stdout=subprocess.PIPE, stderr=slave)
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    out = proc.communicate()[0].decode()
+    os.close(master)
+    assert proc.returncode == 0 and out.startswith("uploaded 1 file(s), 781.2 KB, to s3://"), out
+    assert b"upload:" in seen and b"/781k" in seen, seen  # the bar, of the file's bytes (its updates: the test above)
+    assert s3.read_bytes(f"s3://{bucket}/tty.csv") == (tmp_path / "t.csv").read_bytes()
+
+
+def test_storage_ls_long_gives_times_sizes_and_a_total(s3, bucket, tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    s3.write_bytes(f"s3://{bucket}/d/a.csv", b"x" * 2048)
+    s3.write_bytes(f"s3://{bucket}/d/b.csv", b"y" * 10)
+    ls = lambda *a: subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "storage", "ls", *a],  # noqa: E731
+                                   capture_output=True, text=True)
+    r = ls("-l", f"s3://{bucket}/d")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert [re.sub(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d  ", "", line) for line in lines] == [
+        f"2.0 KB  s3://{bucket}/d/a.csv", f"  10 B  s3://{bucket}/d/b.csv"], lines  # sizes aligned, names last
+    assert r.stderr == "2 object(s), 2.0 KB\n"
+    assert ls(f"s3://{bucket}/d").stdout == f"s3://{bucket}/d/a.csv\ns3://{bucket}/d/b.csv\n"  # plain: names only
+    r = ls("--long", f"s3://{bucket}/d/b.csv")  # an object itself
+    assert r.returncode == 0 and r.stdout.endswith(f"  10 B  s3://{bucket}/d/b.csv\n") and r.stderr == "1 object(s), 10 B\n"
+    (tmp_path / "f.txt").write_text("hello")
+    r = ls("-l", str(tmp_path))
+    assert r.returncode == 0 and r.stdout.endswith(f"5 B  {tmp_path / 'f.txt'}\n"), r.stdout + r.stderr
+
+
 def test_a_table_on_this_machine_is_refused_for_a_kfp_server_run(tmp_path):
     import subprocess
     import sys
