@@ -722,6 +722,47 @@ def unschedule_cmd(name, host, namespace, experiment, token, ca_cert):
         click.echo(f"deleted recurring run {rid} ({name})")
 
 
+def _set_schedule(name, host, namespace, experiment, token, ca_cert, enabled: bool) -> None:
+    from datetime import datetime, timezone
+
+    from kfp_pytorch.pipelines.kfp_api import KfpApi
+    from kfp_pytorch.pipelines.schedule import next_runs
+
+    for rr in KfpApi(host, namespace, token, ca_cert=ca_cert).set_enabled(name, experiment, enabled):
+        state = str(rr.status) if rr.status else ("ENABLED" if enabled else "DISABLED")
+        click.echo(f"{'resumed' if enabled else 'paused'} recurring run {rr.recurring_run_id} ({name}): {state}")
+        if not enabled:
+            continue
+        cron = rr.trigger.cron_schedule.cron if rr.trigger and rr.trigger.cron_schedule else None
+        if cron:
+            try:
+                soon = next_runs(cron, datetime.now(timezone.utc).replace(microsecond=0), 1)[0]
+                click.echo(f"next run: {soon:%Y-%m-%d %H:%M:%S} UTC")
+            except (ValueError, KfpPytorchError):  # a cron KFP took that croniter does not read
+                pass
+        if not rr.no_catchup:  # one made in the UI or by another tool: KFP backfills every slot it missed
+            click.echo("note: catchup is on for this recurring run: KFP now starts a run for every slot missed while "
+                       "it was paused; `kfp-pytorch schedule --replace` makes one without catchup", err=True)
+
+
+@cli.command("pause-schedule")
+@click.argument("name")
+@_kfp_options
+def pause_schedule_cmd(name, host, namespace, experiment, token, ca_cert):
+    """Pause the recurring run NAME (KFP starts no more runs of it until resume-schedule; a run it
+    started goes on)."""
+    _set_schedule(name, host, namespace, experiment, token, ca_cert, enabled=False)
+
+
+@cli.command("resume-schedule")
+@click.argument("name")
+@_kfp_options
+def resume_schedule_cmd(name, host, namespace, experiment, token, ca_cert):
+    """Resume the paused recurring run NAME. One that `schedule` made starts no runs for the slots
+    missed while paused (no catchup)."""
+    _set_schedule(name, host, namespace, experiment, token, ca_cert, enabled=True)
+
+
 @cli.command("runs")
 @_kfp_options(host_required=False)
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(min=0),

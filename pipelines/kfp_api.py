@@ -87,8 +87,20 @@ class KfpApi:
                  request_timeout_s: float = 60.0, ca_cert: str | None = None):
         """``ca_cert``: the PEM file of the CA that signed an https endpoint's certificate (an
         on-prem Kubeflow behind the company's CA)."""
+        import warnings
+
         import kfp
 
+        with warnings.catch_warnings():  # kfp.Client warns on every construction that it needs KFP >= 2.0.0-beta.2,
+            # a line of noise on each command; a KFP v1 server answers the v2beta1 calls with an HTTP 404 that
+            # _call reports with the call that failed
+            warnings.filterwarnings("ignore", message="This client only works with Kubeflow Pipeline", category=FutureWarning)
+            self._connect(kfp, host, namespace, token, ca_cert)
+        _bound_requests(self.client.runs.api_client, (min(10.0, request_timeout_s), request_timeout_s))
+        self.host = host
+        self.namespace = namespace
+
+    def _connect(self, kfp, host: str, namespace: str | None, token: str | None, ca_cert: str | None) -> None:
         if token:
             _check_host(host, token, ca_cert=ca_cert)
             self.client = kfp.Client(host=host, namespace=namespace or "", existing_token=token, ssl_ca_cert=ca_cert)
@@ -103,9 +115,6 @@ class KfpApi:
             _check_host(host, projected, f"the projected service-account token {path}", ca_cert)
             self.client = kfp.Client(host=host, namespace=namespace or "", ssl_ca_cert=ca_cert, credentials=(
                 ServiceAccountTokenVolumeCredentials(path) if projected else None))
-        _bound_requests(self.client.runs.api_client, (min(10.0, request_timeout_s), request_timeout_s))
-        self.host = host
-        self.namespace = namespace
 
     def _call(self, what: str, fn, *a, **kw):
         import kfp_server_api
@@ -325,19 +334,34 @@ class KfpApi:
             if not token:
                 return out
 
-    def unschedule(self, name: str, experiment: str) -> list[str]:
-        """Delete the experiment's recurring runs called ``name``; returns their ids. Runs they
-        started are left alone (they are runs like any other)."""
+    def _named_or_error(self, name: str, experiment: str) -> list:
         found = self.recurring_runs_named(name, experiment)
         if not found:
             known = sorted({rr.display_name for rr in self.recurring_runs(experiment) or []})
             raise KfpApiError(f"experiment {experiment!r} has no recurring run named {name!r}"
                               + (f" (it has: {', '.join(known)})" if known else " (it has none)"),
                               "`kfp-pytorch schedules` lists them; --experiment names another experiment")
+        return found
+
+    def unschedule(self, name: str, experiment: str) -> list[str]:
+        """Delete the experiment's recurring runs called ``name``; returns their ids. Runs they
+        started are left alone (they are runs like any other)."""
+        found = self._named_or_error(name, experiment)
         for rr in found:
             self._call(f"delete recurring run {rr.recurring_run_id}", self.client.delete_recurring_run,
                        rr.recurring_run_id)
         return [rr.recurring_run_id for rr in found]
+
+    def set_enabled(self, name: str, experiment: str, enabled: bool) -> list:
+        """Pause (``enabled=False``) or resume the experiment's recurring runs called ``name``, as the
+        KFP UI's Enable/Disable does; returns them as they are after. Runs already started go on."""
+        found = self._named_or_error(name, experiment)
+        action, call = (("enable", self.client.enable_recurring_run) if enabled
+                        else ("disable", self.client.disable_recurring_run))
+        for rr in found:
+            self._call(f"{action} recurring run {rr.recurring_run_id}", call, rr.recurring_run_id)
+        return [self._call(f"get recurring run {rr.recurring_run_id}", self.client.get_recurring_run,
+                           rr.recurring_run_id) for rr in found]
 
     def runs(self, experiment: str | None = None, limit: int = 50) -> tuple[list, int] | None:
         """The newest ``limit`` runs (0: all), newest first, and how many there are; None when

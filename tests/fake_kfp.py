@@ -1,7 +1,7 @@
 """A fake of the KFP v2beta1 REST API that ``kfp.Client`` uses, on loopback. It validates bodies.
 
 Endpoints: healthz; pipelines upload / upload_version / list / versions; experiments create / list;
-runs create / get / list; recurringruns create / list / get / delete. Validation mirrors the server: a run needs
+runs create / get / list; recurringruns create / list / get / delete / enable / disable. Validation mirrors the server: a run needs
 a display name and an existing pipeline version (or an inline spec), parameters must be declared
 inputs of the pipeline, a cron must parse as robfig/cron's ``Parse`` would take it (5 or 6 fields,
 seconds first, or a descriptor such as ``@daily``), an upload must be a parsable PipelineSpec.
@@ -335,6 +335,15 @@ class _Handler(BaseHTTPRequestHandler):
                                   if not q.get("experiment_id") or r.get("experiment_id") == q["experiment_id"]],
                                  q.get("filter"))
                 return self._send(200, {"recurringRuns": items, "total_size": len(items)})
+            m = re.fullmatch(r"/apis/v2beta1/recurringruns/([^/:]+):(enable|disable)", path)
+            if m and verb == "POST":  # as the API server's ChangeJobMode: idempotent, the runs started go on
+                with k.lock:
+                    rr = k.recurring.get(m.group(1))
+                    if rr is None:
+                        return self._error(404, f"Job {m.group(1)} not found")
+                    on = m.group(2) == "enable"
+                    rr.update(mode="ENABLE" if on else "DISABLE", status="ENABLED" if on else "DISABLED")
+                return self._send(200, {})
             m = re.fullmatch(r"/apis/v2beta1/recurringruns/([^/:]+)", path)
             if m and verb in ("GET", "DELETE"):
                 with k.lock:

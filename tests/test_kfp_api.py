@@ -349,6 +349,30 @@ def test_schedules_are_listed_and_unscheduled_by_name(kfp_server):
     assert list(fake.recurring) == [nightly]
 
 
+def test_a_schedule_is_paused_and_resumed_by_name(kfp_server):
+    fake, url = kfp_server
+    assert cli("schedule", "train_and_serve", "--host", url, "--cron", "0 0 3 * * *").returncode == 0
+    [nightly] = fake.recurring
+    r = cli("pause-schedule", "train_and_serve-schedule", "--host", url)
+    assert r.returncode == 0 and r.stdout == f"paused recurring run {nightly} (train_and_serve-schedule): DISABLED\n", \
+        r.stdout + r.stderr
+    assert fake.recurring[nightly]["status"] == "DISABLED" and fake.recurring[nightly]["mode"] == "DISABLE"
+    [row] = json.loads(cli("schedules", "--host", url, "--json").stdout)
+    assert row["status"] == "DISABLED" and row["next_run"] is None  # a paused schedule has no next run
+    r = cli("resume-schedule", "train_and_serve-schedule", "--host", url)
+    assert r.returncode == 0 and r.stdout.startswith(f"resumed recurring run {nightly} (train_and_serve-schedule): "
+                                                     "ENABLED\nnext run: "), r.stdout + r.stderr
+    assert r.stdout.rstrip().endswith("03:00:00 UTC") and r.stderr == ""  # made without catchup: no backfill note
+    assert fake.recurring[nightly]["status"] == "ENABLED"
+    fake.recurring[nightly]["no_catchup"] = False  # as one made in the KFP UI with catchup on
+    r = cli("resume-schedule", "train_and_serve-schedule", "--host", url)
+    assert r.returncode == 0 and "catchup is on for this recurring run: KFP now starts a run for every slot" in r.stderr
+    r = cli("pause-schedule", "nightly", "--host", url)
+    assert r.returncode == 3 and ("experiment 'kfp-pytorch' has no recurring run named 'nightly' "
+                                  "(it has: train_and_serve-schedule)") in r.stderr and "Traceback" not in r.stderr
+    assert fake.recurring[nightly]["status"] == "ENABLED"
+
+
 def test_five_field_cron_shows_the_six_field_form(kfp_server):
     _, url = kfp_server
     r = cli("schedule", "train_and_serve", "--host", url, "--cron", "0 3 * * *")
@@ -421,7 +445,7 @@ def test_runs_pages_through_the_api_and_says_when_it_lists_only_the_newest(kfp_s
     r = cli("runs", "--host", url, "--json")
     rows = json.loads(r.stdout)
     assert r.returncode == 0 and [x["name"] for x in rows[:2]] == ["run-229", "run-228"] and len(rows) == 50
-    assert r.stderr.endswith("\nthe newest 50 of 230 runs; --limit N lists more, --limit 0 all\n")
+    assert r.stderr == "the newest 50 of 230 runs; --limit N lists more, --limit 0 all\n"  # and no kfp.Client warning
     r = cli("runs", "--host", url, "--limit", "0")
     lines = r.stdout.splitlines()
     assert r.returncode == 0 and len(lines) == 230 and lines[0].endswith(" run-229") and lines[-2].endswith(" run-001")
