@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -153,7 +154,13 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
     t0 = time.perf_counter()
     tee = sys.stdout = _Tee(sys.stdout)
     try:
-        entry.func(**params)
+        with warnings.catch_warnings():
+            # kfp.local warns, for every step, that display names do nothing locally and that a
+            # non-Python image may lack dependencies: the image is ours, and its package is the one
+            # installed here (use_venv=False), so 20 lines of noise would bury the run's own log
+            warnings.filterwarnings("ignore", message=r"Task '.*': settings \['display_name'\] have no effect")
+            warnings.filterwarnings("ignore", message="You may be attemping to run a task that uses custom or non-Python")
+            entry.func(**params)
     except RuntimeError as e:  # kfp.local: "Pipeline ... FAILURE. Inner task failed: 'x'"
         error = e
     except BaseException:  # Ctrl-C or a stop signal: the run is recorded as canceled, then the stop goes on
