@@ -561,6 +561,39 @@ def storage_cp(source, dest):
     click.echo(f"downloaded {len(found)} file(s), {_size(size)}, to {target}")
 
 
+@storage_grp.command("rm")
+@click.argument("uri")
+@click.option("-r", "--recursive", is_flag=True, help="Remove every object under the prefix URI.")
+@click.option("--dry-run", is_flag=True, help="Say what would be removed, remove nothing.")
+def storage_rm(uri, recursive, dry_run):
+    """Remove the object URI (s3://BUCKET/KEY or minio://), or with -r every object under the
+    prefix URI: a dataset uploaded by mistake, a run's outputs. Each removed object is listed."""
+    from kfp_pytorch.components.errors import StorageNotFound
+    from kfp_pytorch.components.storage import parse_uri
+
+    loc = parse_uri(uri)
+    if not loc.is_s3:
+        raise click.UsageError("storage rm removes objects from S3 (s3://BUCKET/KEY or minio://); "
+                               "remove a local file with rm")
+    from kfp_pytorch.components.storage import Storage
+
+    storage = Storage()
+    one = storage.stat(uri) if loc.key and not loc.key.endswith("/") else None
+    under = storage.entries(uri) if recursive or not one else []
+    if not one and not under:
+        raise StorageNotFound(f"remove {uri}: nothing stored there", "`kfp-pytorch storage ls` lists what is there")
+    if not one and not recursive:  # as `aws s3 rm`: a prefix is removed only when asked for it
+        raise click.UsageError(f"{uri} is a prefix with {len(under)} object(s) under it, not an object: "
+                               "add -r to remove them all (--dry-run lists them first)")
+    doomed = ([one] if one else []) + under
+    for e in doomed:
+        if not dry_run:
+            storage.delete(e.uri)
+        click.echo(f"{'would remove' if dry_run else 'removed'} {e.uri}")
+    click.echo(f"{'would remove' if dry_run else 'removed'} {len(doomed)} object(s), "
+               f"{_size(sum(e.size for e in doomed))}", err=True)
+
+
 def _namespace(ctx, param, value):
     """A Kubernetes namespace is a DNS-1123 label: refused here, not after a round trip to KFP."""
     from kfp_pytorch.components.cluster import is_dns1123_label

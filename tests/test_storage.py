@@ -336,6 +336,31 @@ def test_storage_ls_long_gives_times_sizes_and_a_total(s3, bucket, tmp_path):
     assert r.returncode == 0 and r.stdout.endswith(f"5 B  {tmp_path / 'f.txt'}\n"), r.stdout + r.stderr
 
 
+def test_storage_rm_removes_an_object_or_with_r_a_prefix_and_lists_what_it_removed(s3, bucket, tmp_path):
+    import subprocess
+    import sys
+
+    for key in ("d/a.csv", "d/sub/b.csv", "keep.csv"):
+        s3.write_bytes(f"s3://{bucket}/{key}", b"x" * 10)
+    rm = lambda *a: subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "storage", "rm", *a],  # noqa: E731
+                                   capture_output=True, text=True)
+    r = rm(f"s3://{bucket}/d")  # a prefix without -r: refused, nothing removed
+    assert r.returncode == 2 and f"s3://{bucket}/d is a prefix with 2 object(s) under it, not an object: add -r" in r.stderr
+    r = rm("-r", "--dry-run", f"s3://{bucket}/d/")
+    assert r.returncode == 0 and r.stdout == (f"would remove s3://{bucket}/d/a.csv\n"
+                                              f"would remove s3://{bucket}/d/sub/b.csv\n")
+    assert r.stderr == "would remove 2 object(s), 20 B\n" and len(s3.list(f"s3://{bucket}")) == 3
+    r = rm("-r", f"minio://{bucket}/d")
+    assert r.returncode == 0 and r.stdout.count("removed ") == 2 and r.stderr == "removed 2 object(s), 20 B\n"
+    assert s3.list(f"s3://{bucket}") == [f"s3://{bucket}/keep.csv"]
+    r = rm(f"s3://{bucket}/keep.csv")
+    assert r.returncode == 0 and r.stdout == f"removed s3://{bucket}/keep.csv\n" and s3.list(f"s3://{bucket}") == []
+    r = rm(f"s3://{bucket}/keep.csv")  # gone: said, not a silent success
+    assert r.returncode == 1 and f"remove s3://{bucket}/keep.csv: nothing stored there" in r.stderr
+    r = rm(str(tmp_path))
+    assert r.returncode == 2 and "storage rm removes objects from S3" in r.stderr and tmp_path.exists()
+
+
 def test_a_table_on_this_machine_is_refused_for_a_kfp_server_run(tmp_path):
     import subprocess
     import sys
