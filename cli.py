@@ -653,20 +653,45 @@ def submit_cmd(pipeline, host, namespace, experiment, token, ca_cert, params, ru
     _before_submit(values, platform)
     api = KfpApi(host, namespace, token, ca_cert=ca_cert)
     run_id = api.submit(entry, values, experiment, run_name)
-    run_url = f"{host.rstrip('/')}/#/runs/details/{run_id}"
-    click.echo(f"run {run_id} created: {run_url}")
+    click.echo(f"run {run_id} created: {_run_url(host, run_id)}")
     if wait:
-        try:
-            state = api.follow(run_id)
-        except KeyboardInterrupt:  # only the following stops: the run is the server's
-            click.echo(f"\nstopped following run {run_id}; it goes on on the server: {run_url}", err=True)
-            sys.exit(130)
-        click.echo(f"run {run_id}: {state}")
-        if state != "SUCCEEDED":
-            for line in api.failure_lines(api.last_run):
-                click.echo(line, err=True)
-            click.echo(f"the step logs: {run_url}", err=True)
-            sys.exit(1)
+        _follow_run(api, host, run_id)
+    else:
+        click.echo(f"follow it with: kfp-pytorch follow {run_id} --host {host}", err=True)
+
+
+def _run_url(host: str, run_id: str) -> str:
+    return f"{host.rstrip('/')}/#/runs/details/{run_id}"
+
+
+def _follow_run(api, host: str, run_id: str) -> None:
+    """Follow the run until it ends: its states on stderr, the final one on stdout, why it failed
+    and exit 1 when it did not succeed; Ctrl-C stops following, not the run."""
+    try:
+        state = api.follow(run_id)
+    except KeyboardInterrupt:  # only the following stops: the run is the server's
+        click.echo(f"\nstopped following run {run_id}; it goes on on the server: {_run_url(host, run_id)} "
+                   f"(`kfp-pytorch follow {run_id}` follows it again)", err=True)
+        sys.exit(130)
+    click.echo(f"run {run_id}: {state}")
+    if state != "SUCCEEDED":
+        for line in api.failure_lines(api.last_run):
+            click.echo(line, err=True)
+        click.echo(f"the step logs: {_run_url(host, run_id)}", err=True)
+        sys.exit(1)
+
+
+@cli.command("follow")
+@click.argument("run_id")
+@_kfp_options
+def follow_cmd(run_id, host, namespace, experiment, token, ca_cert):
+    """Follow the KFP run RUN_ID until it ends, as submit does: after --no-wait, a closed terminal or
+    a dropped port-forward (`kfp-pytorch runs` lists the ids). Exits 0 when it succeeded, 1 when not."""
+    from kfp_pytorch.pipelines.kfp_api import KfpApi
+
+    api = KfpApi(host, namespace, token, ca_cert=ca_cert)
+    api.run_or_error(run_id)
+    _follow_run(api, host, run_id)
 
 
 @cli.command("schedule")

@@ -211,6 +211,18 @@ class KfpApi:
                          pipeline_id=pid, version_id=vid, params=params)
         return run.run_id
 
+    def run_or_error(self, run_id: str):
+        """The run ``run_id``, or an error that says there is none (KFP answers 404, or 400 or 500
+        for an id that is not a UUID, depending on its version and database)."""
+        try:
+            return self._call("get run", self.client.runs.run_service_get_run, run_id=run_id)
+        except KfpApiError as e:
+            status, body = getattr(e.__cause__, "status", None), str(getattr(e.__cause__, "body", "")).lower()
+            if status in (400, 404) or (status == 500 and "not found" in body):
+                raise KfpApiError(f"the KFP API at {self.host} has no run {run_id!r}",
+                                  f"`kfp-pytorch runs --host {self.host}` lists the runs and their ids") from e
+            raise
+
     def follow(self, run_id: str, timeout_s: float = 24 * 3600, interval: float = 2.0, out=None,
                outage_s: float = 300.0, request_timeout_s: float = 30.0) -> str:
         """Show the run's state as it changes, until it ends; returns the final state (the last
@@ -246,7 +258,7 @@ class KfpApi:
                         f"stopped following run {run_id}: the KFP API at {self.host} has not answered for "
                         f"{now - down_since:.0f} s ({e.message})",
                         f"the run goes on on the server: see {self.host.rstrip('/')}/#/runs/details/{run_id}, "
-                        f"or `kfp-pytorch runs --host {self.host}` once the API is back") from e
+                        f"or `kfp-pytorch follow {run_id} --host {self.host}` once the API is back") from e
                 tries += 1
                 time.sleep(min(interval * 2 ** min(tries - 1, 5), 30.0, max(outage_s - (now - down_since), 0.05)))
                 continue

@@ -166,6 +166,7 @@ def test_ctrl_c_stops_following_not_the_run(kfp_server):
     [run_id] = fake.runs
     assert proc.returncode == 130 and "Traceback" not in err, err
     assert f"stopped following run {run_id}; it goes on on the server: {url}/#/runs/details/{run_id}" in err
+    assert f"(`kfp-pytorch follow {run_id}` follows it again)" in err
     assert fake.runs[run_id]["state"] == "RUNNING" and ("POST", f"/apis/v2beta1/runs/{run_id}:terminate") \
         not in fake.requests
 
@@ -193,6 +194,29 @@ def test_a_failed_run_says_which_task_failed_and_why(kfp_server):
     assert "error: task train-op failed" in r.stderr
     assert "failed task: train-op: training diverged: the loss became nan in epoch 1" in r.stderr
     assert "prepare-data-op" not in r.stderr and f"the step logs: {url}/#/runs/details/{run_id}" in r.stderr
+
+
+def test_a_run_submitted_without_waiting_is_followed_later_by_its_id(kfp_server):
+    fake, url = kfp_server
+    fake.run_states = ["PENDING", "RUNNING", "RUNNING", "SUCCEEDED"]
+    r = cli("submit", "train_and_serve", "--host", url, "--no-wait")
+    [run_id] = fake.runs
+    assert r.returncode == 0 and f"follow it with: kfp-pytorch follow {run_id} --host {url}" in r.stderr
+    r = cli("follow", run_id, "--host", url)
+    assert r.returncode == 0 and r.stdout == f"run {run_id}: SUCCEEDED\n", r.stdout + r.stderr
+    assert f"run {run_id}: RUNNING" in r.stderr  # its states as they change, as submit shows them
+    fake.run_states = ["PENDING", "RUNNING", "FAILED"]
+    fake.failure = ("train-op", "training diverged: the loss became nan in epoch 1")
+    assert cli("submit", "train_and_serve", "--host", url, "--no-wait").returncode == 0
+    [failed] = set(fake.runs) - {run_id}
+    r = cli("follow", failed, "--host", url)
+    assert r.returncode == 1 and r.stdout == f"run {failed}: FAILED\n"
+    assert "failed task: train-op: training diverged" in r.stderr and f"{url}/#/runs/details/{failed}" in r.stderr
+    gets = fake.run_gets
+    r = cli("follow", "0b5c8c4e-0000-4000-8000-000000000000", "--host", url)
+    assert r.returncode == 3 and "Traceback" not in r.stderr
+    assert f"the KFP API at {url} has no run '0b5c8c4e-0000-4000-8000-000000000000'" in r.stderr
+    assert f"`kfp-pytorch runs --host {url}` lists the runs" in r.stderr and fake.run_gets == gets + 1  # asked once
 
 
 def test_submit_and_schedule_take_the_platform_file_that_compile_takes(kfp_server, tmp_path):
