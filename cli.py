@@ -694,6 +694,22 @@ def follow_cmd(run_id, host, namespace, experiment, token, ca_cert):
     _follow_run(api, host, run_id)
 
 
+@cli.command("cancel")
+@click.argument("run_id")
+@_kfp_options
+def cancel_cmd(run_id, host, namespace, experiment, token, ca_cert):
+    """Stop the KFP run RUN_ID, as the KFP UI's Terminate does: its pods are stopped and it ends
+    CANCELED. A run that already ended is left as it is."""
+    from kfp_pytorch.pipelines.kfp_api import KfpApi
+
+    asked, state = KfpApi(host, namespace, token, ca_cert=ca_cert).cancel(run_id)
+    if not asked:
+        click.echo(f"run {run_id} already ended: {state}; nothing to cancel")
+        return
+    click.echo(f"run {run_id}: {state}" + (" (KFP is stopping its pods; `kfp-pytorch follow "
+                                           f"{run_id}` shows it end)" if state != "CANCELED" else ""))
+
+
 @cli.command("schedule")
 @click.argument("pipeline")
 @_kfp_options

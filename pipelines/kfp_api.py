@@ -223,6 +223,16 @@ class KfpApi:
                                   f"`kfp-pytorch runs --host {self.host}` lists the runs and their ids") from e
             raise
 
+    def cancel(self, run_id: str) -> tuple[bool, str]:
+        """Terminate the run as the KFP UI's Terminate does (KFP stops its pods; the run goes to
+        CANCELING, then CANCELED). Returns whether this call asked for it, and the run's state after;
+        a run that already ended is left as it is."""
+        state = str(self.run_or_error(run_id).state)
+        if state in TERMINAL:
+            return False, state
+        self._call("terminate run", self.client.terminate_run, run_id)
+        return True, str(self._call("get run", self.client.runs.run_service_get_run, run_id=run_id).state)
+
     def follow(self, run_id: str, timeout_s: float = 24 * 3600, interval: float = 2.0, out=None,
                outage_s: float = 300.0, request_timeout_s: float = 30.0) -> str:
         """Show the run's state as it changes, until it ends; returns the final state (the last

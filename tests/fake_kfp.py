@@ -1,8 +1,8 @@
 """A fake of the KFP v2beta1 REST API that ``kfp.Client`` uses, on loopback. It validates bodies.
 
 Endpoints: healthz; pipelines upload / upload_version / list / versions; experiments create / list;
-runs create / get / list; recurringruns create / list / get / delete / enable / disable. Validation mirrors the server: a run needs
-a display name and an existing pipeline version (or an inline spec), parameters must be declared
+runs create / get / list / terminate; recurringruns create / list / get / delete / enable / disable.
+Validation mirrors the server: a run needs a display name and an existing pipeline version (or an inline spec), parameters must be declared
 inputs of the pipeline, a cron must parse as robfig/cron's ``Parse`` would take it (5 or 6 fields,
 seconds first, or a descriptor such as ``@daily``), an upload must be a parsable PipelineSpec.
 ``require_token`` makes every call without ``Authorization: Bearer <token>`` a 401.
@@ -202,6 +202,10 @@ class FakeKfp:
             run = self.runs.get(rid)
             if run is None:
                 raise KfpError(404, f"run {rid} not found")
+            if run.get("_cancel"):  # terminated: CANCELING until the next read, then CANCELED
+                run["state"] = "CANCELED" if run["_cancel"] == "seen" else "CANCELING"
+                run["_cancel"] = "seen"
+                return self._public(run)
             run["_step"] = min(run["_step"] + 1, len(self.run_states) - 1)
             run["state"] = self.run_states[run["_step"]]
             if run["state"] in ("SUCCEEDED", "FAILED"):
@@ -214,6 +218,18 @@ class FakeKfp:
                     {"run_id": rid, "task_id": "t2", "display_name": task, "state": "FAILED",
                      "error": {"code": 2, "message": message}}]}
             return self._public(run)
+
+    def terminate_run(self, rid: str) -> dict:
+        """As the API server's TerminateRun: a run not yet ended goes to CANCELING (the next read:
+        CANCELED, its pods stopped); one that ended is refused, as the server's conditional update is."""
+        with self.lock:
+            run = self.runs.get(rid)
+            if run is None:
+                raise KfpError(404, f"run {rid} not found")
+            if run["state"] in ("SUCCEEDED", "FAILED", "CANCELED", "SKIPPED"):
+                raise KfpError(400, f"Failed to terminate run {rid}: the run is in state {run['state']}")
+            run["state"], run["_cancel"] = "CANCELING", True
+            return {}
 
     @staticmethod
     def _public(run: dict) -> dict:
@@ -325,6 +341,9 @@ class _Handler(BaseHTTPRequestHandler):
                 items = [FakeKfp._public(r) for r in k.runs.values()
                          if not q.get("experiment_id") or r.get("experiment_id") == q["experiment_id"]]
                 return self._send(200, _page(items, q))
+            m = re.fullmatch(r"/apis/v2beta1/runs/([^/:]+):terminate", path)
+            if m and verb == "POST":
+                return self._send(200, k.terminate_run(m.group(1)))
             m = re.fullmatch(r"/apis/v2beta1/runs/([^/:]+)", path)
             if m and verb == "GET":
                 return self._send(200, k.get_run(m.group(1)))

@@ -219,6 +219,25 @@ def test_a_run_submitted_without_waiting_is_followed_later_by_its_id(kfp_server)
     assert f"`kfp-pytorch runs --host {url}` lists the runs" in r.stderr and fake.run_gets == gets + 1  # asked once
 
 
+def test_a_run_is_cancelled_by_its_id_and_one_that_ended_is_left_alone(kfp_server):
+    fake, url = kfp_server
+    fake.run_states = ["PENDING"] + ["RUNNING"] * 50
+    assert cli("submit", "train_and_serve", "--host", url, "--no-wait").returncode == 0
+    [run_id] = fake.runs
+    r = cli("cancel", run_id, "--host", url)
+    assert r.returncode == 0 and r.stdout == (f"run {run_id}: CANCELING (KFP is stopping its pods; "
+                                              f"`kfp-pytorch follow {run_id}` shows it end)\n"), r.stdout + r.stderr
+    assert ("POST", f"/apis/v2beta1/runs/{run_id}:terminate") in fake.requests
+    r = cli("follow", run_id, "--host", url)
+    assert r.returncode == 1 and r.stdout == f"run {run_id}: CANCELED\n"  # not a success: it did not finish
+    terminates = fake.requests.count(("POST", f"/apis/v2beta1/runs/{run_id}:terminate"))
+    r = cli("cancel", run_id, "--host", url)
+    assert r.returncode == 0 and r.stdout == f"run {run_id} already ended: CANCELED; nothing to cancel\n"
+    assert fake.requests.count(("POST", f"/apis/v2beta1/runs/{run_id}:terminate")) == terminates  # not asked again
+    r = cli("cancel", "no-such-run", "--host", url)
+    assert r.returncode == 3 and f"the KFP API at {url} has no run 'no-such-run'" in r.stderr
+
+
 def test_submit_and_schedule_take_the_platform_file_that_compile_takes(kfp_server, tmp_path):
     fake, url = kfp_server
     plat = tmp_path / "platform.yaml"
