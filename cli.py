@@ -750,7 +750,8 @@ def schedule_cmd(pipeline, host, namespace, experiment, token, ca_cert, cron, pa
 @_kfp_options
 @click.option("--json", "as_json", is_flag=True)
 def schedules_cmd(host, namespace, experiment, token, ca_cert, as_json):
-    """List the experiment's recurring runs: name, status, cron and the next run time."""
+    """List the experiment's recurring runs: name, status, cron, the next run time and the state of
+    the last run each started."""
     from datetime import datetime, timezone
 
     from kfp_pytorch.pipelines.kfp_api import KfpApi
@@ -759,6 +760,10 @@ def schedules_cmd(host, namespace, experiment, token, ca_cert, as_json):
     api = KfpApi(host, namespace, token, ca_cert=ca_cert)
     found = api.recurring_runs(experiment)
     now = datetime.now(timezone.utc).replace(microsecond=0)
+    last = {}  # each schedule's newest run among the experiment's newest 200: did last night's retraining work?
+    for run in (api.runs(experiment, 200) or ([], 0))[0] if found else []:
+        if run.recurring_run_id and run.recurring_run_id not in last:
+            last[run.recurring_run_id] = run
     rows = []
     for rr in found or []:
         cron = rr.trigger.cron_schedule.cron if rr.trigger and rr.trigger.cron_schedule else None
@@ -770,9 +775,12 @@ def schedules_cmd(host, namespace, experiment, token, ca_cert, as_json):
                 nxt = next_runs(cron, now, 1)[0].strftime("%Y-%m-%d %H:%M:%S UTC")
             except (ValueError, KfpPytorchError):  # a cron KFP took that croniter does not read: no next time
                 nxt = None
+        lr = last.get(rr.recurring_run_id)
         rows.append({"recurring_run_id": rr.recurring_run_id, "name": rr.display_name, "status": str(rr.status),
                      "schedule": cron or every or "-", "next_run": nxt, "max_concurrency": rr.max_concurrency,
-                     "created_at": str(rr.created_at)})
+                     "created_at": str(rr.created_at),
+                     "last_run": lr and {"run_id": lr.run_id, "state": str(lr.state),
+                                         "created_at": f"{lr.created_at:%Y-%m-%d %H:%M:%S} UTC"}})
     if as_json:
         click.echo(json.dumps(rows, indent=1))
         return
@@ -781,8 +789,12 @@ def schedules_cmd(host, namespace, experiment, token, ca_cert, as_json):
     elif not rows:
         click.echo(f"no recurring runs in experiment {experiment!r}")
     for r in rows:
+        lr = r["last_run"]
         click.echo(f"{r['recurring_run_id']}  {r['status']:<9} {r['schedule']!r:<18} next: {r['next_run'] or '-':<24} "
-                   f"{r['name']}")
+                   f"last: {(lr['state'] + ' ' + lr['created_at'][:16]) if lr else '-':<27} {r['name']}")
+    if any(r["last_run"] and r["last_run"]["state"] == "FAILED" for r in rows):
+        click.echo("why a run failed: kfp-pytorch follow RUN_ID (its failed task and error); "
+                   "--json gives each last run's id", err=True)
 
 
 @cli.command("unschedule")

@@ -376,14 +376,26 @@ def test_schedules_are_listed_and_unscheduled_by_name(kfp_server):
     assert cli("schedule", "train_and_serve", "--host", url, "--cron", "@every 6h", "--name", "often").returncode == 0
     nightly, often = fake.recurring
     fake.recurring[often]["status"] = "DISABLED"  # paused in the UI
+    # the runs the nightly schedule started, as KFP records them (the last one failed), and one by hand
+    fake.run_states = ["PENDING", "RUNNING", "FAILED"]
+    for day, state in ((3, "SUCCEEDED"), (4, "FAILED")):
+        cli("submit", "train_and_serve", "--host", url, "--no-wait")
+        run = fake.runs[list(fake.runs)[-1]]
+        run.update(recurring_run_id=nightly, state=state, created_at=f"2026-12-0{day}T03:00:01Z")
+    assert cli("submit", "train_and_serve", "--host", url, "--no-wait").returncode == 0
+    failed = list(fake.runs)[1]
     r = cli("schedules", "--host", url, "--json")
     assert r.returncode == 0, r.stderr
     rows = {row["name"]: row for row in json.loads(r.stdout)}
     assert rows["train_and_serve-schedule"]["schedule"] == "0 0 3 * * *"
     assert rows["train_and_serve-schedule"]["next_run"].endswith("03:00:00 UTC")
+    assert rows["train_and_serve-schedule"]["last_run"] == {"run_id": failed, "state": "FAILED",
+                                                            "created_at": "2026-12-04 03:00:01 UTC"}
     assert rows["often"]["status"] == "DISABLED" and rows["often"]["next_run"] is None
-    text = cli("schedules", "--host", url).stdout
-    assert f"{nightly}  ENABLED   '0 0 3 * * *'" in text and "next: -" in text
+    assert rows["often"]["last_run"] is None  # the run by hand is no schedule's
+    r = cli("schedules", "--host", url)
+    assert f"{nightly}  ENABLED   '0 0 3 * * *'" in r.stdout and "next: -" in r.stdout
+    assert "last: FAILED 2026-12-04 03:00" in r.stdout and "why a run failed: kfp-pytorch follow RUN_ID" in r.stderr
     r = cli("unschedule", "nope", "--host", url)
     assert r.returncode == 3 and ("experiment 'kfp-pytorch' has no recurring run named 'nope' "
                                   "(it has: often, train_and_serve-schedule)") in r.stderr
