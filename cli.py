@@ -883,8 +883,8 @@ def runs_cmd(host, namespace, experiment, token, ca_cert, limit, as_json, local,
     runs, total = listed
     more = (f"the newest {len(runs)} of {total} runs; --limit N lists more, --limit 0 all"
             if total > len(runs) else None)
-    rows = [{"run_id": r.run_id, "name": r.display_name, "state": str(r.state), "created_at": str(r.created_at)}
-            for r in runs]
+    rows = [{"run_id": r.run_id, "name": r.display_name, "state": str(r.state), "created_at": str(r.created_at),
+             "duration_s": _run_seconds(r)} for r in runs]
     if as_json:
         click.echo(json.dumps(rows, indent=1))
         if why_none != "no runs" and not rows:
@@ -892,12 +892,23 @@ def runs_cmd(host, namespace, experiment, token, ca_cert, limit, as_json, local,
         if more:  # the array keeps its shape: say it beside
             click.echo(more, err=True)
         return
+    from kfp_pytorch.fairness_scheduler.usage import format_duration
+
     if not rows:
         click.echo(why_none)
     for r in rows:
-        click.echo(f"{r['run_id']}  {r['state']:<10} {r['created_at']:<26} {r['name']}")
+        took = format_duration(r["duration_s"]) if r["duration_s"] is not None else "-"
+        click.echo(f"{r['run_id']}  {r['state']:<10} {r['created_at']:<26} {took:>8}  {r['name']}")
     if more:
         click.echo(more)
+
+
+def _run_seconds(run) -> float | None:
+    """How long an ended KFP run took; None while it runs (KFP reports finished_at as 1970-01-01 then)."""
+    start, end = run.created_at, getattr(run, "finished_at", None)
+    if str(run.state) not in ("SUCCEEDED", "FAILED", "CANCELED", "SKIPPED") or not start or not end or end.year < 2000:
+        return None
+    return max((end - start).total_seconds(), 0.0)
 
 
 def _size(n: int) -> str:

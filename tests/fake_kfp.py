@@ -192,8 +192,8 @@ class FakeKfp:
         with self.lock:
             self._check_run_body(body, "run")
             rid = str(uuid.uuid4())
-            run = dict(body, run_id=rid, state="PENDING", created_at=_now(), _step=0,
-                       storage_state="AVAILABLE")
+            run = dict(body, run_id=rid, state="PENDING", created_at=_now(), _step=0, storage_state="AVAILABLE",
+                       finished_at="1970-01-01T00:00:00Z")  # as the API server reports a run not ended
             self.runs[rid] = run
             return self._public(run)
 

@@ -479,7 +479,16 @@ def test_runs_lists_status(kfp_server):
     r = cli("runs", "--host", url, "--json")
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
-    assert len(rows) == 1 and rows[0]["state"] in ("PENDING", "RUNNING", "SUCCEEDED")
+    assert len(rows) == 1 and rows[0]["state"] == "PENDING" and rows[0]["duration_s"] is None  # not ended
+    # an ended run: how long it took (a running one's finished_at is 1970-01-01, not a length)
+    cli("submit", "train_and_serve", "--host", url, "--no-wait")
+    ended = fake.runs[list(fake.runs)[-1]]
+    ended.update(state="SUCCEEDED", created_at="2026-12-04T03:00:00Z", finished_at="2026-12-04T03:12:30Z")
+    rows = {x["run_id"]: x for x in json.loads(cli("runs", "--host", url, "--json").stdout)}
+    assert rows[ended["run_id"]]["duration_s"] == 750.0
+    lines = cli("runs", "--host", url).stdout.splitlines()
+    assert "SUCCEEDED  2026-12-04 03:00:00+00:00     12.5m  train_and_serve" in lines[-1], lines
+    assert "       -  train_and_serve" in lines[0], lines
     # a mistyped experiment is answered, and not created by the listing
     r = cli("runs", "--host", url, "--experiment", "kfp-pytorh")
     assert r.returncode == 0 and r.stdout == "no runs: there is no experiment 'kfp-pytorh' here (experiments: kfp-pytorch)\n"
