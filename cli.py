@@ -552,7 +552,7 @@ def storage_cp(source, dest):
             storage.download_file(source, target, bar.update)
         click.echo(f"downloaded 1 file(s), {_size(entry.size)}, to {target}")
         return
-    found = storage.entries(source)
+    found = [e for e in storage.entries(source) if not e.uri.endswith("/")]  # folder markers are not files
     if not found:
         raise StorageNotFound(f"copy {source}: nothing stored there", "`kfp-pytorch storage ls` lists what is there")
     size = sum(e.size for e in found)  # these files, not others already in the folder

@@ -280,6 +280,23 @@ def test_copies_report_their_bytes_as_they_move(s3, bucket, tmp_path):
     assert s3.stat(f"s3://{bucket}/none.bin") is None and s3.stat(str(tmp_path / "none")) is None
 
 
+def test_folders_move_many_objects_at_once_and_an_error_in_one_is_raised(s3_server, s3, bucket, tmp_path):
+    src = tmp_path / "parts"
+    src.mkdir()
+    for i in range(40):
+        (src / f"part-{i:03d}.parquet").write_bytes(bytes([i]) * (i + 1))
+    s3.upload_dir(src, f"s3://{bucket}/table")
+    s3.write_bytes(f"s3://{bucket}/table/empty-folder/", b"")  # a "folder" an S3 console made: not a file
+    s3.download_dir(f"s3://{bucket}/table", tmp_path / "back")
+    got = sorted(p.name for p in (tmp_path / "back").rglob("*") if p.is_file())
+    assert got == [f"part-{i:03d}.parquet" for i in range(40)]
+    assert all((tmp_path / "back" / n).read_bytes() == (src / n).read_bytes() for n in got)
+    bad = Storage(StorageConfig(endpoint=s3_server.url.split("//")[1], access_key="wrong", secret_key="wrong-secret"))
+    with pytest.raises(StorageAuthError) as e:  # raised from the transfer threads, mapped as one call's would be
+        bad.upload_dir(src, f"s3://{bucket}/other")
+    assert "refused the credentials" in str(e.value) and "AWS_ACCESS_KEY_ID" in e.value.hint
+
+
 def test_storage_cp_shows_a_bar_on_a_terminal_and_none_in_a_log(s3, bucket, tmp_path):
     import fcntl
     import os
