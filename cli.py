@@ -755,7 +755,6 @@ def schedules_cmd(host, namespace, experiment, token, ca_cert, as_json):
     from datetime import datetime, timezone
 
     from kfp_pytorch.pipelines.kfp_api import KfpApi
-    from kfp_pytorch.pipelines.schedule import next_runs
 
     api = KfpApi(host, namespace, token, ca_cert=ca_cert)
     found = api.recurring_runs(experiment)
@@ -769,12 +768,7 @@ def schedules_cmd(host, namespace, experiment, token, ca_cert, as_json):
         cron = rr.trigger.cron_schedule.cron if rr.trigger and rr.trigger.cron_schedule else None
         every = (f"every {rr.trigger.periodic_schedule.interval_second}s"
                  if rr.trigger and rr.trigger.periodic_schedule else None)
-        nxt = None
-        if cron and str(rr.status) == "ENABLED":
-            try:
-                nxt = next_runs(cron, now, 1)[0].strftime("%Y-%m-%d %H:%M:%S UTC")
-            except (ValueError, KfpPytorchError):  # a cron KFP took that croniter does not read: no next time
-                nxt = None
+        nxt = _next_run(cron, now) if cron and str(rr.status) == "ENABLED" else None
         lr = last.get(rr.recurring_run_id)
         rows.append({"recurring_run_id": rr.recurring_run_id, "name": rr.display_name, "status": str(rr.status),
                      "schedule": cron or every or "-", "next_run": nxt, "max_concurrency": rr.max_concurrency,
@@ -808,11 +802,20 @@ def unschedule_cmd(name, host, namespace, experiment, token, ca_cert):
         click.echo(f"deleted recurring run {rid} ({name})")
 
 
+def _next_run(cron: str, now) -> str | None:
+    """When the cron next fires after ``now``, in UTC; None for a cron KFP took that croniter does not read."""
+    from kfp_pytorch.pipelines.schedule import next_runs
+
+    try:
+        return next_runs(cron, now, 1)[0].strftime("%Y-%m-%d %H:%M:%S UTC")
+    except (ValueError, KfpPytorchError):
+        return None
+
+
 def _set_schedule(name, host, namespace, experiment, token, ca_cert, enabled: bool) -> None:
     from datetime import datetime, timezone
 
     from kfp_pytorch.pipelines.kfp_api import KfpApi
-    from kfp_pytorch.pipelines.schedule import next_runs
 
     for rr in KfpApi(host, namespace, token, ca_cert=ca_cert).set_enabled(name, experiment, enabled):
         state = str(rr.status) if rr.status else ("ENABLED" if enabled else "DISABLED")
@@ -820,12 +823,8 @@ def _set_schedule(name, host, namespace, experiment, token, ca_cert, enabled: bo
         if not enabled:
             continue
         cron = rr.trigger.cron_schedule.cron if rr.trigger and rr.trigger.cron_schedule else None
-        if cron:
-            try:
-                soon = next_runs(cron, datetime.now(timezone.utc).replace(microsecond=0), 1)[0]
-                click.echo(f"next run: {soon:%Y-%m-%d %H:%M:%S} UTC")
-            except (ValueError, KfpPytorchError):  # a cron KFP took that croniter does not read
-                pass
+        if cron and (soon := _next_run(cron, datetime.now(timezone.utc).replace(microsecond=0))):
+            click.echo(f"next run: {soon}")
         if not rr.no_catchup:  # one made in the UI or by another tool: KFP backfills every slot it missed
             click.echo("note: catchup is on for this recurring run: KFP now starts a run for every slot missed while "
                        "it was paused; `kfp-pytorch schedule --replace` makes one without catchup", err=True)
