@@ -615,7 +615,9 @@ def _host(ctx, param, value):
     return value
 
 
-def _kfp_options(f=None, *, host_required: bool = True):
+def _kfp_options(f=None, *, host_required: bool = True, experiment: bool = True):
+    """--host, --namespace, --token, --ca-cert and, where the command reads or writes an experiment's
+    runs, --experiment (a run id or a run names no experiment: an option there would do nothing)."""
     def wrap(f):
         f = click.option("--token", envvar="KF_PIPELINES_TOKEN", default=None,
                          help="Bearer token (or KF_PIPELINES_TOKEN).")(f)
@@ -623,7 +625,8 @@ def _kfp_options(f=None, *, host_required: bool = True):
                          type=click.Path(exists=True, dir_okay=False),
                          help="PEM file of the CA that signed an https KFP endpoint's certificate (or "
                               "KF_PIPELINES_CA_CERT).")(f)
-        f = click.option("--experiment", default="kfp-pytorch", show_default=True)(f)
+        if experiment:
+            f = click.option("--experiment", default="kfp-pytorch", show_default=True)(f)
         f = click.option("--namespace", default=None, callback=_namespace,
                          help="Kubeflow profile namespace (multi-user).")(f)
         return click.option("--host", required=host_required, envvar="KFP_HOST",
@@ -683,8 +686,8 @@ def _follow_run(api, host: str, run_id: str) -> None:
 
 @cli.command("follow")
 @click.argument("run_id")
-@_kfp_options
-def follow_cmd(run_id, host, namespace, experiment, token, ca_cert):
+@_kfp_options(experiment=False)
+def follow_cmd(run_id, host, namespace, token, ca_cert):
     """Follow the KFP run RUN_ID until it ends, as submit does: after --no-wait, a closed terminal or
     a dropped port-forward (`kfp-pytorch runs` lists the ids). Exits 0 when it succeeded, 1 when not."""
     from kfp_pytorch.pipelines.kfp_api import KfpApi
@@ -696,8 +699,8 @@ def follow_cmd(run_id, host, namespace, experiment, token, ca_cert):
 
 @cli.command("cancel")
 @click.argument("run_id")
-@_kfp_options
-def cancel_cmd(run_id, host, namespace, experiment, token, ca_cert):
+@_kfp_options(experiment=False)
+def cancel_cmd(run_id, host, namespace, token, ca_cert):
     """Stop the KFP run RUN_ID, as the KFP UI's Terminate does: its pods are stopped and it ends
     CANCELED. A run that already ended is left as it is."""
     from kfp_pytorch.pipelines.kfp_api import KfpApi

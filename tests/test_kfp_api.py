@@ -236,6 +236,10 @@ def test_a_run_is_cancelled_by_its_id_and_one_that_ended_is_left_alone(kfp_serve
     assert fake.requests.count(("POST", f"/apis/v2beta1/runs/{run_id}:terminate")) == terminates  # not asked again
     r = cli("cancel", "no-such-run", "--host", url)
     assert r.returncode == 3 and f"the KFP API at {url} has no run 'no-such-run'" in r.stderr
+    for cmd in ("cancel", "follow"):  # a run id names no experiment: an --experiment would do nothing
+        r = cli(cmd, run_id, "--host", url, "--experiment", "nightly")
+        assert r.returncode == 2 and "No such option '--experiment'" in r.stderr, r.stderr
+        assert "--experiment" not in cli(cmd, "--help").stdout
 
 
 def test_submit_and_schedule_take_the_platform_file_that_compile_takes(kfp_server, tmp_path):
