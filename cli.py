@@ -594,6 +594,20 @@ def storage_rm(uri, recursive, dry_run):
                f"{_size(sum(e.size for e in doomed))}", err=True)
 
 
+@storage_grp.command("mb")
+@click.argument("uri")
+def storage_mb(uri):
+    """Make the bucket URI (s3://BUCKET): where a dataset is uploaded to, or a pipeline's storage_root.
+    A bucket that exists already is left as it is (exit 0), so a set-up script can run it again."""
+    from kfp_pytorch.components.storage import Storage, parse_uri
+
+    loc = parse_uri(uri)
+    if not loc.is_s3 or loc.key.strip("/"):
+        raise click.UsageError(f"{uri} is not a bucket: give s3://BUCKET (or minio://BUCKET), without a key")
+    made = Storage().ensure_bucket(uri)
+    click.echo(f"made bucket s3://{loc.bucket}" if made else f"bucket s3://{loc.bucket} exists already")
+
+
 def _namespace(ctx, param, value):
     """A Kubernetes namespace is a DNS-1123 label: refused here, not after a round trip to KFP."""
     from kfp_pytorch.components.cluster import is_dns1123_label

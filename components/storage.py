@@ -26,13 +26,14 @@ the credentials unset without a word).
 """
 from __future__ import annotations
 
+import errno
 import io
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Callable, Iterator
 from urllib.parse import urlparse
 
@@ -64,6 +65,23 @@ def flag(value, default: bool) -> bool:
     if isinstance(value, bool):
         return value
     return str(value).strip().lower() in _TRUE
+
+
+# errno values of a local file operation (opening, writing, making a folder): minio opens and writes
+# the local file inside the same call that talks to the server, so these reach the same except
+_LOCAL_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.EEXIST,
+                 errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.ENAMETOOLONG, errno.EFBIG}
+
+
+def _local_file_error(e: BaseException) -> bool:
+    """An OSError of this machine's file system, not of a socket (a refused or reset connection, a
+    timeout, a name that does not resolve are OSErrors too)."""
+    import socket
+    import ssl
+
+    if not isinstance(e, OSError) or isinstance(e, (ConnectionError, TimeoutError, socket.gaierror, ssl.SSLError)):
+        return False
+    return e.filename is not None or e.errno in _LOCAL_ERRNOS
 
 
 def _untrusted_certificate(e: BaseException) -> bool:
@@ -226,7 +244,7 @@ def parse_uri(uri: str) -> Location:
         from minio.helpers import check_bucket_name
 
         try:  # minio's own rule, checked here: its client would raise a bare ValueError mid-step
-            check_bucket_name(parsed.netloc)
+            check_bucket_name(parsed.netloc, strict=True)
         except ValueError:
             raise StorageError(f"URI {uri!r}: {parsed.netloc!r} is not a valid bucket name",
                                "bucket names are 3-63 characters: lower-case letters, digits, '.' and '-', "
@@ -287,6 +305,10 @@ class Storage:
         where = f"{action} {loc}"
         endpoint = f"{'https' if self.config.secure else 'http'}://{self.config.endpoint}"
         if isinstance(e, S3Error):
+            if e.code == "NoSuchBucket" and action in ("upload", "write"):
+                return StorageNotFound(f"{where}: there is no bucket {loc.bucket!r} ({e.code})",
+                                       f"create it: `kfp-pytorch storage mb s3://{loc.bucket}` (or check the name: "
+                                       "`kfp-pytorch storage ls s3://BUCKET/`)")
             if e.code in _NOT_FOUND_CODES:
                 return StorageNotFound(f"{where}: {e.code} (no such {'bucket' if e.code == 'NoSuchBucket' else 'object'})",
                                        "check the URI; `kfp-pytorch storage ls s3://BUCKET/` lists what is there")
@@ -304,6 +326,11 @@ class Storage:
                 "(certificate verify failed)",
                 "set AWS_CA_BUNDLE to the PEM file of the CA that signed it (or ca_bundle in the storage config); "
                 "S3_VERIFY_SSL=false turns the check off, for a lab only")
+        if _local_file_error(e):  # this machine's disk, not the network: a path, a permission, the space left
+            in_the_way = " (a file stands where that path needs a folder)" if e.errno in (errno.EEXIST, errno.ENOTDIR) else ""
+            return StorageError(f"{where}: {e.strerror or type(e).__name__}"
+                                + (f": {e.filename}" if e.filename else " (on this machine)") + in_the_way,
+                                "check that local path, its permissions and the free disk space")
         if isinstance(e, (urllib3.exceptions.HTTPError, OSError)):
             return StorageUnreachable(
                 f"{where}: cannot reach the S3 endpoint {endpoint} ({type(e).__name__})",
@@ -417,7 +444,13 @@ class Storage:
     def download_file(self, uri: str, path: str | Path, progress: Callable[[int], None] | None = None) -> Path:
         """``uri`` to ``path``; ``progress``, if given, is called with the bytes of each chunk received."""
         loc, path = self._object(uri, "download"), Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_dir():
+            raise StorageError(f"download {loc}: {path} is a directory, not a file's path",
+                               f"give the file's path: {path / PurePosixPath(loc.key or str(loc.path)).name}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file where a folder of the path should be, no permission
+            raise self._map_error(e, loc, "download") from e
         if not loc.is_s3:
             if not loc.path.exists():
                 raise StorageNotFound(f"read {loc}: no such file", "check the path")
@@ -465,13 +498,17 @@ class Storage:
             sub = parse_uri(u)
             self._s3(sub, "delete", self.client.remove_object, sub.bucket, sub.key)
 
-    def ensure_bucket(self, uri: str) -> None:
+    def ensure_bucket(self, uri: str) -> bool:
+        """Make the bucket of ``uri`` (a local folder: that folder) unless it is there; True if it was made."""
         loc = parse_uri(uri)
         if not loc.is_s3:
+            made = not loc.path.is_dir()
             loc.path.mkdir(parents=True, exist_ok=True)
-            return
-        if not self._s3(loc, "check bucket", self.client.bucket_exists, loc.bucket):
-            self._s3(loc, "create bucket", self.client.make_bucket, loc.bucket)
+            return made
+        if self._s3(loc, "check bucket", self.client.bucket_exists, loc.bucket):
+            return False
+        self._s3(loc, "create bucket", self.client.make_bucket, loc.bucket)
+        return True
 
     def download_dir(self, uri: str, dest: str | Path, progress: Callable[[int], None] | None = None) -> Path:
         """Copy every object below ``uri`` into ``dest`` keeping relative paths."""
@@ -575,8 +612,8 @@ def check_access(uri: str = "", storage: "Storage | None" = None) -> list[tuple[
     if loc is None:
         return results
     if loc.bucket not in buckets:
-        return results + [(f"bucket {loc.bucket!r} does not exist: create it (mc mb / the MinIO console) or "
-                           "let kfp-pytorch create it on first write", False)]
+        return results + [(f"bucket {loc.bucket!r} does not exist: create it with `kfp-pytorch storage mb "
+                           f"s3://{loc.bucket}` (or mc mb, or the MinIO console)", False)]
     results.append((f"bucket {loc.bucket!r} exists", True))
     probe = join(uri, f".kfp-pytorch-check-{uuid.uuid4().hex[:8]}")
     try:

@@ -393,3 +393,56 @@ def test_a_table_on_this_machine_is_refused_for_a_kfp_server_run(tmp_path):
     r = submit("/data/in-the-image.csv")  # not here: maybe in the component image, so a note, and the call is made
     assert "note: dataset_uri /data/in-the-image.csv is a path: the prepare step's pod reads it" in r.stderr
     assert "cannot reach the KFP API at http://127.0.0.1:9" in r.stderr
+
+
+def test_a_problem_with_a_local_file_is_not_taken_for_an_unreachable_server(s3, bucket, tmp_path):
+    s3.write_bytes(f"s3://{bucket}/k.csv", b"a,b\n")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "a-file").write_text("x")
+    for call, needle in [
+        (lambda: s3.upload_file(tmp_path / "missing.csv", f"s3://{bucket}/z"),
+         f"upload s3://{bucket}/z: No such file or directory: {tmp_path / 'missing.csv'}"),
+        (lambda: s3.upload_file(tmp_path / "dir", f"s3://{bucket}/z"), f"Is a directory: {tmp_path / 'dir'}"),
+        (lambda: s3.download_file(f"s3://{bucket}/k.csv", tmp_path / "a-file" / "k.csv"),
+         f"File exists: {tmp_path / 'a-file'} (a file stands where that path needs a folder)"),
+    ]:
+        with pytest.raises(StorageError) as e:
+            call()
+        assert not isinstance(e.value, StorageUnreachable) and "cannot reach" not in str(e.value)
+        assert needle in str(e.value) and "free disk space" in e.value.hint, str(e.value)
+    with pytest.raises(StorageError) as e:  # minio's bare ValueError before
+        s3.download_file(f"s3://{bucket}/k.csv", tmp_path / "dir")
+    assert f"{tmp_path / 'dir'} is a directory" in str(e.value) and str(tmp_path / "dir" / "k.csv") in e.value.hint
+    assert s3.list(f"s3://{bucket}") == [f"s3://{bucket}/k.csv"] and (tmp_path / "a-file").read_text() == "x"
+
+
+def test_storage_mb_makes_the_bucket_an_upload_to_a_missing_one_asks_for(s3, tmp_path):
+    import subprocess
+    import sys
+
+    import os
+    import uuid
+
+    # no AWS_REGION: minio then asks the bucket's location first, which MinIO and SeaweedFS answer
+    # NoSuchBucket (with a region set, SeaweedFS makes a missing bucket on the first PUT; MinIO does not)
+    env = {k: v for k, v in os.environ.items() if k != "AWS_REGION"}
+    st = lambda *a: subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "storage", *a],  # noqa: E731
+                                   capture_output=True, text=True, env=env)
+
+    b = f"fresh-{uuid.uuid4().hex[:8]}"  # the server lives for the session: a name no other run made
+    (tmp_path / "iris.csv").write_text("a,label\n1,0\n")
+    r = st("cp", str(tmp_path / "iris.csv"), f"s3://{b}/iris.csv")
+    assert r.returncode == 1 and f"there is no bucket '{b}'" in r.stderr, r.stderr
+    assert f"create it: `kfp-pytorch storage mb s3://{b}`" in r.stderr
+    assert f"create it with `kfp-pytorch storage mb s3://{b}`" in st("check", f"s3://{b}/x").stdout
+    r = st("mb", f"s3://{b}")
+    assert r.returncode == 0 and r.stdout == f"made bucket s3://{b}\n", r.stderr
+    r = st("mb", f"minio://{b}/")  # again, as a set-up script does: not an error
+    assert r.returncode == 0 and r.stdout == f"bucket s3://{b} exists already\n"
+    assert st("cp", str(tmp_path / "iris.csv"), f"s3://{b}/iris.csv").returncode == 0
+    assert s3.read_bytes(f"s3://{b}/iris.csv") == b"a,label\n1,0\n"
+    for bad, needle in [(f"s3://{b}/iris.csv", "is not a bucket: give s3://BUCKET"),
+                        (str(tmp_path), "is not a bucket"),
+                        ("s3://Fresh_Data", "'Fresh_Data' is not a valid bucket name")]:  # refused here, not by the server
+        r = st("mb", bad)
+        assert r.returncode in (1, 2) and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
