@@ -594,6 +594,35 @@ def storage_rm(uri, recursive, dry_run):
                f"{_size(sum(e.size for e in doomed))}", err=True)
 
 
+@storage_grp.command("cat")
+@click.argument("uris", nargs=-1, required=True, metavar="URI...")
+def storage_cat(uris):
+    """Write the objects URI... (s3://BUCKET/KEY or minio://) to stdout, one after the other, streamed
+    as they are read: a run's metrics.json, the head of a table (`| head`), a model card. Every URI
+    is checked before anything is written."""
+    from kfp_pytorch.components.errors import StorageNotFound
+    from kfp_pytorch.components.storage import Storage, parse_uri
+
+    storage = Storage()
+    for uri in uris:
+        loc = parse_uri(uri)
+        if not loc.is_s3:
+            raise click.UsageError(f"{uri} is a local path: storage cat reads objects from S3 (s3://BUCKET/KEY "
+                                   "or minio://); print a local file with cat")
+        if loc.key and not loc.key.endswith("/") and storage.stat(uri):
+            continue
+        under = storage.entries(uri)
+        if under:  # as `mc cat`: a prefix is not an object
+            raise click.UsageError(f"{uri} is a prefix with {len(under)} object(s) under it, not an object: "
+                                   f"`kfp-pytorch storage ls {uri}` lists them")
+        raise StorageNotFound(f"cat {uri}: nothing stored there", "`kfp-pytorch storage ls` lists what is there")
+    out = sys.stdout.buffer
+    for uri in uris:
+        for chunk in storage.iter_chunks(uri):
+            out.write(chunk)
+        out.flush()
+
+
 @storage_grp.command("mb")
 @click.argument("uri")
 def storage_mb(uri):

@@ -408,13 +408,19 @@ class Storage:
         """Stream an object in chunks (for objects larger than memory)."""
         loc = self._object(uri, "read")
         if not loc.is_s3:
-            with open(loc.path, "rb") as f:
+            try:
+                f = open(loc.path, "rb")
+            except FileNotFoundError as e:
+                raise StorageNotFound(f"read {loc}: no such file", "check the path") from e
+            with f:
                 while chunk := f.read(chunk_size):
                     yield chunk
             return
         resp = self._s3(loc, "read", self.client.get_object, loc.bucket, loc.key)
-        try:
-            yield from resp.stream(chunk_size)
+        chunks = resp.stream(chunk_size)
+        try:  # each chunk read through _s3: a connection lost mid-object is a StorageError too
+            while (chunk := self._s3(loc, "read", next, chunks, None)) is not None:
+                yield chunk
         finally:
             resp.close()
             resp.release_conn()

@@ -414,6 +414,8 @@ def test_a_problem_with_a_local_file_is_not_taken_for_an_unreachable_server(s3, 
         s3.download_file(f"s3://{bucket}/k.csv", tmp_path / "dir")
     assert f"{tmp_path / 'dir'} is a directory" in str(e.value) and str(tmp_path / "dir" / "k.csv") in e.value.hint
     assert s3.list(f"s3://{bucket}") == [f"s3://{bucket}/k.csv"] and (tmp_path / "a-file").read_text() == "x"
+    with pytest.raises(StorageNotFound, match="no such file"):  # a bare FileNotFoundError before
+        list(s3.iter_chunks(str(tmp_path / "missing.csv")))
 
 
 def test_storage_mb_makes_the_bucket_an_upload_to_a_missing_one_asks_for(s3, tmp_path):
@@ -446,3 +448,31 @@ def test_storage_mb_makes_the_bucket_an_upload_to_a_missing_one_asks_for(s3, tmp
                         ("s3://Fresh_Data", "'Fresh_Data' is not a valid bucket name")]:  # refused here, not by the server
         r = st("mb", bad)
         assert r.returncode in (1, 2) and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_storage_cat_streams_objects_to_stdout_and_checks_every_uri_first(s3, bucket, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    cat = lambda *a: subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "storage", "cat", *a],  # noqa: E731
+                                    capture_output=True)
+    blob = os.urandom(3 * 1024 * 1024 + 7)  # more than one streamed chunk, and not text
+    s3.write_bytes(f"s3://{bucket}/model.bin", blob)
+    s3.write_bytes(f"s3://{bucket}/run/metrics.json", b'{"accuracy": 0.97}\n')
+    r = cat(f"s3://{bucket}/model.bin")
+    assert r.returncode == 0 and r.stdout == blob and r.stderr == b""
+    r = cat(f"s3://{bucket}/run/metrics.json", f"minio://{bucket}/run/metrics.json")  # one after the other
+    assert r.returncode == 0 and r.stdout == b'{"accuracy": 0.97}\n' * 2
+    r = cat(f"s3://{bucket}/run/metrics.json", f"s3://{bucket}/run/missing.json")
+    assert r.returncode == 1 and r.stdout == b"" and f"cat s3://{bucket}/run/missing.json: nothing stored there".encode() in r.stderr
+    for prefix in (f"s3://{bucket}/run", f"s3://{bucket}/run/"):
+        r = cat(prefix)
+        assert r.returncode == 2 and r.stdout == b"" and f"{prefix} is a prefix with 1 object(s) under it".encode() in r.stderr
+    r = cat(str(tmp_path))
+    assert r.returncode == 2 and b"is a local path: storage cat reads objects from S3" in r.stderr
+    p = subprocess.Popen([sys.executable, "-m", "kfp_pytorch.cli", "storage", "cat", f"s3://{bucket}/model.bin"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.read(10) == blob[:10]
+    p.stdout.close()  # as `| head -c 10` does: the reader went, which is no error to report
+    assert p.wait(timeout=60) in (0, 1) and b"Traceback" not in p.stderr.read()
