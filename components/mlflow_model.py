@@ -20,6 +20,11 @@ except ImportError:  # imported from an installed kfp-pytorch (when the model is
 
 
 class MlflowPredictor(mlflow.pyfunc.PythonModel):
+    # predict takes a DataFrame by column name or an array by position (_by_name), which no MLflow
+    # type hint says; this is MLflow's own switch (its ChatModel sets it) for a predict it should not
+    # wrap in type-hint validation, and without it every log_model warns "Add type hints"
+    _skip_type_hint_validation = True
+
     def load_context(self, context):
         self.model = ExportedModel(context.artifacts["model_dir"])
 

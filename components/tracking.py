@@ -224,7 +224,8 @@ class Tracker:
                 mlflow.log_metrics({f"test_{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
                 # models from code: the model loads with MLflow, torch and numpy alone (mlflow_model.py)
                 with warnings.catch_warnings():  # its signature has parameters and no inputs: no example to give
-                    warnings.filterwarnings("ignore", message="An input example was not provided")
+                    # MLflow colours the message: the filter matches after the colour code
+                    warnings.filterwarnings("ignore", message=r"(\x1b\[[0-9;]*m)*An input example was not provided")
                     info = mlflow.pyfunc.log_model(name="model", python_model=str(here / "mlflow_model.py"),
                                                    code_paths=[str(here / "exported_model.py")],
                                                    artifacts={"model_dir": str(model_dir)}, pip_requirements=reqs,
