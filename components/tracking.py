@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 import warnings
 from contextlib import contextmanager
@@ -82,6 +83,21 @@ def _server_said(message: str) -> str:
     m = re.search(r"Response body: '(.*)'$", message, re.S)
     said = (m.group(1) if m else message).strip()
     return re.sub(r"^[A-Z_]+: ", "", said)  # the error code MLflow puts before a JSON error's message
+
+
+@contextmanager
+def _no_bars_in_a_log():
+    """No MLflow artifact bars where stderr is not a terminal (a KFP step's log keeps every redraw as
+    a line); a terminal, or MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR set by the user, keeps them."""
+    key = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    if key in os.environ or sys.stderr.isatty():
+        yield
+        return
+    os.environ[key] = "false"
+    try:
+        yield
+    finally:
+        os.environ.pop(key, None)
 
 
 @contextmanager
@@ -218,7 +234,7 @@ class Tracker:
         mlflow = self.mlflow
         here = Path(__file__).parent
         reqs = pip_requirements or [f"torch=={torch.__version__.split('+')[0]}", "numpy"]
-        with _mapped("register model", self.uri):
+        with _mapped("register model", self.uri), _no_bars_in_a_log():
             previous = self.champion(name)
             with mlflow.start_run(run_id=run_id, experiment_id=None if run_id else self.experiment_id):
                 mlflow.log_metrics({f"test_{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))})

@@ -342,7 +342,7 @@ def test_champion_moves_only_when_earned(mlflow_server, trained_model, s3):
     assert {line.split("==")[0] for line in open(reqs).read().split()} == {"mlflow", "torch", "numpy"}
 
 
-def test_embedded_sqlite_store_is_the_default(trained_model, tmp_path):
+def test_embedded_sqlite_store_is_the_default(trained_model, tmp_path, capfd):
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
@@ -350,6 +350,7 @@ def test_embedded_sqlite_store_is_the_default(trained_model, tmp_path):
         res = register(RegisterSpec(trained_model.model_uri, "digits-embedded", _metrics(0.9), True))
     advice = [str(w.message) for w in caught if "input example" in str(w.message) or "type hints" in str(w.message)]
     assert advice == []  # MLflow's advice that does not apply to this model is not printed in every step's log
+    assert "Downloading artifacts" not in capfd.readouterr().err  # no bar redrawn line by line into a log
     assert res["champion"] is True
     import os
 
