@@ -480,14 +480,23 @@ def storage_grp():
 
 
 @storage_grp.command("ls")
-@click.argument("uri")
+@click.argument("uri", required=False)
 @click.option("-l", "--long", "long_", is_flag=True,
               help="Each object's last-modified time (UTC) and size too, and the count and total size at the end.")
 def storage_ls(uri, long_):
-    """Every object under URI (s3://BUCKET/PREFIX, minio:// or a local path), one per line."""
+    """Every object under URI (s3://BUCKET/PREFIX, minio:// or a local path), one per line; without
+    URI (or with s3://), the buckets, as `aws s3 ls` and `mc ls` list them."""
     from kfp_pytorch.components.storage import Storage, parse_uri
 
     storage = Storage()
+    if uri is None or uri.rstrip("/") in ("s3:", "minio:"):
+        buckets = storage.buckets()
+        if not buckets:
+            click.echo("no buckets (`kfp-pytorch storage mb s3://NAME` makes one)", err=True)
+            sys.exit(1)
+        for b in buckets:  # as `aws s3 ls`: the creation time, then the name
+            click.echo(f"{b.modified:%Y-%m-%d %H:%M:%S}  {b.uri}" if long_ else b.uri)
+        return
     found = storage.entries(uri)
     loc = parse_uri(uri)
     if not found and (loc.key if loc.is_s3 else loc.path.is_file()) and (entry := storage.stat(uri)):
@@ -504,6 +513,15 @@ def storage_ls(uri, long_):
     for e, size in zip(found, sizes):  # as `aws s3 ls`: time, size, name; the names stay last for a script's cut
         click.echo(f"{e.modified:%Y-%m-%d %H:%M:%S}  {size:>{width}}  {e.uri}")
     click.echo(f"{len(found)} object(s), {_size(sum(e.size for e in found))}", err=True)
+
+
+def _ls_hint(uri: str) -> str:
+    """Where to look for what a URI with nothing under it meant: the folder above it."""
+    from kfp_pytorch.components.storage import parse_uri
+
+    loc = parse_uri(uri)
+    parent = loc.key.rstrip("/").rpartition("/")[0]
+    return f"`kfp-pytorch storage ls s3://{loc.bucket}/{parent + '/' if parent else ''}` lists what is there"
 
 
 def _bytes_bar(total: int, label: str):
@@ -554,7 +572,7 @@ def storage_cp(source, dest):
         return
     found = [e for e in storage.entries(source) if not e.uri.endswith("/")]  # folder markers are not files
     if not found:
-        raise StorageNotFound(f"copy {source}: nothing stored there", "`kfp-pytorch storage ls` lists what is there")
+        raise StorageNotFound(f"copy {source}: nothing stored there", _ls_hint(source))
     size = sum(e.size for e in found)  # these files, not others already in the folder
     with _bytes_bar(size, "download") as bar:
         storage.download_dir(source, target, bar.update)
@@ -581,7 +599,7 @@ def storage_rm(uri, recursive, dry_run):
     one = storage.stat(uri) if loc.key and not loc.key.endswith("/") else None
     under = storage.entries(uri) if recursive or not one else []
     if not one and not under:
-        raise StorageNotFound(f"remove {uri}: nothing stored there", "`kfp-pytorch storage ls` lists what is there")
+        raise StorageNotFound(f"remove {uri}: nothing stored there", _ls_hint(uri))
     if not one and not recursive:  # as `aws s3 rm`: a prefix is removed only when asked for it
         raise click.UsageError(f"{uri} is a prefix with {len(under)} object(s) under it, not an object: "
                                "add -r to remove them all (--dry-run lists them first)")
@@ -615,7 +633,7 @@ def storage_cat(uris):
         if under:  # as `mc cat`: a prefix is not an object
             raise click.UsageError(f"{uri} is a prefix with {len(under)} object(s) under it, not an object: "
                                    f"`kfp-pytorch storage ls {uri}` lists them")
-        raise StorageNotFound(f"cat {uri}: nothing stored there", "`kfp-pytorch storage ls` lists what is there")
+        raise StorageNotFound(f"cat {uri}: nothing stored there", _ls_hint(uri))
     out = sys.stdout.buffer
     for uri in uris:
         for chunk in storage.iter_chunks(uri):

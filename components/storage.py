@@ -193,7 +193,9 @@ class Location:
         return Path(self.key)
 
     def __str__(self) -> str:
-        return f"s3://{self.bucket}/{self.key}" if self.is_s3 else self.key
+        if not self.is_s3:
+            return self.key
+        return f"s3://{self.bucket}/{self.key}" if self.bucket else "s3://"
 
 
 @dataclass(frozen=True)
@@ -309,8 +311,11 @@ class Storage:
                 return StorageNotFound(f"{where}: there is no bucket {loc.bucket!r} ({e.code})",
                                        f"create it: `kfp-pytorch storage mb s3://{loc.bucket}` (or check the name: "
                                        "`kfp-pytorch storage ls s3://BUCKET/`)")
+            if e.code == "NoSuchBucket":
+                return StorageNotFound(f"{where}: {e.code} (there is no bucket {loc.bucket!r})",
+                                       "check the bucket's name: `kfp-pytorch storage ls` lists the buckets")
             if e.code in _NOT_FOUND_CODES:
-                return StorageNotFound(f"{where}: {e.code} (no such {'bucket' if e.code == 'NoSuchBucket' else 'object'})",
+                return StorageNotFound(f"{where}: {e.code} (no such object)",
                                        "check the URI; `kfp-pytorch storage ls s3://BUCKET/` lists what is there")
             if e.code in _AUTH_CODES:
                 token = (" and AWS_SESSION_TOKEN (temporary credentials expire: get new ones)"
@@ -503,6 +508,11 @@ class Storage:
         for u in self.list(uri):
             sub = parse_uri(u)
             self._s3(sub, "delete", self.client.remove_object, sub.bucket, sub.key)
+
+    def buckets(self) -> list[Entry]:
+        """Every bucket the credentials see, as ``s3://NAME/`` with its creation time, sorted."""
+        found = self._s3(Location("s3", "", ""), "list buckets", self.client.list_buckets)
+        return sorted((Entry(f"s3://{b.name}/", 0, b.creation_date) for b in found), key=lambda e: e.uri)
 
     def ensure_bucket(self, uri: str) -> bool:
         """Make the bucket of ``uri`` (a local folder: that folder) unless it is there; True if it was made."""

@@ -476,3 +476,30 @@ def test_storage_cat_streams_objects_to_stdout_and_checks_every_uri_first(s3, bu
     assert p.stdout.read(10) == blob[:10]
     p.stdout.close()  # as `| head -c 10` does: the reader went, which is no error to report
     assert p.wait(timeout=60) in (0, 1) and b"Traceback" not in p.stderr.read()
+
+
+def test_storage_ls_without_a_uri_lists_the_buckets_and_a_missing_one_points_there(s3, bucket):
+    import os
+    import subprocess
+    import sys
+
+    st = lambda *a: subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "storage", *a],  # noqa: E731
+                                   capture_output=True, text=True)
+    for args in ((), ("s3://",), ("minio://",)):  # as `aws s3 ls` and `mc ls ALIAS`
+        r = st("ls", *args)
+        assert r.returncode == 0 and f"s3://{bucket}/\n" in r.stdout, r.stderr
+        assert r.stdout.splitlines() == sorted(r.stdout.splitlines()) and all(
+            line.startswith("s3://") and line.endswith("/") for line in r.stdout.splitlines())
+    r = st("ls", "-l")
+    [line] = [ln for ln in r.stdout.splitlines() if ln.endswith(f"s3://{bucket}/")]
+    assert line[:2] == "20" and line[4] == "-" and line[10] == " "  # its creation time first, as `aws s3 ls`
+    r = st("ls", "s3://no-such-bucket-here/x")
+    assert r.returncode == 1 and "there is no bucket 'no-such-bucket-here'" in r.stderr
+    assert "`kfp-pytorch storage ls` lists the buckets" in r.stderr
+    s3.write_bytes(f"s3://{bucket}/run/metrics.json", b"{}")
+    r = st("cat", f"s3://{bucket}/run/metric.json")  # a typo: the folder it is in is where to look
+    assert r.returncode == 1 and f"`kfp-pytorch storage ls s3://{bucket}/run/` lists what is there" in r.stderr
+    bad = {**os.environ, "AWS_SECRET_ACCESS_KEY": "not-the-secret"}
+    r = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "storage", "ls"], capture_output=True, text=True,
+                       env=bad)
+    assert r.returncode == 1 and "list buckets s3://: the S3 server" in r.stderr and "refused the credentials" in r.stderr
