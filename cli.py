@@ -124,8 +124,11 @@ def _with_platform(entry, platform_file: str | None):
 @cli.command("compile")
 @click.argument("pipeline")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="KFP IR YAML file to write.")
+@click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
+              help="A parameter's default in the compiled pipeline, as the KFP UI's run form shows it "
+                   "(repeatable; checked as run and submit check it).")
 @_platform_option
-def compile_cmd(pipeline, output, platform_file):
+def compile_cmd(pipeline, output, params, platform_file):
     """Compile PIPELINE to KFP IR YAML (upload it in the KFP UI or with `kfp-pytorch submit`)."""
     from kfp import compiler
 
@@ -136,15 +139,20 @@ def compile_cmd(pipeline, output, platform_file):
     # KFP writes .json too, but deprecated and without platform (Kubernetes) settings: YAML only.
     if problem := _output_problem(output, "-o/--output", (".yaml", ".yml")):
         raise ConfigError([problem], "give a writable KFP IR file path, e.g. -o pipeline.yaml")
+    entry = get_pipeline(pipeline)
+    values = _resolve_params(entry, params)
+    entry, platform = _with_platform(entry, platform_file)
     check_component_image()
-    entry, _ = _with_platform(get_pipeline(pipeline), platform_file)
-    compiler.Compiler().compile(entry.func, package_path=output)
-    click.echo(f"wrote {output}")
+    _before_submit(values, platform, notes=False)  # it runs on a KFP server, as a submitted one does
+    given = {k: values[k] for k in _parse_params(params)}  # only these: the others keep the pipeline's defaults
+    compiler.Compiler().compile(entry.func, package_path=output, pipeline_parameters=given or None)
+    click.echo(f"wrote {output}" + (f" (defaults: {', '.join(f'{k}={v}' for k, v in given.items())})" if given else ""))
 
 
-def _before_submit(values: dict, platform) -> None:
+def _before_submit(values: dict, platform, notes: bool = True) -> None:
     """Notes on a run bound for a KFP server whose results would not outlive its pods; and, before
-    anything is sent, what its serve step would refuse in the platform's KServe mode."""
+    anything is sent, what its serve step would refuse in the platform's KServe mode. Without
+    ``notes`` (compile: the values are defaults the run form can change), only the refusals."""
     uri = values.get("dataset_uri") or ""
     if uri and not uri.startswith(("s3://", "minio://", "sample://")):  # read by the prepare step's pod
         from pathlib import Path
@@ -158,9 +166,10 @@ def _before_submit(values: dict, platform) -> None:
                               f"upload it: `kfp-pytorch storage cp {uri} s3://BUCKET/datasets/` and pass "
                               f"--param dataset_uri=s3://BUCKET/datasets/{Path(path).name}",
                               title="invalid parameters")
-        click.echo(f"note: dataset_uri {uri} is a path: the prepare step's pod reads it from its own file system "
-                   "(the component image); a table on your machine must be uploaded first (`kfp-pytorch storage cp`)",
-                   err=True)
+        if notes:
+            click.echo(f"note: dataset_uri {uri} is a path: the prepare step's pod reads it from its own file "
+                       "system (the component image); a table on your machine must be uploaded first "
+                       "(`kfp-pytorch storage cp`)", err=True)
     if values.get("serve_backend") == "cluster":
         from kfp_pytorch.components.cluster import serving_mode_problems
         from kfp_pytorch.components.errors import ConfigError
@@ -173,7 +182,7 @@ def _before_submit(values: dict, platform) -> None:
         if problems:
             raise ConfigError(problems, "the serve step would refuse these in KServe's "
                                         f"{'RawDeployment' if raw else 'Serverless'} mode", title="invalid parameters")
-    if "tracking_uri" in values and not values["tracking_uri"] and not (platform and platform.mlflow_tracking_uri):
+    if notes and "tracking_uri" in values and not values["tracking_uri"] and not (platform and platform.mlflow_tracking_uri):
         click.echo("note: tracking_uri is empty: each step's pod would keep its MLflow runs and the registered model "
                    "in an embedded sqlite store that goes with the pod; pass --param tracking_uri=http://MLFLOW:5000 "
                    "or set mlflow_tracking_uri in --platform (unless the pods' environment sets MLFLOW_TRACKING_URI)",

@@ -64,6 +64,26 @@ def test_compile_parses_back_and_matches_golden(tmp_path):
         "compiled pipeline changed: review it, then rerun with UPDATE_GOLDEN=1"
 
 
+def test_compile_takes_parameters_as_the_compiled_pipelines_defaults(tmp_path):
+    out = tmp_path / "p.yaml"
+    r = run_cli("compile", "train_and_serve", "-o", str(out), "--param", "epochs=3",
+                "--param", "dataset_uri=s3://datasets/iris.csv", "--param", "label_column=species")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout == (f"wrote {out} (defaults: epochs=3, dataset_uri=s3://datasets/iris.csv, "
+                        "label_column=species)\n")
+    params = yaml.safe_load(out.read_text())["root"]["inputDefinitions"]["parameters"]
+    assert params["epochs"]["defaultValue"] == 3 and params["label_column"]["defaultValue"] == "species"
+    assert params["dataset_uri"]["defaultValue"] == "s3://datasets/iris.csv"
+    assert params["lr"]["defaultValue"] == 0.005  # one not given keeps the pipeline's own default
+    table = tmp_path / "iris.csv"
+    table.write_text("a,label\n1,0\n")
+    for bad, needle in [("epochs=many", "epochs: expected integer, got 'many'"),
+                        (f"dataset_uri={table}", "the KFP server's pods cannot read it")]:
+        out.unlink(missing_ok=True)
+        r = run_cli("compile", "train_and_serve", "-o", str(out), "--param", bad)
+        assert r.returncode == 2 and needle in r.stderr and not out.exists(), r.stderr
+
+
 def test_steps_that_read_changing_data_or_act_on_the_world_are_never_cached(tmp_path):
     # All steps were cached (KFP's default): a scheduled retraining with the same parameters
     # reused the first run's dataset, registered nothing and reported a server it did not check
