@@ -228,7 +228,8 @@ CSV_SEPARATORS = (",", ";", "\t", "|")
 
 def read_csv(path):
     """A CSV as spreadsheets write it: comma-, semicolon-, tab- or pipe-separated (the separator
-    that splits the header into the most columns; a comma on a tie), with decimal commas (``1,5``)
+    that splits the header into the most columns; on a tie, the one that reads the first rows best,
+    then a comma), with decimal commas (``1,5``)
     where the separator is a semicolon and the numbers are written so, and in UTF-8 (a BOM too) or,
     failing that, Windows-1252, the encoding Excel's plain "CSV" export uses in western locales.
 
@@ -250,7 +251,8 @@ def _read_csv(path, encoding: str):
     import pandas as pd
 
     widths = {sep: len(pd.read_csv(path, sep=sep, nrows=0, encoding=encoding).columns) for sep in CSV_SEPARATORS}
-    sep = max(CSV_SEPARATORS, key=lambda s: (widths[s], s == ","))
+    widest = [s for s in CSV_SEPARATORS if widths[s] == max(widths.values())]
+    sep = widest[0] if len(widest) == 1 else max(widest, key=lambda s: (_fit(path, s, encoding), s == ","))
     df = pd.read_csv(path, sep=sep, encoding=encoding)
     form = [] if sep == "," else [{";": "semicolon", "\t": "tab", "|": "pipe"}[sep] + "-separated"]
     if sep == ";" and any(df[c].dtype == object for c in df.columns):
@@ -263,6 +265,21 @@ def _read_csv(path, encoding: str):
     if form:
         df.attrs["csv_format"] = ", ".join(form)
     return df
+
+
+def _fit(path, sep: str, encoding: str, rows: int = 50) -> tuple[int, int]:
+    """How well ``sep`` reads the table's first rows, for separators that split its header alike
+    (``length, cm;width, cm`` splits in two at either): the rows it fills to the header's width,
+    then the numeric columns it makes of them (decimal commas read where the separator is a
+    semicolon, as Excel writes them). A separator whose rows are wider than the header scores last."""
+    import pandas as pd
+
+    try:
+        head = pd.read_csv(path, sep=sep, nrows=rows, encoding=encoding, decimal="," if sep == ";" else ".")
+    except (pd.errors.ParserError, ValueError):
+        return -1, -1
+    filled = int(head.notna().all(axis=1).sum())
+    return filled, sum(pd.api.types.is_numeric_dtype(head[c]) for c in head.columns)
 
 
 def _split_sizes(n: int, val_fraction: float, test_fraction: float) -> dict[str, int]:

@@ -291,6 +291,22 @@ def test_a_table_separated_by_semicolons_tabs_or_pipes_is_read_as_its_comma_twin
     assert meta["source_format"] == expect  # said in the step's log and the run's summary
 
 
+@pytest.mark.parametrize("sep, decimal, expect", [
+    (";", ",", "semicolon-separated, decimal commas"),  # German Excel: "Länge, cm" is not quoted there
+    (";", ".", "semicolon-separated"),
+    ("\t", ".", "tab-separated"),
+])
+def test_header_names_holding_a_comma_do_not_make_the_table_comma_separated(tmp_path, sep, decimal, expect):
+    # the header splits into as many columns at its commas as at its real separator: the rows decide
+    d = _table()
+    d.columns = ["length, cm", "width, cm", "depth, cm", "mass, kg", "label"]
+    d.to_csv(tmp_path / "t.csv", index=False, sep=sep, decimal=decimal)
+    assert "length, cm" in (tmp_path / "t.csv").read_text().splitlines()[0]  # unquoted, as spreadsheets write it
+    table = load_table(str(tmp_path / "t.csv"))
+    pd.testing.assert_frame_equal(table, d)
+    assert table.attrs.get("csv_format") == expect
+
+
 def _partitioned(tmp_path):
     """A table written as Spark and pandas write one: a folder of hive partitions, with a _SUCCESS
     marker, and the same rows as one file."""
