@@ -794,27 +794,46 @@ def cancel_cmd(run_id, host, namespace, token, ca_cert):
 @_platform_option
 @click.option("--replace", is_flag=True,
               help="Replace the experiment's recurring run of the same name (created first, the old one deleted after).")
+@click.option("--start", "start", default=None, metavar="WHEN",
+              help="No run before this ISO 8601 date or date-time (UTC unless it names a zone), e.g. 2027-01-04.")
+@click.option("--end", "end", default=None, metavar="WHEN",
+              help="No run after this ISO 8601 date or date-time, e.g. the end of a project: 2027-03-31T18:00:00Z.")
 def schedule_cmd(pipeline, host, namespace, experiment, token, ca_cert, cron, params, name, max_concurrency,
-                 platform_file, replace):
+                 platform_file, replace, start, end):
     """Create a recurring run of PIPELINE (e.g. nightly retraining)."""
     from datetime import datetime, timezone
 
     from kfp_pytorch.components._kfp import check_component_image
+    from kfp_pytorch.components.errors import ConfigError
     from kfp_pytorch.pipelines import get_pipeline
     from kfp_pytorch.pipelines.kfp_api import KfpApi
-    from kfp_pytorch.pipelines.schedule import next_runs, validate_cron
+    from kfp_pytorch.pipelines.schedule import next_runs, parse_window_time, rfc3339, validate_cron, window_problems
 
     cron = validate_cron(cron)
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    start_at = parse_window_time(start, "--start") if start else None
+    end_at = parse_window_time(end, "--end") if end else None
+    if problems := window_problems(start_at, end_at, now):
+        raise ConfigError(problems, "give an --end in the future and after --start", title="invalid schedule")
+    soon = [t for t in next_runs(cron, max(now, start_at or now)) if end_at is None or t <= end_at]
+    if not soon:  # a window shorter than the cron's period: a schedule that would never start a run
+        first = next_runs(cron, max(now, start_at or now), 1)[0]
+        raise ConfigError([f"--end: the cron '{cron}' fires first at {first:%Y-%m-%d %H:%M:%S} UTC, after the end "
+                           f"{end_at:%Y-%m-%d %H:%M:%S} UTC"],
+                          "give a later --end, or a cron that fires within the window", title="invalid schedule")
     entry = get_pipeline(pipeline)
     values = _resolve_params(entry, params)
     entry, platform = _with_platform(entry, platform_file)
     check_component_image()
     _before_submit(values, platform)
     api = KfpApi(host, namespace, token, ca_cert=ca_cert)
-    rr, replaced = api.schedule(entry, values, cron, experiment, name, max_concurrency, replace)
-    click.echo(f"recurring run {rr} created: {pipeline} at '{cron}'"
+    rr, replaced = api.schedule(entry, values, cron, experiment, name, max_concurrency, replace,
+                                start_time=rfc3339(start_at) if start_at else None,
+                                end_time=rfc3339(end_at) if end_at else None)
+    window = "".join([f" from {start_at:%Y-%m-%d %H:%M:%S} UTC" if start_at else "",
+                      f" until {end_at:%Y-%m-%d %H:%M:%S} UTC" if end_at else ""])
+    click.echo(f"recurring run {rr} created: {pipeline} at '{cron}'{window}"
                + (f" (replaced {', '.join(replaced)})" if replaced else ""))
-    soon = next_runs(cron, datetime.now(timezone.utc).replace(microsecond=0))
     click.echo("next runs: " + ", ".join(t.strftime("%Y-%m-%d %H:%M:%S") for t in soon)
                + " UTC (KFP reads the cron on its server's clock, UTC unless its time zone was changed)")
 
@@ -841,10 +860,13 @@ def schedules_cmd(host, namespace, experiment, token, ca_cert, as_json):
         cron = rr.trigger.cron_schedule.cron if rr.trigger and rr.trigger.cron_schedule else None
         every = (f"every {rr.trigger.periodic_schedule.interval_second}s"
                  if rr.trigger and rr.trigger.periodic_schedule else None)
-        nxt = _next_run(cron, now) if cron and str(rr.status) == "ENABLED" else None
+        nxt = _next_run(rr, now) if str(rr.status) == "ENABLED" else None
         lr = last.get(rr.recurring_run_id)
+        window = rr.trigger.cron_schedule if cron else None
         rows.append({"recurring_run_id": rr.recurring_run_id, "name": rr.display_name, "status": str(rr.status),
                      "schedule": cron or every or "-", "next_run": nxt, "max_concurrency": rr.max_concurrency,
+                     **{k: f"{t:%Y-%m-%d %H:%M:%S} UTC" for k in ("start_time", "end_time")
+                        if window and (t := getattr(window, k))},
                      "created_at": str(rr.created_at),
                      "last_run": lr and {"run_id": lr.run_id, "state": str(lr.state),
                                          "created_at": f"{lr.created_at:%Y-%m-%d %H:%M:%S} UTC"}})
@@ -857,7 +879,9 @@ def schedules_cmd(host, namespace, experiment, token, ca_cert, as_json):
         click.echo(f"no recurring runs in experiment {experiment!r}")
     for r in rows:
         lr = r["last_run"]
-        click.echo(f"{r['recurring_run_id']}  {r['status']:<9} {r['schedule']!r:<18} next: {r['next_run'] or '-':<24} "
+        ended = "end_time" in r and r["status"] == "ENABLED" and not r["next_run"]
+        click.echo(f"{r['recurring_run_id']}  {r['status']:<9} {r['schedule']!r:<18} "
+                   f"next: {('ended ' + r['end_time'][:16]) if ended else r['next_run'] or '-':<24} "
                    f"last: {(lr['state'] + ' ' + lr['created_at'][:16]) if lr else '-':<27} {r['name']}")
     if any(r["last_run"] and r["last_run"]["state"] == "FAILED" for r in rows):
         click.echo("why a run failed: kfp-pytorch follow RUN_ID (its failed task and error); "
@@ -875,14 +899,20 @@ def unschedule_cmd(name, host, namespace, experiment, token, ca_cert):
         click.echo(f"deleted recurring run {rid} ({name})")
 
 
-def _next_run(cron: str, now) -> str | None:
-    """When the cron next fires after ``now``, in UTC; None for a cron KFP took that croniter does not read."""
+def _next_run(rr, now) -> str | None:
+    """When the recurring run ``rr`` next fires after ``now``, in UTC, within its start and end
+    times; None when it has no cron, when its window has ended, or for a cron KFP took that
+    croniter does not read."""
     from kfp_pytorch.pipelines.schedule import next_runs
 
-    try:
-        return next_runs(cron, now, 1)[0].strftime("%Y-%m-%d %H:%M:%S UTC")
-    except (ValueError, KfpPytorchError):
+    cs = rr.trigger.cron_schedule if rr.trigger else None
+    if not cs or not cs.cron:
         return None
+    try:
+        t = next_runs(cs.cron, max(now, cs.start_time) if cs.start_time else now, 1)[0]
+    except (ValueError, TypeError, KfpPytorchError):
+        return None
+    return None if cs.end_time and t > cs.end_time else t.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _set_schedule(name, host, namespace, experiment, token, ca_cert, enabled: bool) -> None:
@@ -895,8 +925,7 @@ def _set_schedule(name, host, namespace, experiment, token, ca_cert, enabled: bo
         click.echo(f"{'resumed' if enabled else 'paused'} recurring run {rr.recurring_run_id} ({name}): {state}")
         if not enabled:
             continue
-        cron = rr.trigger.cron_schedule.cron if rr.trigger and rr.trigger.cron_schedule else None
-        if cron and (soon := _next_run(cron, datetime.now(timezone.utc).replace(microsecond=0))):
+        if soon := _next_run(rr, datetime.now(timezone.utc).replace(microsecond=0)):
             click.echo(f"next run: {soon}")
         if not rr.no_catchup:  # one made in the UI or by another tool: KFP backfills every slot it missed
             click.echo("note: catchup is on for this recurring run: KFP now starts a run for every slot missed while "

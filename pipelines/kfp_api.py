@@ -313,7 +313,8 @@ class KfpApi:
         return [rr for rr in resp.recurring_runs or [] if rr.display_name == name]
 
     def schedule(self, entry: PipelineEntry, params: dict, cron: str, experiment: str, name: str | None = None,
-                 max_concurrency: int = 1, replace: bool = False) -> tuple[str, list[str]]:
+                 max_concurrency: int = 1, replace: bool = False, start_time: str | None = None,
+                 end_time: str | None = None) -> tuple[str, list[str]]:
         """Create the recurring run; returns its id and the ids of those it replaced. A recurring run
         of the same name in the experiment is refused (re-running ``schedule`` after a change would
         otherwise start the pipeline twice per slot, kubeflow/pipelines#7435) unless ``replace``: then
@@ -329,7 +330,8 @@ class KfpApi:
         eid = self.experiment_id(experiment)
         rr = self._call("create recurring run", self.client.create_recurring_run, experiment_id=eid,
                         job_name=name, cron_expression=cron, pipeline_id=pid,
-                        version_id=vid, params=params, max_concurrency=max_concurrency, no_catchup=True)
+                        version_id=vid, params=params, max_concurrency=max_concurrency, no_catchup=True,
+                        start_time=start_time, end_time=end_time)
         for i, old in enumerate(existing):
             try:
                 self._call(f"delete the replaced recurring run {old.recurring_run_id}",

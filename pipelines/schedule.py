@@ -116,3 +116,32 @@ def next_runs(expr: str, after: datetime, n: int = 3) -> list[datetime]:
 
     it = croniter(_DESCRIBED.get(expr, expr), after, second_at_beginning=True, day_or=True)
     return [it.get_next(type(after)) for _ in range(n)]
+
+
+def parse_window_time(text: str, option: str) -> datetime:
+    """``--start`` / ``--end``: an ISO 8601 date (midnight) or date-time, UTC unless it names a zone,
+    as an aware UTC datetime to the second (what KFP's RFC 3339 trigger times hold)."""
+    from datetime import timezone
+
+    try:
+        t = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ConfigError([f"{option}: {text!r} is not an ISO 8601 date or date-time"],
+                          f"example: {option} 2027-03-31 or {option} 2027-03-31T18:00:00+01:00 (UTC unless a zone "
+                          "is given)", title="invalid schedule") from None
+    return (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).astimezone(timezone.utc).replace(microsecond=0)
+
+
+def window_problems(start: datetime | None, end: datetime | None, now: datetime) -> list[str]:
+    """What makes a schedule's window one that never starts a run."""
+    problems = []
+    if end is not None and end <= now:
+        problems.append(f"--end: {end:%Y-%m-%d %H:%M:%S} UTC has passed: the schedule would never start a run")
+    if start is not None and end is not None and end <= start:
+        problems.append(f"--end: {end:%Y-%m-%d %H:%M:%S} UTC is not after --start {start:%Y-%m-%d %H:%M:%S} UTC")
+    return problems
+
+
+def rfc3339(t: datetime) -> str:
+    """A UTC time as KFP's API takes a trigger's start_time / end_time: ``2027-03-31T00:00:00Z``."""
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")

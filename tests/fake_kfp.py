@@ -184,6 +184,11 @@ class FakeKfp:
             if cron is not None and not _robfig_parses(cron):
                 problems.append(f"Schedule cron is not a supported format(https://godoc.org/github.com/robfig/cron): "
                                 f"{cron!r}")
+            window = (body.get("trigger") or {}).get("cron_schedule") or {}
+            for key in ("start_time", "end_time"):  # google.protobuf.Timestamp in JSON: RFC 3339, as grpc-gateway parses it
+                if key in window and not re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)",
+                                                      str(window[key])):
+                    problems.append(f"proto: invalid google.protobuf.Timestamp value for {key}: {window[key]!r}")
         if problems:
             raise KfpError(400, "Invalid input error: " + "; ".join(problems))
         return spec

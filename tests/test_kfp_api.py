@@ -3,7 +3,7 @@ manifest dry runs; cron validation."""
 import json
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from datetime import time as dt_time
 
 import pytest
@@ -323,6 +323,40 @@ def test_next_runs_read_the_cron_as_kfp_does(cron, expected):
 
     after = datetime(2026, 12, 3, 14, 10, 5, tzinfo=timezone.utc)  # a Thursday
     assert [t.strftime("%Y-%m-%d %H:%M:%S") for t in next_runs(validate_cron(cron), after)] == expected
+
+
+def test_a_schedule_runs_within_a_window_from_start_until_end(kfp_server):
+    fake, url = kfp_server
+    r = cli("schedule", "train_and_serve", "--host", url, "--cron", "0 0 3 * * *", "--name", "q1",
+            "--start", "2099-01-04", "--end", "2099-03-31T18:00:00+01:00")
+    assert r.returncode == 0, r.stderr
+    [rr] = [x for x in fake.recurring.values() if x["display_name"] == "q1"]
+    assert rr["trigger"]["cron_schedule"]["start_time"] == "2099-01-04T00:00:00Z"  # a date is its midnight, UTC
+    assert rr["trigger"]["cron_schedule"]["end_time"] == "2099-03-31T17:00:00Z"  # a zone given is read, sent as UTC
+    assert "at '0 0 3 * * *' from 2099-01-04 00:00:00 UTC until 2099-03-31 17:00:00 UTC" in r.stdout
+    assert "next runs: 2099-01-04 03:00:00, 2099-01-05 03:00:00, 2099-01-06 03:00:00 UTC" in r.stdout  # from the start
+    r = cli("schedule", "train_and_serve", "--host", url, "--cron", "@hourly", "--name", "last-hours",
+            "--end", (datetime.now(timezone.utc).replace(minute=0, second=0, microsecond=0)
+                      + timedelta(hours=2, minutes=30)).isoformat())
+    assert r.returncode == 0 and r.stdout.count(":00:00") == 2, r.stdout  # the two runs before the end
+    created = len(fake.recurring)
+    for args, needle in [
+        (("--end", "2020-01-01"), "--end: 2020-01-01 00:00:00 UTC has passed: the schedule would never start a run"),
+        (("--start", "2099-02-01", "--end", "2099-01-01"), "--end: 2099-01-01 00:00:00 UTC is not after --start"),
+        (("--start", "next monday"), "--start: 'next monday' is not an ISO 8601 date or date-time"),
+        (("--start", "2099-01-04T01:00:00Z", "--end", "2099-01-04T02:00:00Z"),
+         "--end: the cron '0 0 3 * * *' fires first at 2099-01-04 03:00:00 UTC, after the end 2099-01-04 02:00:00 UTC"),
+    ]:
+        r = cli("schedule", "train_and_serve", "--host", url, "--cron", "0 0 3 * * *", "--name", "bad", *args)
+        assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(fake.recurring) == created  # nothing created for a window that never runs
+    r = cli("schedules", "--host", url, "--json")
+    [q1] = [x for x in json.loads(r.stdout) if x["name"] == "q1"]
+    assert (q1["start_time"], q1["end_time"]) == ("2099-01-04 00:00:00 UTC", "2099-03-31 17:00:00 UTC")
+    assert q1["next_run"] == "2099-01-04 03:00:00 UTC"  # not before its start
+    rr["trigger"]["cron_schedule"]["end_time"] = "2020-01-01T00:00:00Z"  # as a window that has passed reads
+    [line] = [x for x in cli("schedules", "--host", url).stdout.splitlines() if x.endswith(" q1")]
+    assert "next: ended 2020-01-01 00:00" in line, line
 
 
 def test_schedule_with_a_descriptor(kfp_server):
