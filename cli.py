@@ -548,15 +548,30 @@ def _bytes_bar(total: int, label: str):
 def storage_cp(source, dest):
     """Copy a file or a directory to S3 (SOURCE a local path, DEST s3://BUCKET/KEY or minio://), or
     from S3 (SOURCE an object or a prefix, DEST a local path): a table for a KFP run's dataset_uri,
-    a model to look at. A DEST ending in / (or an existing directory) takes the source's name.
-    A bar shows the bytes moved when stderr is a terminal."""
+    a model to look at; or from S3 to S3 inside the server (a dataset promoted to another bucket).
+    A DEST ending in / (or an existing directory) takes the source's name. A bar shows the bytes
+    moved when stderr is a terminal."""
     from kfp_pytorch.components.errors import StorageNotFound
     from kfp_pytorch.components.storage import Storage, join, parse_uri
 
     src, dst = parse_uri(source), parse_uri(dest)
-    if src.is_s3 == dst.is_s3:
-        raise click.UsageError("one of SOURCE and DEST must be s3:// (or minio://), the other a local path")
+    if not src.is_s3 and not dst.is_s3:
+        raise click.UsageError("SOURCE or DEST must be s3:// (or minio://); copy between local paths with cp")
     storage = Storage()
+    if src.is_s3 and dst.is_s3:  # inside the server, as `aws s3 cp s3://a s3://b` and `mc cp` do
+        name = PurePosixPath(src.key.rstrip("/")).name
+        if src.key and not src.key.endswith("/") and (entry := storage.stat(source)):
+            target = join(dest, name) if dest.endswith("/") or not dst.key else dest
+            storage.copy(source, target)
+            click.echo(f"copied 1 object, {_size(entry.size)}, to {target}")
+            return
+        found = [e for e in storage.entries(source) if not e.uri.endswith("/")]
+        if not found:
+            raise StorageNotFound(f"copy {source}: nothing stored there", _ls_hint(source))
+        target = join(dest, name) if dest.endswith("/") and name else dest
+        storage.copy_dir(source, target)
+        click.echo(f"copied {len(found)} object(s), {_size(sum(e.size for e in found))}, to {target}")
+        return
     if not src.is_s3:
         if not src.path.exists():
             raise StorageNotFound(f"copy {source}: no such file or directory", "check the path")

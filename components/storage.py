@@ -42,6 +42,7 @@ from .errors import StorageAuthError, StorageError, StorageNotFound, StorageUnre
 S3_SCHEMES = ("s3", "minio")
 _AUTH_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken", "ExpiredToken"}
 _NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "NoSuchObject"}
+_COPY_LIMIT = 5 * 1024**3  # S3's largest object one CopyObject copies; above it, a multipart copy
 _CHUNK = 8 * 1024 * 1024
 _TRANSFERS = 8  # objects moved at once by upload_dir / download_dir (the urllib3 pool holds 16 connections)
 _FILE_KEYS = ("endpoint", "access_key", "secret_key", "session_token", "region", "secure", "verify_ssl", "ca_bundle")
@@ -307,10 +308,10 @@ class Storage:
         where = f"{action} {loc}"
         endpoint = f"{'https' if self.config.secure else 'http'}://{self.config.endpoint}"
         if isinstance(e, S3Error):
-            if e.code == "NoSuchBucket" and action in ("upload", "write"):
+            if e.code == "NoSuchBucket" and action in ("upload", "write", "copy to"):
                 return StorageNotFound(f"{where}: there is no bucket {loc.bucket!r} ({e.code})",
                                        f"create it: `kfp-pytorch storage mb s3://{loc.bucket}` (or check the name: "
-                                       "`kfp-pytorch storage ls s3://BUCKET/`)")
+                                       "`kfp-pytorch storage ls` lists the buckets)")
             if e.code == "NoSuchBucket":
                 return StorageNotFound(f"{where}: {e.code} (there is no bucket {loc.bucket!r})",
                                        "check the bucket's name: `kfp-pytorch storage ls` lists the buckets")
@@ -331,6 +332,11 @@ class Storage:
                 "(certificate verify failed)",
                 "set AWS_CA_BUNDLE to the PEM file of the CA that signed it (or ca_bundle in the storage config); "
                 "S3_VERIFY_SSL=false turns the check off, for a lab only")
+        if isinstance(e, urllib3.exceptions.MaxRetryError) and isinstance(e.reason, urllib3.exceptions.ResponseError):
+            # reached, and it answered: a 5xx to every retry is the server's failure, not the network's
+            return StorageError(f"{where}: the S3 server at {endpoint} answered every retry with an error "
+                                f"({e.reason})", "the server's log says why (a full disk, a missing bucket on "
+                                "some servers, a backend down); try again once it is fixed")
         if _local_file_error(e):  # this machine's disk, not the network: a path, a permission, the space left
             in_the_way = " (a file stands where that path needs a folder)" if e.errno in (errno.EEXIST, errno.ENOTDIR) else ""
             return StorageError(f"{where}: {e.strerror or type(e).__name__}"
@@ -556,6 +562,32 @@ class Storage:
                 self.upload_file(p, join(uri, str(p.relative_to(src))), progress)
             return
         self._each([lambda p=p: self.upload_file(p, join(uri, str(p.relative_to(src))), progress) for p in files])
+
+    def copy(self, src: str, dst: str) -> int:
+        """Copy the object ``src`` to ``dst``, both on S3, inside the server (no byte passes through
+        here); returns its size. Above 5 GiB, S3's limit for one copy, it is copied in parts."""
+        a, b = self._object(src, "copy"), self._object(dst, "copy")
+        if not (a.is_s3 and b.is_s3):
+            raise StorageError(f"copy {src} -> {dst}: both must be on S3",
+                               "upload_file and download_file move a file between here and S3")
+        from minio.commonconfig import ComposeSource, CopySource
+
+        size = self._s3(a, "copy", self.client.stat_object, a.bucket, a.key).size or 0
+        if size <= _COPY_LIMIT:
+            self._s3(b, "copy to", self.client.copy_object, b.bucket, b.key, CopySource(a.bucket, a.key))
+        else:
+            self._s3(b, "copy to", self.client.compose_object, b.bucket, b.key, [ComposeSource(a.bucket, a.key)])
+        return size
+
+    def copy_dir(self, src: str, dst: str) -> list[str]:
+        """Copy every object under the prefix ``src`` to the same relative keys under ``dst``, inside
+        the server, ``_TRANSFERS`` at a time; returns the destination URIs."""
+        a = parse_uri(src)
+        base = a.key.rstrip("/") + "/" if a.key else ""
+        found = [u for u in self.list(src) if not u.endswith("/")]
+        targets = [join(dst, parse_uri(u).key[len(base):]) for u in found]
+        self._each([lambda u=u, t=t: self.copy(u, t) for u, t in zip(found, targets)])
+        return targets
 
     def _each(self, transfers: list[Callable[[], object]]) -> None:
         """Run one-object transfers ``_TRANSFERS`` at a time, as ``aws s3 cp --recursive`` and ``mc cp``

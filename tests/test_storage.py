@@ -503,3 +503,38 @@ def test_storage_ls_without_a_uri_lists_the_buckets_and_a_missing_one_points_the
     r = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "storage", "ls"], capture_output=True, text=True,
                        env=bad)
     assert r.returncode == 1 and "list buckets s3://: the S3 server" in r.stderr and "refused the credentials" in r.stderr
+
+
+def test_storage_cp_copies_from_s3_to_s3_inside_the_server(s3, bucket, monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    from kfp_pytorch.components import storage as storage_mod
+
+    cp = lambda *a: subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "storage", "cp", *a],  # noqa: E731
+                                   capture_output=True, text=True)
+    s3.write_bytes(f"s3://{bucket}/staging/iris.csv", b"a,label\n1,0\n")
+    s3.write_bytes(f"s3://{bucket}/staging/table/part-0.parquet", b"p" * 10)
+    s3.write_bytes(f"s3://{bucket}/staging/table/part-1.parquet", b"q" * 20)
+    r = cp(f"s3://{bucket}/staging/iris.csv", f"s3://{bucket}/prod/")  # a prefix: the object keeps its name
+    assert r.returncode == 0 and r.stdout == f"copied 1 object, 12 B, to s3://{bucket}/prod/iris.csv\n", r.stderr
+    r = cp(f"s3://{bucket}/staging/table", f"minio://{bucket}/prod/table-v2")
+    assert r.returncode == 0 and r.stdout == f"copied 2 object(s), 30 B, to minio://{bucket}/prod/table-v2\n"
+    assert s3.list(f"s3://{bucket}/prod") == [f"s3://{bucket}/prod/iris.csv", f"s3://{bucket}/prod/table-v2/part-0.parquet",
+                                               f"s3://{bucket}/prod/table-v2/part-1.parquet"]
+    assert s3.read_bytes(f"s3://{bucket}/prod/table-v2/part-1.parquet") == b"q" * 20
+    assert len(s3.list(f"s3://{bucket}/staging")) == 3  # a copy: the source stays
+    # no AWS_REGION: minio asks the bucket's location first, answered NoSuchBucket as MinIO answers the
+    # copy itself (with a region set, SeaweedFS answers a copy into a missing bucket with HTTP 500s)
+    env = {k: v for k, v in os.environ.items() if k != "AWS_REGION"}
+    r = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "storage", "cp", f"s3://{bucket}/staging/iris.csv",
+                        "s3://no-such-bucket-cp/x.csv"], capture_output=True, text=True, env=env)
+    assert r.returncode == 1 and "copy to s3://no-such-bucket-cp/x.csv: there is no bucket" in r.stderr, r.stderr
+    assert "`kfp-pytorch storage mb s3://no-such-bucket-cp`" in r.stderr
+    r = cp(f"s3://{bucket}/staging/iris.csv", "s3://no-such-bucket-cp/x.csv")  # SeaweedFS's 500s: reached, not unreachable
+    assert r.returncode == 1 and "answered every retry with an error (too many 500 error responses)" in r.stderr
+    assert "cannot reach" not in r.stderr
+    monkeypatch.setattr(storage_mod, "_COPY_LIMIT", 5)  # above S3's one-request limit: copied in parts
+    assert s3.copy(f"s3://{bucket}/staging/iris.csv", f"s3://{bucket}/big/iris.csv") == 12
+    assert s3.read_bytes(f"s3://{bucket}/big/iris.csv") == b"a,label\n1,0\n"
