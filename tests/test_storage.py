@@ -254,7 +254,7 @@ def test_storage_cp_uploads_and_downloads_files_and_directories(s3, bucket, tmp_
     r = cp(f"s3://{bucket}/nothing/", str(tmp_path / "n"))
     assert r.returncode == 1 and f"copy s3://{bucket}/nothing/: nothing stored there" in r.stderr
     r = cp(str(tmp_path / "iris.csv"), str(tmp_path / "copy.csv"))
-    assert r.returncode == 2 and "one of SOURCE and DEST must be s3://" in r.stderr
+    assert r.returncode == 2 and "SOURCE or DEST must be s3:// (or minio://); copy between local paths with cp" in r.stderr
 
 
 def test_copies_report_their_bytes_as_they_move(s3, bucket, tmp_path):
