@@ -3,6 +3,7 @@
 Reachability and authentication are checked first with one short request, so an unreachable
 or auth-protected host gets a clear error in seconds (``kfp.Client`` itself retries for ~25 s).
 """
+import contextlib
 import sys
 import tempfile
 import time
@@ -122,7 +123,10 @@ class KfpApi:
         import urllib3
 
         try:
-            return fn(*a, **kw)
+            # kfp.Client prints "Pipeline/Experiment/Run details: LINK" on stdout outside a notebook:
+            # on stderr, stdout stays what this tool says (a script reads the run id from it)
+            with contextlib.redirect_stdout(sys.stderr):
+                return fn(*a, **kw)
         except kfp_server_api.ApiException as e:
             if e.status in (401, 403):
                 raise KfpApiError(f"{what}: the KFP API refused the request (HTTP {e.status})",

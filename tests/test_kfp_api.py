@@ -202,6 +202,9 @@ def test_a_run_submitted_without_waiting_is_followed_later_by_its_id(kfp_server)
     r = cli("submit", "train_and_serve", "--host", url, "--no-wait")
     [run_id] = fake.runs
     assert r.returncode == 0 and f"follow it with: kfp-pytorch follow {run_id} --host {url}" in r.stderr
+    # stdout is ours alone, for a script to read the id from; kfp.Client's own links go to stderr
+    assert r.stdout == f"run {run_id} created: {url}/#/runs/details/{run_id}\n", r.stdout
+    assert f"Experiment details: {url}/#/experiments/details/" in r.stderr
     r = cli("follow", run_id, "--host", url)
     assert r.returncode == 0 and r.stdout == f"run {run_id}: SUCCEEDED\n", r.stdout + r.stderr
     assert f"run {run_id}: RUNNING" in r.stderr  # its states as they change, as submit shows them
