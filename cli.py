@@ -923,11 +923,12 @@ def _next_run(rr, now) -> str | None:
     cs = rr.trigger.cron_schedule if rr.trigger else None
     if not cs or not cs.cron:
         return None
-    try:
+    try:  # TypeError: a start or end time without a zone, which KFP does not send
         t = next_runs(cs.cron, max(now, cs.start_time) if cs.start_time else now, 1)[0]
+        ended = bool(cs.end_time) and t > cs.end_time
     except (ValueError, TypeError, KfpPytorchError):
         return None
-    return None if cs.end_time and t > cs.end_time else t.strftime("%Y-%m-%d %H:%M:%S UTC")
+    return None if ended else t.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _set_schedule(name, host, namespace, experiment, token, ca_cert, enabled: bool) -> None:
