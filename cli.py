@@ -562,7 +562,7 @@ def storage_cp(source, dest):
         name = PurePosixPath(src.key.rstrip("/")).name
         if src.key and not src.key.endswith("/") and (entry := storage.stat(source)):
             target = join(dest, name) if dest.endswith("/") or not dst.key else dest
-            storage.copy(source, target)
+            storage.copy(source, target, entry.size)
             click.echo(f"copied 1 object, {_size(entry.size)}, to {target}")
             return
         found = [e for e in storage.entries(source) if not e.uri.endswith("/")]

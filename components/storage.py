@@ -563,16 +563,18 @@ class Storage:
             return
         self._each([lambda p=p: self.upload_file(p, join(uri, str(p.relative_to(src))), progress) for p in files])
 
-    def copy(self, src: str, dst: str) -> int:
+    def copy(self, src: str, dst: str, size: int | None = None) -> int:
         """Copy the object ``src`` to ``dst``, both on S3, inside the server (no byte passes through
-        here); returns its size. Above 5 GiB, S3's limit for one copy, it is copied in parts."""
+        here); returns its size. Above 5 GiB, S3's limit for one copy, it is copied in parts.
+        ``size``, when the caller listed it already, saves asking the server for it again."""
         a, b = self._object(src, "copy"), self._object(dst, "copy")
         if not (a.is_s3 and b.is_s3):
             raise StorageError(f"copy {src} -> {dst}: both must be on S3",
                                "upload_file and download_file move a file between here and S3")
         from minio.commonconfig import ComposeSource, CopySource
 
-        size = self._s3(a, "copy", self.client.stat_object, a.bucket, a.key).size or 0
+        if size is None:
+            size = self._s3(a, "copy", self.client.stat_object, a.bucket, a.key).size or 0
         if size <= _COPY_LIMIT:
             self._s3(b, "copy to", self.client.copy_object, b.bucket, b.key, CopySource(a.bucket, a.key))
         else:
@@ -584,9 +586,9 @@ class Storage:
         the server, ``_TRANSFERS`` at a time; returns the destination URIs."""
         a = parse_uri(src)
         base = a.key.rstrip("/") + "/" if a.key else ""
-        found = [u for u in self.list(src) if not u.endswith("/")]
-        targets = [join(dst, parse_uri(u).key[len(base):]) for u in found]
-        self._each([lambda u=u, t=t: self.copy(u, t) for u, t in zip(found, targets)])
+        found = [e for e in self.entries(src) if not e.uri.endswith("/")]
+        targets = [join(dst, parse_uri(e.uri).key[len(base):]) for e in found]
+        self._each([lambda e=e, t=t: self.copy(e.uri, t, e.size) for e, t in zip(found, targets)])
         return targets
 
     def _each(self, transfers: list[Callable[[], object]]) -> None:
