@@ -565,11 +565,10 @@ def storage_cp(source, dest):
             storage.copy(source, target, entry.size)
             click.echo(f"copied 1 object, {_size(entry.size)}, to {target}")
             return
-        found = [e for e in storage.entries(source) if not e.uri.endswith("/")]
+        target = join(dest, name) if dest.endswith("/") and name else dest
+        found = storage.copy_dir(source, target)  # listed once, there
         if not found:
             raise StorageNotFound(f"copy {source}: nothing stored there", _ls_hint(source))
-        target = join(dest, name) if dest.endswith("/") and name else dest
-        storage.copy_dir(source, target)
         click.echo(f"copied {len(found)} object(s), {_size(sum(e.size for e in found))}, to {target}")
         return
     if not src.is_s3:

@@ -581,15 +581,15 @@ class Storage:
             self._s3(b, "copy to", self.client.compose_object, b.bucket, b.key, [ComposeSource(a.bucket, a.key)])
         return size
 
-    def copy_dir(self, src: str, dst: str) -> list[str]:
+    def copy_dir(self, src: str, dst: str) -> list[Entry]:
         """Copy every object under the prefix ``src`` to the same relative keys under ``dst``, inside
-        the server, ``_TRANSFERS`` at a time; returns the destination URIs."""
+        the server, ``_TRANSFERS`` at a time; returns the objects copied (none: nothing was there)."""
         a = parse_uri(src)
         base = a.key.rstrip("/") + "/" if a.key else ""
-        found = [e for e in self.entries(src) if not e.uri.endswith("/")]
-        targets = [join(dst, parse_uri(e.uri).key[len(base):]) for e in found]
-        self._each([lambda e=e, t=t: self.copy(e.uri, t, e.size) for e, t in zip(found, targets)])
-        return targets
+        found = [e for e in self.entries(src) if not e.uri.endswith("/")]  # not S3 consoles' folder markers
+        self._each([lambda e=e: self.copy(e.uri, join(dst, parse_uri(e.uri).key[len(base):]), e.size)
+                    for e in found])
+        return found
 
     def _each(self, transfers: list[Callable[[], object]]) -> None:
         """Run one-object transfers ``_TRANSFERS`` at a time, as ``aws s3 cp --recursive`` and ``mc cp``

@@ -525,6 +525,9 @@ def test_storage_cp_copies_from_s3_to_s3_inside_the_server(s3, bucket, monkeypat
                                                f"s3://{bucket}/prod/table-v2/part-1.parquet"]
     assert s3.read_bytes(f"s3://{bucket}/prod/table-v2/part-1.parquet") == b"q" * 20
     assert len(s3.list(f"s3://{bucket}/staging")) == 3  # a copy: the source stays
+    r = cp(f"s3://{bucket}/staging/nothing/", f"s3://{bucket}/prod/")
+    assert r.returncode == 1 and f"copy s3://{bucket}/staging/nothing/: nothing stored there" in r.stderr
+    assert f"`kfp-pytorch storage ls s3://{bucket}/staging/` lists what is there" in r.stderr
     # no AWS_REGION: minio asks the bucket's location first, answered NoSuchBucket as MinIO answers the
     # copy itself (with a region set, SeaweedFS answers a copy into a missing bucket with HTTP 500s)
     env = {k: v for k, v in os.environ.items() if k != "AWS_REGION"}
