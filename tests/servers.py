@@ -228,10 +228,19 @@ def postgres_database(server: Server, name: str) -> str:
 def serve_in_thread(handler_cls, tls=None) -> tuple["object", str]:
     """Start a stdlib ThreadingHTTPServer for ``handler_cls`` on 127.0.0.1 (a free port) in a daemon
     thread; with ``tls`` (an ``ssl.SSLContext`` for a server), over HTTPS."""
+    import sys
     import threading
     from http.server import ThreadingHTTPServer
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler_cls)
+    class Quiet(ThreadingHTTPServer):
+        def handle_error(self, request, client_address):
+            # A client that hangs up (a watch it stopped reading, a keep-alive socket it closed) is
+            # not the server's error: a real API server does not print a traceback for it either.
+            if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+                return
+            super().handle_error(request, client_address)
+
+    server = Quiet(("127.0.0.1", 0), handler_cls)
     server.daemon_threads = True
     if tls is not None:
         server.socket = tls.wrap_socket(server.socket, server_side=True)

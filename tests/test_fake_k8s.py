@@ -244,3 +244,29 @@ def test_a_pod_whose_mounts_name_no_volume_or_share_a_path_is_invalid(k8s):
                                      '\\"/dev/shm\\": must be unique' in e.value.body
     p["spec"]["containers"][0]["volumeMounts"].pop()
     assert core.create_namespaced_pod("a", p).spec.volumes[0].empty_dir.medium == "Memory"
+
+
+def test_a_client_that_hangs_up_is_not_a_server_error(_fake_k8s_server, capfd):
+    """A client resetting its keep-alive connection (as the official client does when a watch is
+    stopped early) prints no traceback into the test output; a real API server does not either."""
+    import socket
+    import struct
+    import time
+    from urllib.parse import urlparse
+
+    fake, url = _fake_k8s_server
+    u = urlparse(url)
+
+    def ask(path: bytes) -> bytes:
+        s = socket.create_connection((u.hostname, u.port))
+        s.sendall(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        got = s.recv(65536)
+        # SO_LINGER 0: close with a RST, as a client dropping a socket mid-keep-alive does
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+        time.sleep(0.3)  # the server's thread reads the next request line and meets the reset
+        return got
+
+    assert ask(b"/version").split(b"\r\n", 1)[0].endswith(b" 200 OK")
+    assert ask(b"/api/v1/namespaces/a/pods").split(b"\r\n", 1)[0].endswith(b" 200 OK")
+    assert "Exception occurred" not in capfd.readouterr().err
