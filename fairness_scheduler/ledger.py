@@ -79,6 +79,21 @@ def _check_sqlite_file(url: str) -> None:
                           "check --ledger: it is the scheduler's ledger URL, created when the scheduler first starts")
 
 
+def _db_reason(e: BaseException) -> str:
+    """The database's own words for ``e``: SQLAlchemy wraps them with the SQL it ran and a
+    "Background on this error" link, which tell a user of the CLI nothing."""
+    orig = getattr(e, "orig", None)
+    return " ".join(str(orig if orig is not None else e).split())
+
+
+def _db_hint(url: str, e: BaseException) -> str:
+    if url.startswith("sqlite") and "not a database" in str(e):
+        return "that file is not a SQLite database: check --ledger (sqlite:///PATH of the scheduler's ledger)"
+    if url.startswith("sqlite"):
+        return "check --ledger (sqlite:///PATH of the scheduler's ledger) and that its folder may be written"
+    return "check --ledger (sqlite:///PATH of the scheduler's ledger, or a database URL) and that the database server is up"
+
+
 def _decay(r: Resources, dt: float, half_life: float) -> Resources:
     if dt <= 0 or math.isinf(half_life):
         return r
@@ -153,12 +168,14 @@ class UsageLedger:
         try:
             md.create_all(self.engine)
         except Exception as e:
-            raise LedgerError(f"cannot create the ledger tables at {url}: {e}",
-                              "check that the database server is up and that the URL's user may create tables") from e
+            hint = _db_hint(self.url, e)
+            if not self.url.startswith("sqlite"):
+                hint += ", and that the URL's user may create tables"
+            raise LedgerError(f"cannot create the ledger tables at {url}: {_db_reason(e)}", hint) from e
         try:  # a ledger written before the index existed gets it now
             self._once.create(self.engine, checkfirst=True)
         except Exception as e:
-            raise LedgerError(f"cannot index the usage intervals of {url}: {e}",
+            raise LedgerError(f"cannot index the usage intervals of {url}: {_db_reason(e)}",
                               "a workload has two intervals with the same start: remove the duplicate row") from e
         meta = self._read_meta()
         stored = float(meta["half_life"]) if "half_life" in meta else None
@@ -180,9 +197,8 @@ class UsageLedger:
         try:
             names = set(inspect(self.engine).get_table_names())
         except Exception as e:
-            raise LedgerError(f"cannot open usage ledger {self.display_url}: {e}",
-                              "check --ledger (sqlite:///PATH of the scheduler's ledger, or a database URL) "
-                              "and that the database server is up") from e
+            raise LedgerError(f"cannot open usage ledger {self.display_url}: {_db_reason(e)}",
+                              _db_hint(self.url, e)) from e
         missing = [t for t in ("usage_intervals", "usage_aggregates", "ledger_meta") if t not in names]
         if missing:
             raise LedgerError(f"{self.display_url} holds no usage ledger (missing tables: {', '.join(missing)})",

@@ -166,6 +166,20 @@ def test_a_password_in_the_ledger_url_is_never_shown(postgres_server, capsys):
     down = f"postgresql+psycopg://kfp:s3cret@127.0.0.1:{free_port()}/x?connect_timeout=2"
     rc, out, err = _run(capsys, "ledger", "compact", "--ledger", down, "--older-than", "1d")
     assert rc == 1 and "cannot open usage ledger" in err and "s3cret" not in out + err and "kfp:***@" in err
+    assert "Background on this error" not in err and "sqlalche.me" not in err  # the database's words only
+
+
+def test_a_file_that_is_not_a_ledger_database_is_named_as_such(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a database, just words\n" * 100)
+    rc, out, err = _run(capsys, "ledger", "show", "--ledger", f"sqlite:///{notes}")
+    assert rc == 1 and out == "" and err.startswith(f"Error: cannot open usage ledger sqlite:///{notes}: "
+                                                    "file is not a database\n")
+    assert "hint: that file is not a SQLite database" in err and "database server" not in err
+    assert "sqlalche.me" not in err and notes.read_text().startswith("not a database")  # left as it was
+    with pytest.raises(LedgerError) as e:  # the scheduler opening it to write says the same
+        UsageLedger(f"sqlite:///{notes}")
+    assert e.value.message.endswith(": file is not a database") and "not a SQLite database" in e.value.hint
 
 
 def test_compacted_usage_is_never_shown_for_a_time_it_cannot_be_known(tmp_path, capsys):

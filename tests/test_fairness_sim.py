@@ -366,7 +366,7 @@ def test_ledger_errors_say_what_to_do():
 
     with pytest.raises(LedgerError, match=r"No module named 'pg8000'[\s\S]*pip install 'kfp-pytorch\[postgres\]'"):
         UsageLedger("postgresql+pg8000://kfp@127.0.0.1:1/ledger")
-    with pytest.raises(LedgerError, match=r"cannot create the ledger tables[\s\S]*check that the database server is up"):
+    with pytest.raises(LedgerError, match=r"cannot create the ledger tables[\s\S]*and that the database server is up, and that the URL's user may create tables"):
         UsageLedger(f"postgresql+psycopg://kfp@127.0.0.1:{free_port()}/ledger?connect_timeout=2")
 
 
