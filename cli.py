@@ -459,8 +459,12 @@ def serve_predict(name, table, url, model_uri, host_header, token, label_column,
     from kfp_pytorch.components.batch_predict import predict_table, resolve_target, weakest_label
     from kfp_pytorch.components.prepare_data import load_table
 
+    if output and (problem := _output_problem(output, "-o/--output")):  # before any row is sent
+        from kfp_pytorch.components.errors import ConfigError
+
+        raise ConfigError([problem], "give a file path in a folder that exists, or leave -o out for stdout")
     target = resolve_target(name, url, model_uri, host_header, token)
-    frame = load_table(table, label_column=label_column or "label")
+    frame = load_table(table, label_column=label_column or "label", what="TABLE")
     show = sys.stderr.isatty() and len(frame) > batch_size
     with click.progressbar(length=len(frame), label="predicting", file=sys.stderr) if show else nullcontext() as bar:
         preds, accuracy, label_column = predict_table(target, frame, label_column, source=table,

@@ -133,9 +133,10 @@ def image_shape(df, label_column: str, feature_columns=()):
     return shape if shape and feature_names(df, label_column, feature_columns) == feature_names(df, label_column) else None
 
 
-def load_table(uri: str, storage: Storage | None = None, label_column: str = "label"):
+def load_table(uri: str, storage: Storage | None = None, label_column: str = "label", what: str = "dataset_uri"):
     """Read the raw table as a DataFrame; ``sample://NAME`` gives a bundled dataset. Column names
-    are text, as the parameters that name them are (a Parquet file's may be numbers)."""
+    are text, as the parameters that name them are (a Parquet file's may be numbers). ``what``:
+    the name the user gave the table by (a parameter, a CLI argument), for the hint of a missing one."""
     import pandas as pd
 
     if uri.startswith(SAMPLE_SCHEME):
@@ -179,7 +180,7 @@ def load_table(uri: str, storage: Storage | None = None, label_column: str = "la
                     raise StorageNotFound(f"read {uri}: no such file", "check the path")
             except StorageNotFound as e:
                 raise DatasetError(f"dataset not found: {uri}",
-                                   "check dataset_uri; it must point at a CSV or Parquet file, or a directory "
+                                   f"check {what}; it must point at a CSV or Parquet file, or a directory "
                                    "of Parquet files (or use sample://digits)") from e
             if suffix in SPREADSHEET_SUFFIXES:
                 raise DatasetError(f"dataset {uri} is a spreadsheet workbook ({suffix}), not a table file",

@@ -310,6 +310,13 @@ def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_mod
     assert r.returncode == 2 and "feature column 'pixel_1_1' is not numeric (row 10: 'twelve')" in r.stderr, r.stderr
     r = cli("nothere", str(tmp_path / "plain.csv"))
     assert r.returncode == 1 and "no local model server named 'nothere'" in r.stderr and "--url" in r.stderr
+    # an output that cannot be written is refused before a row is sent (even to a server not there);
+    # a table that is not there names the argument it was given by
+    r = cli("nothere", str(tmp_path / "plain.csv"), "-o", str(tmp_path / "no-such-dir" / "p.csv"))
+    assert r.returncode == 2 and f"-o/--output: directory '{tmp_path / 'no-such-dir'}' does not exist" in r.stderr
+    assert "no local model server" not in r.stderr and not (tmp_path / "no-such-dir").exists()
+    r = cli("digits", str(tmp_path / "gone.csv"))
+    assert r.returncode == 2 and "dataset not found" in r.stderr and "hint: check TABLE;" in r.stderr, r.stderr
     # through an ingress gateway that routes by Host, as Istio does for KServe (404 for any other host)
     from http.server import BaseHTTPRequestHandler
 
