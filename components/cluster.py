@@ -13,7 +13,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from .errors import ConfigError
+from .errors import ConfigError, unknown_field
 from .train import WORKER_MODULE, TrainSpec, gpu_share_problem, worker_args
 
 FAIRNESS_GATE = "fairness.kfp-pytorch.io/admission"
@@ -141,8 +141,7 @@ def toleration_problems(tolerations, where: str) -> list[str]:
         if not isinstance(t, dict):
             problems.append(f"{at}: must be a mapping (key, operator, value, effect), got {t!r}")
             continue
-        problems += [f"{at}.{k}: unknown field (known: {', '.join(_TOLERATION_FIELDS)})"
-                     for k in t if k not in _TOLERATION_FIELDS]
+        problems += [unknown_field(f"{at}.{k}", k, _TOLERATION_FIELDS) for k in t if k not in _TOLERATION_FIELDS]
         key, op, value = t.get("key") or "", t.get("operator") or "Equal", t.get("value")
         if key and not LABEL_KEY.match(str(key)):
             problems.append(f"{at}.key: {key!r} is not a valid label key")

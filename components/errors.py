@@ -37,6 +37,21 @@ class ConfigError(KfpPytorchError):
         super().__init__(f"{title}:\n{body}", hint)
 
 
+def unknown_field(path: str, name: str, known) -> str:
+    """The problem line for a field ``name`` (at ``path``) that is not one of ``known``: the likely
+    meant ones for a typo (``gpu_tolerance``) or for a nested form of flat fields (``s3:`` for
+    ``s3_secret``, ``s3_endpoint``), else every known field."""
+    import difflib
+
+    known = sorted(known)
+    text = str(name)
+    near = difflib.get_close_matches(text, known, n=3, cutoff=0.6) or [k for k in known if k.startswith(f"{text}_")]
+    if near:
+        said = " or ".join(map(repr, near)) if len(near) < 3 else ", ".join(map(repr, near[:-1])) + f" or {near[-1]!r}"
+        return f"{path}: unknown field; did you mean {said}?"
+    return f"{path}: unknown field (known: {', '.join(known)})"
+
+
 class DatasetError(KfpPytorchError):
     """The dataset is missing or does not pass validation."""
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+from kfp_pytorch.components.errors import unknown_field
+
 from .errors import SchedulerConfigError
 from .model import UserConfig, placement_problem
 from .usage import parse_duration
@@ -208,7 +210,7 @@ def load_config(data: dict | None) -> SchedulerConfig:
     known = {f.name for f in fields(SchedulerConfig)}
     for k in data:
         if k not in known:
-            problems.append(f"{k}: unknown field (known: {', '.join(sorted(known))})")
+            problems.append(unknown_field(str(k), k, known))
     if "half_life" in data:
         v = _num(problems, "half_life", data["half_life"], 0, lo_open=True, duration=True)
         if v is not None:
@@ -236,7 +238,7 @@ def load_config(data: dict | None) -> SchedulerConfig:
     for k, value in fs.items():
         path = f"fairshare.{k}"
         if k not in fs_known:
-            problems.append(f"{path}: unknown field (known: {', '.join(sorted(fs_known))})")
+            problems.append(unknown_field(path, k, fs_known))
         elif k == "fairshare_mode":
             if value not in FAIRSHARE_MODES:
                 problems.append(f"{path}: must be one of {', '.join(FAIRSHARE_MODES)}, got {value!r}")
@@ -272,7 +274,7 @@ def load_config(data: dict | None) -> SchedulerConfig:
         seen.add(name)
         for k in u:
             if k not in ("name", "shares", "priority", "gpu_quota"):
-                problems.append(f"{path}.{k}: unknown field (known: name, shares, priority, gpu_quota)")
+                problems.append(unknown_field(f"{path}.{k}", k, ("name", "shares", "priority", "gpu_quota")))
         shares = _num(problems, f"{path}.shares", u.get("shares", cfg.default_shares), 0, lo_open=True)
         prio = u.get("priority", 1)
         if not isinstance(prio, int) or isinstance(prio, bool):

@@ -32,7 +32,7 @@ from kfp_pytorch.components.cluster import (DNS1123_SUBDOMAIN, ISTIO_INJECT, KUE
                                             S3_CA_BUNDLE, S3_CA_DIR, SERVING_MODES, label_problems,
                                             object_name_problems, pull_secret_problems, s3_keys_problems,
                                             serve_resources_problems, toleration_problems, train_resources_problems)
-from kfp_pytorch.components.errors import ConfigError
+from kfp_pytorch.components.errors import ConfigError, unknown_field
 from kfp_pytorch.components.storage import StorageError, parse_endpoint
 
 
@@ -119,7 +119,7 @@ def load_platform(data: dict | None) -> Platform:
     problems = []
     for k in data:
         if k not in _KNOWN:
-            problems.append(f"{k}: unknown field (known: {', '.join(sorted(_KNOWN))})")
+            problems.append(unknown_field(str(k), k, _KNOWN))
     for k in ("s3_secret", "s3_endpoint", "mlflow_tracking_uri", "mlflow_secret"):
         if k in data and not isinstance(data[k], str):
             problems.append(f"{k}: must be a string, got {data[k]!r}")

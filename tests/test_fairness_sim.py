@@ -288,14 +288,15 @@ def test_fairshare_protects_light_users_against_fifo():
 # ---- config --------------------------------------------------------------------------------------
 def test_config_reports_every_bad_field_with_its_path():
     with pytest.raises(SchedulerConfigError) as e:
-        load_config({"half_life": "soon", "policy": "lottery", "bogus": 1, "placement": "random",
+        load_config({"half_life": "soon", "policy": "lottery", "bogus": 1, "placement": "random", "halflife": 3,
                      "fairshare": {"weight_age": -1, "current_weight": 2, "fairshare_mode": "x", "age_exponent": 0,
                                    "typical_wait_half_life": 0, "large_gang_wait_ceiling": "a fortnight",
                                    "starvation_slowdown": -2, "starvation_slowdown_ceiling": "later"},
                      "users": [{"name": "a"}, {"name": "b", "shares": 0}, {"name": "c", "shares": 1},
-                               {"name": "d", "shares": -1, "priority": "high"}, {"name": "a"}]})
+                               {"name": "d", "shares": -1, "priority": "high"}, {"name": "a", "share": 2}]})
     text = str(e.value)
-    for needle in ("half_life: must be a duration", "policy: must be one of", "bogus: unknown field",
+    for needle in ("half_life: must be a duration", "policy: must be one of", "bogus: unknown field (known: ",
+                   "halflife: unknown field; did you mean 'half_life'?", "users[4].share: unknown field; did you mean 'shares'?",
                    "fairshare.weight_age: must be >= 0", "fairshare.current_weight: must be in [0, 1]",
                    "fairshare.fairshare_mode: must be one of classic, ratio, fairtree, got 'x'", "users[1].shares: must be > 0, got 0",
                    "users[3].shares: must be > 0, got -1", "users[3].priority: must be an integer",

@@ -760,10 +760,16 @@ def test_a_platform_with_retries_sets_kfps_retry_policy_on_every_step(tmp_path):
 
 def test_bad_platform_file_is_reported(tmp_path):
     plat = tmp_path / "platform.yaml"
-    plat.write_text("labels: {'bad key!': x}\ngpu_tolerations: [{operator: Maybe}]\nextra: 1\n")
+    plat.write_text("labels: {'bad key!': x}\ngpu_tolerations: [{operator: Maybe, toleration_seconds: 3}]\n"
+                    "extra: 1\nkueue_que: q\ns3: {secret: minio}\n")
     r = run_cli("compile", "train_and_serve", "-o", str(tmp_path / "p.yaml"), "--platform", str(plat))
     assert r.returncode == 2 and "labels.bad key!" in r.stderr and "gpu_tolerations[0].operator" in r.stderr
-    assert "extra: unknown field" in r.stderr
+    # a field that matches nothing lists the known ones; a typo, or a nested form of the flat
+    # s3_* fields, names what was likely meant
+    assert "extra: unknown field (known: gpu_node_selector, gpu_tolerations, " in r.stderr
+    assert "kueue_que: unknown field; did you mean 'kueue_queue'?\n" in r.stderr
+    assert "gpu_tolerations[0].toleration_seconds: unknown field; did you mean 'tolerationSeconds'?\n" in r.stderr
+    assert "s3: unknown field; did you mean 's3_ca_configmap', 's3_endpoint', 's3_keys' or 's3_secret'?\n" in r.stderr
 
 
 @pytest.mark.parametrize("body,needle", [
