@@ -451,18 +451,16 @@ def serve_logs(name, tail, previous):
 @click.option("--probabilities", is_flag=True,
               help="Add each class's probability as a column p_<class> (its name where the model's metadata is "
                    "known: a local server, or --model-uri; else its id).")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), default=None,
-              help="Write the predictions as CSV here (default: stdout).")
+@click.option("-o", "--output", metavar="FILE|URI", default=None,
+              help="Write the predictions as CSV here: a file, or s3://BUCKET/KEY (default: stdout).")
 def serve_predict(name, table, url, model_uri, host_header, token, label_column, batch_size, probabilities, output):
     """Predict every row of TABLE (CSV or Parquet: a path, s3://..., or sample://digits) with the
     model server NAME, and write row, prediction, confidence (and the row's label) as CSV."""
     from kfp_pytorch.components.batch_predict import predict_table, resolve_target, weakest_label
     from kfp_pytorch.components.prepare_data import load_table
 
-    if output and (problem := _output_problem(output, "-o/--output")):  # before any row is sent
-        from kfp_pytorch.components.errors import ConfigError
-
-        raise ConfigError([problem], "give a file path in a folder that exists, or leave -o out for stdout")
+    if output:  # before any row is sent: the predictions must have somewhere to go
+        _check_predictions_output(output)
     target = resolve_target(name, url, model_uri, host_header, token)
     frame = load_table(table, label_column=label_column or "label", what="TABLE")
     show = sys.stderr.isatty() and len(frame) > batch_size
@@ -471,7 +469,11 @@ def serve_predict(name, table, url, model_uri, host_header, token, label_column,
                                                       batch_size=batch_size,
                                                       on_batch=bar.update if bar is not None else None,
                                                       probabilities=probabilities)
-    if output:
+    if output and _is_s3(output):
+        from kfp_pytorch.components.storage import Storage
+
+        Storage().write_bytes(output, preds.to_csv(index=False).encode(), "text/csv")
+    elif output:
         preds.to_csv(output, index=False)
     else:
         click.echo(preds.to_csv(index=False), nl=False)
@@ -485,6 +487,33 @@ def serve_predict(name, table, url, model_uri, host_header, token, label_column,
     elif "label" in preds:
         note += f"; no row has a {label_column!r} to score against"
     click.echo(note + (f"; written to {output}" if output else ""), err=True)
+
+
+def _is_s3(uri: str) -> bool:
+    from kfp_pytorch.components.storage import S3_SCHEMES
+
+    return uri.partition("://")[0] in S3_SCHEMES and "://" in uri
+
+
+def _check_predictions_output(output: str) -> None:
+    """Refuse an -o that cannot take the predictions, before the server is asked for any."""
+    from kfp_pytorch.components.errors import ConfigError, StorageNotFound
+
+    if not _is_s3(output):
+        if problem := _output_problem(output, "-o/--output"):
+            raise ConfigError([problem], "give a file path in a folder that exists, s3://BUCKET/KEY, or leave -o "
+                                         "out for stdout")
+        return
+    from kfp_pytorch.components.storage import Storage, parse_uri
+
+    loc = parse_uri(output)
+    if not loc.key or loc.key.endswith("/"):
+        raise ConfigError([f"-o/--output: {output!r} names no object"], f"give the object's key, e.g. "
+                                                                          f"s3://{loc.bucket}/predictions.csv")
+    if not Storage().bucket_exists(output):
+        raise StorageNotFound(f"-o/--output: there is no bucket {loc.bucket!r}",
+                              f"create it: `kfp-pytorch storage mb s3://{loc.bucket}` (or check the name: "
+                              "`kfp-pytorch storage ls` lists the buckets)")
 
 
 @cli.group("storage")

@@ -527,10 +527,18 @@ class Storage:
             made = not loc.path.is_dir()
             loc.path.mkdir(parents=True, exist_ok=True)
             return made
-        if self._s3(loc, "check bucket", self.client.bucket_exists, loc.bucket):
+        if self.bucket_exists(uri):
             return False
         self._s3(loc, "create bucket", self.client.make_bucket, loc.bucket)
         return True
+
+    def bucket_exists(self, uri: str) -> bool:
+        """Whether the bucket of the S3 ``uri`` is there (a local path: whether its folder is), asked
+        before work whose result would go there: a missing one is found before, not after."""
+        loc = parse_uri(uri)
+        if not loc.is_s3:
+            return loc.path.parent.is_dir()
+        return bool(self._s3(loc, "check bucket", self.client.bucket_exists, loc.bucket))
 
     def download_dir(self, uri: str, dest: str | Path, progress: Callable[[int], None] | None = None) -> Path:
         """Copy every object below ``uri`` into ``dest`` keeping relative paths."""

@@ -637,3 +637,34 @@ def test_a_scored_tables_label_column_is_typed_as_its_predictions(endpoint, trai
     assert str(preds["label"].dtype) == "Int64" and preds["label"][:2].isna().all()
     assert accuracy == pytest.approx((preds["prediction"][2:] == preds["label"][2:]).mean())  # comparable as they are
     assert pd.isna(predict_table(resolve_target("digits"), table.assign(label=np.nan))[1])
+
+
+def test_serve_predict_writes_its_predictions_to_s3(endpoint, s3, bucket, tmp_path):
+    """-o s3://BUCKET/KEY puts the CSV in the store; a bucket that is not there, or a URI naming
+    no object, is refused before a row is sent."""
+    import io
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    from kfp_pytorch.components.prepare_data import load_table
+
+    cli = lambda *a: subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "serve", "predict", *a],  # noqa: E731
+                                    capture_output=True, text=True, timeout=300)
+    load_table("sample://digits").head(40).to_csv(tmp_path / "rows.csv", index=False)
+    local = cli("digits", str(tmp_path / "rows.csv"))
+    assert local.returncode == 0, local.stderr
+    uri = f"s3://{bucket}/scored/predictions.csv"
+    r = cli("digits", str(tmp_path / "rows.csv"), "-o", uri)
+    assert r.returncode == 0 and r.stdout == "" and "40 rows predicted by digits" in r.stderr, r.stderr
+    assert r.stderr.rstrip().endswith(f"; written to {uri}")
+    stored = pd.read_csv(io.BytesIO(s3.read_bytes(uri)))
+    assert stored.equals(pd.read_csv(io.StringIO(local.stdout))) and len(stored) == 40
+    # refused before any work: the server is not even looked up ('nothere' is no server)
+    r = cli("nothere", str(tmp_path / "rows.csv"), "-o", "s3://no-such-bucket-here/p.csv")
+    assert r.returncode == 1 and "-o/--output: there is no bucket 'no-such-bucket-here'" in r.stderr, r.stderr
+    assert "kfp-pytorch storage mb s3://no-such-bucket-here" in r.stderr and "no local model server" not in r.stderr
+    r = cli("nothere", str(tmp_path / "rows.csv"), "-o", f"s3://{bucket}/scored/")
+    assert r.returncode == 2 and f"-o/--output: 's3://{bucket}/scored/' names no object" in r.stderr, r.stderr
+    assert f"s3://{bucket}/predictions.csv" in r.stderr and s3.list(f"s3://{bucket}/") == [uri]
