@@ -595,10 +595,16 @@ def storage_cp(source, dest):
         name = PurePosixPath(src.key.rstrip("/")).name
         if src.key and not src.key.endswith("/") and (entry := storage.stat(source)):
             target = join(dest, name) if dest.endswith("/") or not dst.key else dest
+            if (tgt := parse_uri(target)).bucket == src.bucket and tgt.key == src.key:
+                raise click.UsageError(f"SOURCE and DEST are the same object, {target}: nothing to copy")
             storage.copy(source, target, entry.size)
             click.echo(f"copied 1 object, {_size(entry.size)}, to {target}")
             return
         target = join(dest, name) if dest.endswith("/") and name else dest
+        tgt, base = parse_uri(target), src.key.rstrip("/") + "/" if src.key.strip("/") else ""
+        if tgt.bucket == src.bucket and (tgt.key.rstrip("/") + "/").startswith(base):
+            # as cp -r refuses 'a' into 'a/b/a': each run would nest the copies one level deeper
+            raise click.UsageError(f"cannot copy {source} into itself ({target}): give a DEST outside it")
         found = storage.copy_dir(source, target)  # listed once, there
         if not found:
             raise StorageNotFound(f"copy {source}: nothing stored there", _ls_hint(source))

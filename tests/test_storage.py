@@ -525,6 +525,19 @@ def test_storage_cp_copies_from_s3_to_s3_inside_the_server(s3, bucket, monkeypat
                                                f"s3://{bucket}/prod/table-v2/part-1.parquet"]
     assert s3.read_bytes(f"s3://{bucket}/prod/table-v2/part-1.parquet") == b"q" * 20
     assert len(s3.list(f"s3://{bucket}/staging")) == 3  # a copy: the source stays
+    # onto itself, or a prefix into itself (each run would nest one level deeper): refused, nothing copied
+    r = cp(f"s3://{bucket}/staging/iris.csv", f"s3://{bucket}/staging/")
+    assert r.returncode == 2 and f"SOURCE and DEST are the same object, s3://{bucket}/staging/iris.csv" in r.stderr
+    for src, dst in ((f"s3://{bucket}/staging/", f"s3://{bucket}/staging/"), (f"s3://{bucket}/staging", f"s3://{bucket}/staging/old/"),
+                     (f"s3://{bucket}/", f"s3://{bucket}/backup/")):
+        r = cp(src, dst)
+        assert r.returncode == 2 and f"cannot copy {src} into itself" in r.stderr, (src, dst, r.stderr)
+    assert len(s3.list(f"s3://{bucket}/staging")) == 3 and len(s3.list(f"s3://{bucket}/")) == 6
+    r = cp(f"s3://{bucket}/staging", f"s3://{bucket}/staging-copy/")  # a sibling that shares the name's start
+    assert r.returncode == 0 and r.stdout.startswith("copied 3 object(s)") and s3.list(f"s3://{bucket}/staging/") == \
+        [f"s3://{bucket}/staging/iris.csv", f"s3://{bucket}/staging/table/part-0.parquet",
+         f"s3://{bucket}/staging/table/part-1.parquet"]
+    s3.delete_prefix(f"s3://{bucket}/staging-copy/")
     r = cp(f"s3://{bucket}/staging/nothing/", f"s3://{bucket}/prod/")
     assert r.returncode == 1 and f"copy s3://{bucket}/staging/nothing/: nothing stored there" in r.stderr
     assert f"`kfp-pytorch storage ls s3://{bucket}/staging/` lists what is there" in r.stderr
