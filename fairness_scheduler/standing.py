@@ -87,6 +87,8 @@ def user_standings(usage: dict[str, Resources], cfg: SchedulerConfig, capacity: 
 
 def format_standings(rows: list[UserStanding], header: list[str]) -> str:
     lines = list(header)
+    if not rows:  # no table of headings over nothing, as `kubectl get` says "No resources found"
+        return "\n".join(lines)
     cols = ("user", "shares", "tier", "GPU-h", "CPU-h", "GB-h", "usage U", "share S", "F", "user prio", "protected")
     table = [cols]
     for r in rows:

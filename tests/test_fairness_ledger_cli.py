@@ -198,3 +198,13 @@ def test_compacted_usage_is_never_shown_for_a_time_it_cannot_be_known(tmp_path, 
     assert "hint: ask for --at 1970-01-01T02:00:00Z or later" in err
     rc, out, err = _run(capsys, "ledger", "show", "--ledger", url, "--at", "7200", "--json")
     assert rc == 0 and json.loads(out)["users"][0]["usage"]["gpu_s"] == pytest.approx(interval_usage(Resources(1), 0, 3600, 7200, H).gpu)
+
+
+def test_a_new_ledger_shows_that_nothing_is_recorded_without_an_empty_table(tmp_path, capsys):
+    url = f"sqlite:///{tmp_path / 'new.db'}"
+    UsageLedger(url).close()  # as the scheduler leaves it on its first start
+    rc, out, err = _run(capsys, "ledger", "show", "--ledger", url, "--at", str(NOW))
+    assert rc == 0 and out.rstrip().endswith("no usage recorded and no users in the config"), out
+    assert "protected" not in out and "----" not in out
+    rc, out, _ = _run(capsys, "ledger", "show", "--ledger", url, "--at", str(NOW), "--json")
+    assert rc == 0 and json.loads(out)["users"] == []
