@@ -452,13 +452,14 @@ def serve_logs(name, tail, previous):
               help="Add each class's probability as a column p_<class> (its name where the model's metadata is "
                    "known: a local server, or --model-uri; else its id).")
 @click.option("-o", "--output", metavar="FILE|URI", default=None,
-              help="Write the predictions as CSV here: a file, or s3://BUCKET/KEY (default: stdout).")
+              help="Write the predictions as CSV here: a file, or s3://BUCKET/KEY (default, or '-': stdout).")
 def serve_predict(name, table, url, model_uri, host_header, token, label_column, batch_size, probabilities, output):
     """Predict every row of TABLE (CSV or Parquet: a path, s3://..., or sample://digits) with the
     model server NAME, and write row, prediction, confidence (and the row's label) as CSV."""
     from kfp_pytorch.components.batch_predict import predict_table, resolve_target, weakest_label
     from kfp_pytorch.components.prepare_data import load_table
 
+    output = None if output == "-" else output  # '-': stdout, as click's File type and most tools read it
     if output:  # before any row is sent: the predictions must have somewhere to go
         _check_predictions_output(output)
     target = resolve_target(name, url, model_uri, host_header, token)

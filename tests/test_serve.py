@@ -291,7 +291,7 @@ def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_mod
     r = cli("digits", str(tmp_path / "none.csv"))
     assert r.returncode == 0 and "3 rows predicted" in r.stderr and "no row has a 'label' to score against" in r.stderr
     table[features].head(7).to_csv(tmp_path / "plain.csv", index=False)
-    r = cli("digits", str(tmp_path / "plain.csv"), "--url", endpoint.url, "--probabilities")
+    r = cli("digits", str(tmp_path / "plain.csv"), "--url", endpoint.url, "--probabilities", "-o", "-")  # '-': stdout
     probs = pd.read_csv(io.StringIO(r.stdout))  # a model of class ids: a column per id
     assert r.returncode == 0 and list(probs.columns) == ["row", "prediction", "confidence", *(f"p_{c}" for c in range(10))]
     assert (probs[[f"p_{c}" for c in range(10)]].to_numpy().argmax(axis=1) == expected[:7]).all()
