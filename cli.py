@@ -583,11 +583,23 @@ def storage_cp(source, dest):
     """Copy a file or a directory to S3 (SOURCE a local path, DEST s3://BUCKET/KEY or minio://), or
     from S3 (SOURCE an object or a prefix, DEST a local path): a table for a KFP run's dataset_uri,
     a model to look at; or from S3 to S3 inside the server (a dataset promoted to another bucket).
-    A DEST ending in / (or an existing directory) takes the source's name. A bar shows the bytes
-    moved when stderr is a terminal."""
+    A DEST ending in / (or an existing directory) takes the source's name. SOURCE '-' uploads stdin
+    to the object DEST; DEST '-' writes the object SOURCE to stdout. A bar shows the bytes moved
+    when stderr is a terminal."""
     from kfp_pytorch.components.errors import StorageNotFound
     from kfp_pytorch.components.storage import Storage, join, parse_uri
 
+    if source == "-" and dest == "-":
+        raise click.UsageError("SOURCE and DEST cannot both be '-' (stdin, stdout)")
+    if dest == "-":  # as `aws s3 cp s3://b/k -`: the object to stdout
+        return click.get_current_context().invoke(storage_cat, uris=(source,))
+    if source == "-":  # as `aws s3 cp - s3://b/k`: stdin to one object, streamed in parts
+        loc = parse_uri(dest)
+        if not loc.is_s3 or not loc.key or loc.key.endswith("/"):
+            raise click.UsageError(f"with SOURCE '-' (stdin), DEST must name an object: s3://BUCKET/KEY, got {dest}")
+        sent = Storage().upload_stream(sys.stdin.buffer, dest)
+        click.echo(f"uploaded {_size(sent)} from stdin to {dest}")
+        return
     src, dst = parse_uri(source), parse_uri(dest)
     if not src.is_s3 and not dst.is_s3:
         raise click.UsageError("SOURCE or DEST must be s3:// (or minio://); copy between local paths with cp")

@@ -458,6 +458,26 @@ class Storage:
         self._s3(loc, "upload", self.client.fput_object, loc.bucket, loc.key, str(path),
                  progress=_Progress(progress) if progress else None)
 
+    def upload_stream(self, stream, uri: str, content_type: str = "application/octet-stream") -> int:
+        """Everything the binary file object ``stream`` (stdin) gives, to ``uri``, its length not known
+        first: a multipart upload in parts of 16 MiB, as `aws s3 cp - URI` sends it (an upload that
+        fails is aborted by minio, so no part is left stored). Returns the bytes sent."""
+        loc = self._object(uri, "upload")
+        counted = _CountingReader(stream)
+        if not loc.is_s3:
+            loc.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = loc.path.with_name(f".{loc.path.name}.tmp-{os.getpid()}")
+            try:
+                with open(tmp, "wb") as f:
+                    shutil.copyfileobj(counted, f)
+                os.replace(tmp, loc.path)
+            finally:
+                tmp.unlink(missing_ok=True)
+            return counted.bytes
+        self._s3(loc, "upload", self.client.put_object, loc.bucket, loc.key, counted, -1,
+                 content_type=content_type, part_size=_STREAM_PART)
+        return counted.bytes
+
     def download_file(self, uri: str, path: str | Path, progress: Callable[[int], None] | None = None) -> Path:
         """``uri`` to ``path``; ``progress``, if given, is called with the bytes of each chunk received."""
         loc, path = self._object(uri, "download"), Path(path)
@@ -620,6 +640,21 @@ class Storage:
                 for f in futures:
                     f.cancel()
                 raise
+
+
+_STREAM_PART = 16 * 1024 * 1024
+
+
+class _CountingReader:
+    """A binary stream that counts what is read from it (minio's put_object reads it by parts)."""
+
+    def __init__(self, stream):
+        self._stream, self.bytes = stream, 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._stream.read(size)
+        self.bytes += len(data)
+        return data
 
 
 def _atomic_write_local(path: Path, data: bytes) -> None:

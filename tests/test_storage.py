@@ -554,3 +554,34 @@ def test_storage_cp_copies_from_s3_to_s3_inside_the_server(s3, bucket, monkeypat
     monkeypatch.setattr(storage_mod, "_COPY_LIMIT", 5)  # above S3's one-request limit: copied in parts
     assert s3.copy(f"s3://{bucket}/staging/iris.csv", f"s3://{bucket}/big/iris.csv") == 12
     assert s3.read_bytes(f"s3://{bucket}/big/iris.csv") == b"a,label\n1,0\n"
+
+
+def test_storage_cp_streams_stdin_to_an_object_and_an_object_to_stdout(s3, bucket, tmp_path):
+    """`cp - URI` uploads what it is piped (its length unknown: in 16 MiB parts), `cp URI -` prints
+    the object, as `aws s3 cp` does."""
+    import io
+    import os
+    import subprocess
+    import sys
+
+    cp = lambda *a, data=b"": subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "storage", "cp", *a],  # noqa: E731
+                                             input=data, capture_output=True)
+    data = os.urandom(17 * 1024 * 1024 + 5)  # two parts, the second short
+    uri = f"s3://{bucket}/piped/export.bin"
+    r = cp("-", uri, data=data)
+    assert r.returncode == 0 and r.stdout.decode() == f"uploaded 17.0 MB from stdin to {uri}\n", r.stderr
+    assert s3.read_bytes(uri) == data
+    r = cp(uri, "-")
+    assert r.returncode == 0 and r.stdout == data
+    r = cp("-", f"s3://{bucket}/piped/empty.csv")  # nothing piped: an empty object, as aws s3 cp makes
+    assert r.returncode == 0 and s3.stat(f"s3://{bucket}/piped/empty.csv").size == 0
+    for dest in (f"s3://{bucket}/piped/", f"s3://{bucket}", str(tmp_path / "x")):
+        r = cp("-", dest, data=b"x")
+        assert r.returncode == 2 and "DEST must name an object: s3://BUCKET/KEY" in r.stderr.decode(), dest
+    r = cp(f"s3://{bucket}/piped/", "-")
+    assert r.returncode == 2 and r.stdout == b"" and "is a prefix with 2 object(s)" in r.stderr.decode()
+    assert s3.list(f"s3://{bucket}/piped/") == [f"s3://{bucket}/piped/empty.csv", uri]
+    # a local destination through the same method: written whole, then moved into place
+    target = tmp_path / "out" / "copy.bin"
+    assert s3.upload_stream(io.BytesIO(b"abc" * 1000), str(target)) == 3000 and target.read_bytes() == b"abc" * 1000
+    assert [p.name for p in target.parent.iterdir()] == ["copy.bin"]
