@@ -460,8 +460,7 @@ def serve_predict(name, table, url, model_uri, host_header, token, label_column,
     from kfp_pytorch.components.prepare_data import load_table
 
     output = None if output == "-" else output  # '-': stdout, as click's File type and most tools read it
-    if output:  # before any row is sent: the predictions must have somewhere to go
-        _check_predictions_output(output)
+    to_s3 = output is not None and _check_predictions_output(output)  # before any row is sent
     target = resolve_target(name, url, model_uri, host_header, token)
     frame = load_table(table, label_column=label_column or "label", what="TABLE")
     show = sys.stderr.isatty() and len(frame) > batch_size
@@ -470,7 +469,7 @@ def serve_predict(name, table, url, model_uri, host_header, token, label_column,
                                                       batch_size=batch_size,
                                                       on_batch=bar.update if bar is not None else None,
                                                       probabilities=probabilities)
-    if output and _is_s3(output):
+    if to_s3:
         from kfp_pytorch.components.storage import Storage
 
         Storage().write_bytes(output, preds.to_csv(index=False).encode(), "text/csv")
@@ -490,24 +489,18 @@ def serve_predict(name, table, url, model_uri, host_header, token, label_column,
     click.echo(note + (f"; written to {output}" if output else ""), err=True)
 
 
-def _is_s3(uri: str) -> bool:
-    from kfp_pytorch.components.storage import S3_SCHEMES
-
-    return uri.partition("://")[0] in S3_SCHEMES and "://" in uri
-
-
-def _check_predictions_output(output: str) -> None:
-    """Refuse an -o that cannot take the predictions, before the server is asked for any."""
+def _check_predictions_output(output: str) -> bool:
+    """Refuse an -o that cannot take the predictions, before the server is asked for any; True if
+    it is an S3 object."""
     from kfp_pytorch.components.errors import ConfigError, StorageNotFound
-
-    if not _is_s3(output):
-        if problem := _output_problem(output, "-o/--output"):
-            raise ConfigError([problem], "give a file path in a folder that exists, s3://BUCKET/KEY, or leave -o "
-                                         "out for stdout")
-        return
     from kfp_pytorch.components.storage import Storage, parse_uri
 
     loc = parse_uri(output)
+    if not loc.is_s3:
+        if problem := _output_problem(output, "-o/--output"):
+            raise ConfigError([problem], "give a file path in a folder that exists, s3://BUCKET/KEY, or leave -o "
+                                         "out for stdout")
+        return False
     if not loc.key or loc.key.endswith("/"):
         raise ConfigError([f"-o/--output: {output!r} names no object"], f"give the object's key, e.g. "
                                                                           f"s3://{loc.bucket}/predictions.csv")
@@ -515,6 +508,7 @@ def _check_predictions_output(output: str) -> None:
         raise StorageNotFound(f"-o/--output: there is no bucket {loc.bucket!r}",
                               f"create it: `kfp-pytorch storage mb s3://{loc.bucket}` (or check the name: "
                               "`kfp-pytorch storage ls` lists the buckets)")
+    return True
 
 
 @cli.group("storage")

@@ -553,11 +553,11 @@ class Storage:
         return True
 
     def bucket_exists(self, uri: str) -> bool:
-        """Whether the bucket of the S3 ``uri`` is there (a local path: whether its folder is), asked
-        before work whose result would go there: a missing one is found before, not after."""
+        """Whether the bucket of the S3 ``uri`` is there (a local path: whether that folder is, as
+        :meth:`ensure_bucket` makes it), asked before work whose result would go there."""
         loc = parse_uri(uri)
         if not loc.is_s3:
-            return loc.path.parent.is_dir()
+            return loc.path.is_dir()
         return bool(self._s3(loc, "check bucket", self.client.bucket_exists, loc.bucket))
 
     def download_dir(self, uri: str, dest: str | Path, progress: Callable[[int], None] | None = None) -> Path:
