@@ -95,7 +95,27 @@ def validate_cron(expr: str) -> str:
                 if (p := _field_problem(text, name, *bounds))]
     if problems:
         raise ConfigError(problems, 'example: --cron "0 0 3 * * *"', title="invalid schedule")
-    return " ".join(fields)
+    expr = " ".join(fields)
+    if not _ever_fires(expr):
+        raise ConfigError([f"cron {expr!r} never fires: no month given has the day of month {fields[3]!r}"],
+                          "February has 28 or 29 days; April, June, September and November 30. A day every month "
+                          'has (1-28) fires monthly: --cron "0 0 3 28 * *"', title="invalid schedule")
+    return expr
+
+
+def _ever_fires(expr: str) -> bool:
+    """Whether a 6-field expression matches any time in 5 years: robfig/cron's ``Next`` gives up
+    after 5 years and returns the zero time, so KFP would keep a recurring run that never starts
+    one (``0 0 3 31 2 *``: 31 February). croniter searches the same way."""
+    from datetime import timezone
+
+    from croniter import CroniterBadDateError
+
+    try:
+        next_runs(expr, datetime(2000, 1, 1, tzinfo=timezone.utc), 1)
+    except CroniterBadDateError:
+        return False
+    return True
 
 
 # robfig/cron's descriptors as the 6-field expressions they stand for
@@ -114,7 +134,8 @@ def next_runs(expr: str, after: datetime, n: int = 3) -> list[datetime]:
         return [after + step * (k + 1) for k in range(n)]
     from croniter import croniter
 
-    it = croniter(_DESCRIBED.get(expr, expr), after, second_at_beginning=True, day_or=True)
+    it = croniter(_DESCRIBED.get(expr, expr), after, second_at_beginning=True, day_or=True,
+                  max_years_between_matches=5)
     return [it.get_next(type(after)) for _ in range(n)]
 
 

@@ -478,6 +478,8 @@ def test_five_field_cron_shows_the_six_field_form(kfp_server):
 def test_options_kfp_would_refuse_are_refused_before_any_call(kfp_server):
     fake, url = kfp_server
     before = len(fake.requests)
+    r = cli("schedule", "train_and_serve", "--host", url, "--cron", "0 0 3 31 2 *")  # 31 February
+    assert r.returncode == 2 and "cron '0 0 3 31 2 *' never fires" in r.stderr and "Traceback" not in r.stderr
     r = cli("schedule", "train_and_serve", "--host", url, "--cron", "0 0 3 * * *", "--max-concurrency", "11")
     assert r.returncode == 2 and "'--max-concurrency': 11 is not in the range 1<=x<=10" in r.stderr
     r = cli("runs", "--host", url, "--namespace", "Team_A")
@@ -496,7 +498,11 @@ def test_options_kfp_would_refuse_are_refused_before_any_call(kfp_server):
                                      # robfig/cron's getRange: day of week 0-6, steps > 0, a-b with a <= b
                                      ("0 0 3 * * SUN", True), ("0 0 3/2 * * *", True), ("0 0 3 * JAN-MAR 1-5", True),
                                      ("0 0 3 * * 7", False), ("*/0 * * * * *", False), ("0 */x * * * *", False),
-                                     ("0 0 5-3 * * *", False), ("0 0 1-2-3 * * *", False), ("0 0 3 0 * *", False)])
+                                     ("0 0 5-3 * * *", False), ("0 0 1-2-3 * * *", False), ("0 0 3 0 * *", False),
+                                     # a date no month given has: robfig/cron's Next finds none, the run never starts
+                                     ("0 0 3 31 2 *", False), ("0 0 3 31 4,6,9,11 *", False), ("0 0 3 30 2 *", False),
+                                     ("0 0 3 29 2 *", True), ("0 0 3 31 * *", True), ("0 0 3 31 4,5 *", True),
+                                     ("0 0 3 31 2 MON", True)])  # day of month and of week both given: either
 def test_validate_cron(expr, ok):
     # KFP reads a recurring run's cron with robfig/cron's Parse: 6 fields or a descriptor
     if ok:
