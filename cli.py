@@ -1208,17 +1208,30 @@ def _unused_users_note(cfg, names) -> list[str]:
             f"(the users here: {some})"]
 
 
+def _read_scheduler_config(config: str | None):
+    """``--config``'s YAML and the scheduler config built from it (the defaults without one). A bad
+    field's problem names the file, as a YAML error does: several files may be in one command."""
+    from kfp_pytorch.components.errors import ConfigError
+    from kfp_pytorch.fairness_scheduler.config import load_config
+
+    raw = _read_yaml(config, "--config") if config else {}
+    try:
+        return raw, load_config(raw)
+    except ConfigError as e:
+        raise ConfigError([f"--config {config}: {p.removeprefix('(top level): ')}" for p in e.problems], e.hint,
+                          title="invalid scheduler configuration") from None
+
+
 def _config_and_half_life(config: str | None, half_life: str | None, problems: list[str]):
     """The scheduler config (``--config``, else the defaults) and the usage half-life in seconds:
     ``--half-life`` if given, else the config's. Problems are appended, not raised, so one error
     lists every bad option; ``(None, 1.0)`` stands in for what could not be read."""
     from kfp_pytorch.components.errors import ConfigError
-    from kfp_pytorch.fairness_scheduler.config import load_config
     from kfp_pytorch.fairness_scheduler.usage import parse_duration
 
     cfg = None
     try:
-        cfg = load_config(_read_yaml(config, "--config") if config else {})
+        cfg = _read_scheduler_config(config)[1]
     except ConfigError as e:
         problems += e.problems
     if half_life is None:
@@ -1430,7 +1443,6 @@ def ledger_show(ledger_url, at, half_life, config, capacity, as_json):
 
     Usage counts once a workload's interval is recorded in the ledger."""
     from kfp_pytorch.components.errors import ConfigError
-    from kfp_pytorch.fairness_scheduler.config import load_config
     from kfp_pytorch.fairness_scheduler.errors import LedgerError, SchedulerConfigError
     from kfp_pytorch.fairness_scheduler.ledger import UsageLedger
     from kfp_pytorch.fairness_scheduler.standing import (describe_half_life, format_standings, parse_capacity,
@@ -1441,8 +1453,7 @@ def ledger_show(ledger_url, at, half_life, config, capacity, as_json):
     t, hl = _ledger_time_and_half_life(at, half_life, problems)
     cfg = None
     try:
-        raw = _read_yaml(config, "--config") if config else {}
-        cfg = load_config(raw)
+        raw, cfg = _read_scheduler_config(config)
         if hl is None and isinstance(raw, dict) and "half_life" in raw:
             hl = cfg.half_life  # the scheduler opens its ledger with the config's half-life
     except ConfigError as e:  # bad YAML or a bad field: listed with the other problems

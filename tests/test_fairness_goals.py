@@ -265,7 +265,7 @@ def test_goals_cli_bad_input_lists_every_problem(tmp_path):
     for needle in (f"--traces: no *.csv in folder {empty}", "nope.csv does not exist", "--seeds: range '5-2' is empty",
                    "--plot: ", "--users: must be from 1 to 100,000, got 0", "--load: must be a finite number > 0, got 0", "--zipf: must be >= 0",
                    "--half-life: must be a duration",
-                   "--sets: unknown set 'quarters'", "fairshare.weight_age: must be >= 0", "--workers: must be"):
+                   "--sets: unknown set 'quarters'", f"--config {cfg}: fairshare.weight_age: must be >= 0", "--workers: must be"):
         assert needle in out.stderr, needle
     out = _goals()
     assert out.returncode == 2 and "--traces: give trace CSVs" in out.stderr

@@ -135,11 +135,14 @@ def test_ledger_cli_refuses_what_is_not_a_ledger_and_creates_nothing(tmp_path, c
     assert rc == 1 and "holds no usage ledger (missing tables: usage_intervals" in err and "Traceback" not in err
     assert sqlite3.connect(empty).execute("select count(*) from sqlite_master").fetchone() == (0,)
     # every bad option in one error, before the ledger is opened
+    cfg = tmp_path / "sched.yaml"
+    cfg.write_text("users: [{name: alice, shares: -1}]\n")
     rc, _, err = _run(capsys, "ledger", "show", "--ledger", str(missing), "--at", "yesterday", "--half-life", "0",
-                      "--capacity", "gpu=x,disk=3")
+                      "--capacity", "gpu=x,disk=3", "--config", str(cfg))
     assert rc == 2 and "Traceback" not in err
     for needle in ("--at: must be now, seconds since the epoch or an ISO 8601", "--half-life: must be a duration > 0",
-                   "--capacity: gpu must be a number >= 0, got 'x'", "--capacity: 'disk=3' is not one of"):
+                   "--capacity: gpu must be a number >= 0, got 'x'", "--capacity: 'disk=3' is not one of",
+                   f"--config {cfg}: users[0].shares: must be > 0, got -1"):
         assert needle in err, err
     rc, _, err = _run(capsys, "ledger", "compact", "--ledger", str(missing), "--older-than", "soon")
     assert rc == 2 and "--older-than: must be a duration >= 0" in err

@@ -633,7 +633,8 @@ def test_simulate_cli_bad_input(tmp_path):
                           "--workers", "0", "--seed", "-1"], capture_output=True, text=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     for needle in ("--policies: unknown policy 'x'", "--half-life: must be a duration", "--users: must be from 1 to 100,000, got 0",
-                   "--load: must be a finite number > 0", "fairshare.weight_age: must be >= 0", "users[0].shares: must be > 0",
+                   "--load: must be a finite number > 0", f"--config {cfg}: fairshare.weight_age: must be >= 0",
+                   f"--config {cfg}: users[0].shares: must be > 0",  # the file named: --config is one of many options
                    "--workers: must be an integer >= 1, got 0", "--seed: must be >= 0, got -1"):
         assert needle in out.stderr, needle
     out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(TRACES / "cluster10.csv"),
@@ -649,7 +650,7 @@ def test_simulate_cli_bad_input(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(TRACES / "cluster10.csv"),
                           "--schedule", str(tmp_path / "s.json")], capture_output=True, text=True)
     assert out.returncode == 2 and "--schedule: " in out.stderr and "must end in one of .csv" in out.stderr
-    for text, needle in (("- a\n- b\n", "(top level): must be a mapping of fields, got list"),
+    for text, needle in (("- a\n- b\n", f"--config {cfg}: must be a mapping of fields, got list"),
                          ("a: [\n", "not valid YAML"), ("\x81\x00\xff", "not UTF-8 text")):  # was a traceback
         cfg.write_bytes(text.encode("latin-1"))
         out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(bad), "--config",
