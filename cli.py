@@ -117,7 +117,11 @@ def _with_platform(entry, platform_file: str | None):
         return entry, None
     if entry.build is None:
         raise ConfigError([f"pipeline {entry.name} takes no platform settings"])
-    platform = load_platform(_read_yaml(platform_file, "--platform"))
+    raw = _read_yaml(platform_file, "--platform")
+    try:
+        platform = load_platform(raw)
+    except ConfigError as e:
+        raise ConfigError(e.problems, e.hint, title=f"invalid platform settings in --platform {platform_file}") from None
     return dataclasses.replace(entry, func=entry.build(platform)), platform
 
 

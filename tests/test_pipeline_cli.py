@@ -764,6 +764,7 @@ def test_bad_platform_file_is_reported(tmp_path):
                     "extra: 1\nkueue_que: q\ns3: {secret: minio}\n")
     r = run_cli("compile", "train_and_serve", "-o", str(tmp_path / "p.yaml"), "--platform", str(plat))
     assert r.returncode == 2 and "labels.bad key!" in r.stderr and "gpu_tolerations[0].operator" in r.stderr
+    assert f"Error: invalid platform settings in --platform {plat}:\n" in r.stderr  # which file, of several options
     # a field that matches nothing lists the known ones; a typo, or a nested form of the flat
     # s3_* fields, names what was likely meant
     assert "extra: unknown field (known: gpu_node_selector, gpu_tolerations, " in r.stderr
