@@ -294,6 +294,18 @@ def local_memory_problem(workers: int, available: int) -> tuple[str, str] | None
             f"run at most {fit} local workers, or train on the cluster (train_backend=cluster)")
 
 
+def local_cpu_note(workers: int, cpus: float) -> str | None:
+    """A note when ``workers`` local processes outnumber the CPUs: they take turns, so each
+    imports torch and steps that much slower, and the run is slower than with one per CPU (DDP
+    splits the same epochs among them). Not an error: a DDP check may want more workers than cores."""
+    if workers <= cpus:
+        return None
+    fit = max(1, int(cpus))
+    return (f"note: workers={workers} local processes share {cpus:g} CPU{'' if cpus == 1 else 's'}, so they take "
+            f"turns and the run is slower than with workers={fit}; train on the cluster (train_backend=cluster) "
+            "for more workers")
+
+
 class Backend(Protocol):
     def run(self, spec: TrainSpec) -> None:
         """Run the job to completion, or raise TrainingError."""
@@ -322,8 +334,14 @@ class LocalBackend:
         env = dict(os.environ)
         env["TMPDIR"] = scratch
         env.update(replica_env(1, spec.workers, 0, "127.0.0.1", free_port(), spec.max_restarts))
-        env.setdefault("OMP_NUM_THREADS", str(max(1, int(available_cpus() // spec.workers))))
+        cpus = available_cpus()
+        env.setdefault("OMP_NUM_THREADS", str(max(1, int(cpus // spec.workers))))
         env["PYTHONUNBUFFERED"] = "1"
+        # said before the workers import torch, which takes seconds each: the step is not hung
+        print(f"[kfp-pytorch] starting {spec.workers} local DDP worker{'s' if spec.workers > 1 else ''} (torchrun) "
+              f"on {cpus:g} CPU{'' if cpus == 1 else 's'}, {env['OMP_NUM_THREADS']} thread(s) each", flush=True)
+        if note := local_cpu_note(spec.workers, cpus):
+            print(f"[kfp-pytorch] {note}", file=sys.stderr, flush=True)
         cmd = worker_command(spec, sys.executable)
         tail: collections.deque[str] = collections.deque(maxlen=400)
         # Own process group: on timeout, Ctrl-C or SIGTERM the whole tree goes, no orphans.

@@ -7,7 +7,7 @@ from pathlib import Path
 from torch import nn
 
 PET_KEYS = ("TMPDIR", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "PET_NNODES",
-            "PET_NPROC_PER_NODE", "PET_NODE_RANK")
+            "PET_NPROC_PER_NODE", "PET_NODE_RANK", "OMP_NUM_THREADS")
 
 
 def tiny(input_dim, num_classes):

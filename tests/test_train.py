@@ -30,13 +30,24 @@ def test_trained_model_learns_and_writes_everything(trained_model):
     assert program(torch.zeros(5, 64)).shape == (5, 10)  # dynamic batch
 
 
-def test_workers_get_the_pytorchjob_environment(digits_data, tmp_path, monkeypatch):
+def test_workers_get_the_pytorchjob_environment(digits_data, tmp_path, monkeypatch, capfd):
     probe = tmp_path / "probe"
     monkeypatch.setenv("KFP_PYTORCH_TEST_PROBE_DIR", str(probe))
-    train(TrainSpec(digits_data, str(tmp_path / "out"), model="factories:env_probe", epochs=1, workers=2,
-                    progress="off"))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(mine)})  # one CPU for this process and the workers it starts
+    try:
+        train(TrainSpec(digits_data, str(tmp_path / "out"), model="factories:env_probe", epochs=1, workers=2,
+                        progress="off"))
+    finally:
+        os.sched_setaffinity(0, mine)
+    out, err = capfd.readouterr()
+    # said before the workers start (they take seconds each to import torch), and 2 workers on 1 CPU noted
+    assert "[kfp-pytorch] starting 2 local DDP workers (torchrun) on 1 CPU, 1 thread(s) each" in out
+    assert "note: workers=2 local processes share 1 CPU, so they take turns" in err and "workers=1;" in err
     envs = [json.loads((probe / f"rank-{r}.json").read_text()) for r in (0, 1)]
     for rank, env in enumerate(envs):
+        assert env["OMP_NUM_THREADS"] == "1"
         assert env["RANK"] == str(rank) and env["LOCAL_RANK"] == str(rank) and env["WORLD_SIZE"] == "2"
         assert env["PET_NNODES"] == "1" and env["PET_NPROC_PER_NODE"] == "2" and env["PET_NODE_RANK"] == "0"
         assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
@@ -68,6 +79,11 @@ def test_local_workers_size_their_threads_by_the_cgroups_cpu_quota(tmp_path):
     if mine >= 2:
         (v1 / "cpu.cfs_quota_us").write_text("150000\n")
         assert available_cpus(str(tmp_path / "v1")) == 1.5
+    # more workers than CPUs is noted (not refused: a DDP check may want it), naming what fits
+    from kfp_pytorch.components.train import local_cpu_note
+
+    assert local_cpu_note(2, 2.0) is None and local_cpu_note(1, 1.0) is None
+    assert "workers=3 local processes share 1.5 CPUs" in local_cpu_note(3, 1.5) and "workers=1;" in local_cpu_note(3, 1.5)
 
 
 def test_worker_command_is_the_replica_entrypoint():
