@@ -1553,15 +1553,24 @@ class _Terminated(BaseException):
     """SIGTERM or SIGHUP: the run is being stopped from outside (kill, timeout, a CI cancel)."""
 
 
+_HANDLER_PID: int | None = None
+"""The process that installed :func:`_stop_descendants`: a forked child (a simulation worker)
+inherits the handler, and must not run it."""
+
+
 def _stop_descendants(signum: int, frame) -> None:
     """Pass the signal on to every process this command started, then end it: kfp.local's task
     processes, and through them the torchrun workers, would otherwise run on, orphaned (Ctrl-C
     reaches the whole terminal group; a kill reaches this process only)."""
     import signal
 
-    import psutil
+    signal.signal(signum, signal.SIG_IGN)  # first: a second signal (timeout sends two) does not interrupt the clean-up
+    if os.getpid() != _HANDLER_PID:  # a forked child: end as the signal's default would, without a traceback
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    import psutil  # imported by main() already: an import here could be one the signal interrupted
 
-    signal.signal(signum, signal.SIG_IGN)  # once: a second signal does not interrupt the clean-up
     kids = psutil.Process().children(recursive=True)
     for kid in kids:
         try:
@@ -1580,6 +1589,10 @@ def _stop_descendants(signum: int, frame) -> None:
 def main(argv: list[str] | None = None) -> int:  # noqa: D103
     import signal
 
+    import psutil  # noqa: F401  (for the handler: importing it in the handler could meet a half-done import)
+
+    global _HANDLER_PID
+    _HANDLER_PID = os.getpid()
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
     for sig, handler in previous.items():

@@ -23,7 +23,7 @@ from .config import FairShareConfig
 from .errors import SchedulerConfigError, TraceError
 from .goals import (BASELINES, FAIR_BASELINES, GOALS, Check, baseline_checks, check, meets_all, miss_score,
                     missed, shared_misses)
-from .report import UserLookup, run_jobs, trace_people, workers_problems
+from .report import UserLookup, quiet_worker_signals, run_jobs, stop_pool_workers, trace_people, workers_problems
 from .simulator import METRICS
 from .trace import CUTS, PAIRS, TraceJob, capacity, cut, overlay, read_trace, trace_users
 
@@ -297,11 +297,15 @@ def _run_all(units: list[_Unit], workers: int, progress) -> list[dict]:
                 report()
         else:
             ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-            with ProcessPoolExecutor(min(workers, len(units)), mp_context=ctx) as ex:
+            with ProcessPoolExecutor(min(workers, len(units)), mp_context=ctx, initializer=quiet_worker_signals) as ex:
                 futures = {ex.submit(_run_unit, units[i]): i for i in order}
-                for fut in as_completed(futures):
-                    out[futures[fut]] = fut.result()
-                    report()
+                try:
+                    for fut in as_completed(futures):
+                        out[futures[fut]] = fut.result()
+                        report()
+                except BaseException:  # Ctrl-C, a kill: do not wait for the runs under way
+                    stop_pool_workers()
+                    raise
     finally:
         if bar is not None:
             bar.close()

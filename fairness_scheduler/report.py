@@ -144,7 +144,29 @@ _COST_ORDER = ("fairshare", "slurm-fairshare", "drf", "kueue-afs", "static-prior
 _worker_state: dict = {}
 
 
+def quiet_worker_signals() -> None:
+    """In a pool's worker process: Ctrl-C, a kill or a hang-up ends it as the signals' defaults do,
+    silently. A forked worker inherits the parent's Python handlers, so Ctrl-C (which reaches the
+    whole terminal group) printed a KeyboardInterrupt traceback from every worker; the parent
+    says what happened, once."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def stop_pool_workers() -> None:
+    """End this process's pool workers at once: on an interrupt the pool's shutdown would wait for
+    every simulation under way (minutes on a long trace). ``multiprocessing.active_children`` is
+    the public way to reach them; the executor keeps its processes private."""
+    import multiprocessing as mp
+
+    for child in mp.active_children():
+        child.terminate()
+
+
 def _worker_init(workloads, args, counter) -> None:
+    quiet_worker_signals()
     _worker_state.update(workloads=workloads, args=args, counter=counter)
 
 
@@ -181,13 +203,17 @@ def _run_parallel(workloads, policies: list[str], args: tuple, workers: int, pro
     with ProcessPoolExecutor(min(workers, len(policies)), mp_context=ctx, initializer=_worker_init,
                              initargs=(workloads, args, counter)) as ex:
         pending = {ex.submit(_worker_run, p): p for p in ordered}
-        while pending:
-            done, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
-            for f in done:
-                r = results[pending.pop(f)] = f.result()
-                r.workloads = workloads
-            if bar is not None:
-                bar.update(counter.value - bar.n)
+        try:
+            while pending:
+                done, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                for f in done:
+                    r = results[pending.pop(f)] = f.result()
+                    r.workloads = workloads
+                if bar is not None:
+                    bar.update(counter.value - bar.n)
+        except BaseException:  # Ctrl-C, a kill: do not wait for the simulations under way
+            stop_pool_workers()
+            raise
     if bar is not None:
         bar.close()
     return {p: results[p] for p in policies}

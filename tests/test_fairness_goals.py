@@ -417,3 +417,46 @@ def test_default_shares_apply_to_a_traces_own_users_and_not_to_drawn_ones(tmp_pa
         ("u0", 3, 1), ("u1", 1, 1), ("u2", 3, 1)]
     drawn = trace_people(read_trace(TRACES / "cluster10.csv"), 20, cfg.user)  # the protocol fixes 1 share each
     assert [(u.shares, u.priority) for u in drawn[:10]] == [(1, 3)] * 5 + [(1, 2)] * 2 + [(2, 1)] + [(1, 2)] * 2
+
+
+@pytest.mark.parametrize("command,how", [
+    (["simulate", "--trace", str(TRACES / "cluster07.csv"), "--workers", "2"], "ctrl-c"),
+    (["simulate", "--trace", str(TRACES / "cluster07.csv"), "--workers", "2"], "kill"),
+    (["goals", "--traces", str(TRACES / "cluster07.csv"), "--seeds", "0-3", "--workers", "2"], "interrupt"),
+])
+def test_stopping_a_parallel_run_ends_its_workers_without_tracebacks(command, how):
+    """Ctrl-C reaches the terminal's whole process group: every forked worker printed a
+    KeyboardInterrupt traceback. A kill reaches the CLI alone, which stops the workers it started;
+    a SIGINT to the CLI alone (kill -INT) must not wait for the runs under way (minutes)."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-m", "kfp_pytorch.cli", *command], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers := psutil.Process(proc.pid).children(recursive=True)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the workers never started"
+            time.sleep(0.05)
+        time.sleep(0.5)  # the workers are simulating
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM if how == "kill" else signal.SIGINT)
+        stopped = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        assert time.monotonic() - stopped < 10, "waited for the simulations under way"
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+        if how == "kill":
+            assert proc.returncode == 128 + signal.SIGTERM and "stopped by signal 15" in err, err
+        else:
+            assert proc.returncode == 130 and "Aborted." in err, err
+        _, alive = psutil.wait_procs(workers, timeout=5)
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
