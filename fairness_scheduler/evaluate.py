@@ -297,6 +297,7 @@ def _run_all(units: list[_Unit], workers: int, progress) -> list[dict]:
                 report()
         else:
             ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+            before = set(mp.active_children())
             with ProcessPoolExecutor(min(workers, len(units)), mp_context=ctx, initializer=quiet_worker_signals) as ex:
                 futures = {ex.submit(_run_unit, units[i]): i for i in order}
                 try:
@@ -304,7 +305,7 @@ def _run_all(units: list[_Unit], workers: int, progress) -> list[dict]:
                         out[futures[fut]] = fut.result()
                         report()
                 except BaseException:  # Ctrl-C, a kill: do not wait for the runs under way
-                    stop_pool_workers()
+                    stop_pool_workers(before)
                     raise
     finally:
         if bar is not None:

@@ -155,14 +155,16 @@ def quiet_worker_signals() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
-def stop_pool_workers() -> None:
-    """End this process's pool workers at once: on an interrupt the pool's shutdown would wait for
-    every simulation under way (minutes on a long trace). ``multiprocessing.active_children`` is
-    the public way to reach them; the executor keeps its processes private."""
+def stop_pool_workers(before: set) -> None:
+    """End a pool's workers at once: on an interrupt the pool's shutdown would wait for every
+    simulation under way (minutes on a long trace). The executor keeps its processes private, so
+    they are this process's ``multiprocessing.active_children()`` that were not there ``before``
+    the pool started: a caller's own processes (a notebook's) are left alone."""
     import multiprocessing as mp
 
     for child in mp.active_children():
-        child.terminate()
+        if child not in before:
+            child.terminate()
 
 
 def _worker_init(workloads, args, counter) -> None:
@@ -200,6 +202,7 @@ def _run_parallel(workloads, policies: list[str], args: tuple, workers: int, pro
                    leave=False, mininterval=0.5)
     ordered = sorted(policies, key=lambda p: _COST_ORDER.index(p) if p in _COST_ORDER else -1)
     results: dict[str, SimResult] = {}
+    before = set(mp.active_children())
     with ProcessPoolExecutor(min(workers, len(policies)), mp_context=ctx, initializer=_worker_init,
                              initargs=(workloads, args, counter)) as ex:
         pending = {ex.submit(_worker_run, p): p for p in ordered}
@@ -212,7 +215,7 @@ def _run_parallel(workloads, policies: list[str], args: tuple, workers: int, pro
                 if bar is not None:
                     bar.update(counter.value - bar.n)
         except BaseException:  # Ctrl-C, a kill: do not wait for the simulations under way
-            stop_pool_workers()
+            stop_pool_workers(before)
             raise
     if bar is not None:
         bar.close()

@@ -460,3 +460,25 @@ def test_stopping_a_parallel_run_ends_its_workers_without_tracebacks(command, ho
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_stopping_a_pool_leaves_the_callers_own_processes_alone():
+    # a notebook's own processes are not the pool's to end
+    import multiprocessing as mp
+    import time
+
+    from kfp_pytorch.fairness_scheduler.report import stop_pool_workers
+
+    ctx = mp.get_context("fork")
+    mine = ctx.Process(target=time.sleep, args=(30,))
+    mine.start()
+    try:
+        before = set(mp.active_children())
+        pool_worker = ctx.Process(target=time.sleep, args=(30,))
+        pool_worker.start()
+        stop_pool_workers(before)
+        pool_worker.join(5)
+        assert pool_worker.exitcode is not None and mine.is_alive()
+    finally:
+        mine.terminate()
+        mine.join()
