@@ -1248,7 +1248,7 @@ def _config_and_half_life(config: str | None, half_life: str | None, problems: l
 
 
 @cli.command("simulate")
-@click.option("--trace", "trace", required=True, type=click.Path(dir_okay=False), help="Trace CSV (itp-2021 format).")
+@click.option("--trace", "trace", required=True, type=click.Path(dir_okay=False), help="Trace CSV (itp-2021 format), plain or gzip-compressed.")
 @click.option("--policies", default="all", show_default=True, help="all, or a comma-separated list.")
 @click.option("--users", default=20, show_default=True, type=int,
               help="Users drawn by the Zipf law; the lighter half are the light users. A trace with a user "
@@ -1325,7 +1325,7 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
 
 @cli.command("goals")
 @click.option("--traces", "traces", multiple=True, type=click.Path(),
-              help="Trace CSV, or a folder of them; repeat for more.  [required]")
+              help="Trace CSV (plain or .csv.gz), or a folder of them; repeat for more.  [required]")
 @click.option("--seeds", default="0", show_default=True, help="User draws: 0-5, 0,3,7 or a mix.")
 @click.option("--sets", default="full", show_default=True,
               help="Job mixes, comma-separated: full (the traces), halves, thirds, middle (cut by submission "

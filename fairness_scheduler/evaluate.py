@@ -25,7 +25,7 @@ from .goals import (BASELINES, FAIR_BASELINES, GOALS, Check, baseline_checks, ch
                     missed, shared_misses)
 from .report import UserLookup, quiet_worker_signals, run_jobs, stop_pool_workers, trace_people, workers_problems
 from .simulator import METRICS
-from .trace import CUTS, PAIRS, TraceJob, capacity, cut, overlay, read_trace, trace_users
+from .trace import CUTS, PAIRS, TraceJob, capacity, cut, overlay, read_trace, trace_name, trace_users
 
 CACHE_VERSION = 2  # 2: every run's users (shares, tiers, quotas) are part of the key
 """Bump when a baseline's behaviour changes, so cached baseline metrics are not reused."""
@@ -37,7 +37,7 @@ class GoalRun:
 
     set: str
     trace: str
-    """The trace's file stem, plus the cut's suffix (``cluster03a``: the first half)."""
+    """The trace's name (:func:`.trace.trace_name`), plus the cut's suffix (``cluster03a``: the first half)."""
     seed: int
     metrics: dict[str, dict[str, float]]
     """Every policy's metrics, the protocol's names."""
@@ -94,14 +94,14 @@ def set_problems(sets: list[str], n_traces: int | None = None) -> list[str]:
 
 
 def trace_files(paths: list[str | Path]) -> tuple[list[Path], list[str]]:
-    """CSV files named, or found (``*.csv``) in the folders named; problems for the rest."""
+    """CSV files named, or found (``*.csv``, ``*.csv.gz``) in the folders named; problems for the rest."""
     files: list[Path] = []
     problems: list[str] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(p.glob("*.csv"))
+            found = sorted([*p.glob("*.csv"), *p.glob("*.csv.gz")])
             if not found:
-                problems.append(f"--traces: no *.csv in folder {p}")
+                problems.append(f"--traces: no *.csv or *.csv.gz in folder {p}")
             files += found
         elif p.is_file():
             files.append(p)
@@ -261,13 +261,13 @@ def _mixes(parsed: dict[Path, list[TraceJob]], sets: list[str]):
         if set_name == PAIRS:
             for i, k in _pairs(len(items)):
                 (f, a), (g, b) = items[i], items[k]
-                yield set_name, f"{f.stem}+{g.stem}", overlay(a, b, (f.stem, g.stem))
+                yield set_name, f"{trace_name(f)}+{trace_name(g)}", overlay(a, b, (trace_name(f), trace_name(g)))
             continue
         for f, jobs in items:
             for lo, hi, suffix in CUTS[set_name]:
                 part = cut(jobs, lo, hi)
                 if part:  # else a trace too short to cut this way
-                    yield set_name, f.stem + suffix, part
+                    yield set_name, trace_name(f) + suffix, part
 
 
 def _run_all(units: list[_Unit], workers: int, progress) -> list[dict]:

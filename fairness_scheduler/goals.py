@@ -46,7 +46,7 @@ STRICT = {
     "cluster07": replace(GENERIC, jain_min=0.95, light_wait_p95=0.15, min_service_min=0.6),
     "cluster09": replace(GENERIC, jain_min=0.95, light_wait_p95=0.15, min_service_min=0.6),
 }
-"""The issue's stricter targets, by trace name (file stem)."""
+"""The issue's stricter targets, by trace name (:func:`.trace.trace_name`: cluster02.csv.gz is cluster02)."""
 
 
 def targets_for(trace_name: str) -> Targets:

@@ -52,13 +52,37 @@ class TraceJob:
 
 MAX_LISTED = 20  # bad rows named in one error; the count says how many more there are
 
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+def trace_name(path: str | Path) -> str:
+    """A trace's name, as the goals' targets know it: the file name without ``.csv`` or ``.csv.gz``."""
+    name = Path(path).name
+    for suffix in (".gz", ".csv"):
+        name = name.removesuffix(suffix)
+    return name
+
+
+def _open_text(path: Path):
+    """The trace as text: plain, or gzip-compressed (traces are published as ``.csv.gz`` too),
+    told by its first bytes rather than its name."""
+    import gzip
+
+    with open(path, "rb") as raw:
+        compressed = raw.read(2) == _GZIP_MAGIC
+    opener = gzip.open if compressed else open
+    return opener(path, "rt", newline="", encoding="utf-8-sig")  # a BOM (spreadsheet exports) is not part of the header
+
+
+_NOT_TEXT = "give a CSV, plain or gzip-compressed (extract a .tar.gz or .zip first)"
+
 
 def read_trace(path: str | Path) -> list[TraceJob]:
     """Parse and validate. Every bad row is named (``file:line: what``) in one TraceError, so a
     trace is fixed in one pass rather than one error per run."""
     path = Path(path)
     try:
-        f = open(path, newline="", encoding="utf-8-sig")  # a BOM (spreadsheet exports) is not part of the header
+        f = _open_text(path)
     except FileNotFoundError as e:
         raise TraceError(f"trace file not found: {path}", "give a CSV with columns " + ", ".join(COLUMNS)) from e
     except OSError as e:
@@ -70,11 +94,12 @@ def read_trace(path: str | Path) -> list[TraceJob]:
         with f:
             _read_rows(reader, path, jobs, problems)
     except UnicodeDecodeError:  # decoded ahead in blocks: no line number to give
-        raise TraceError(f"{path}: not UTF-8 text", "give a plain-text CSV (decompress .gz/.tar.gz traces first)"
-                         ) from None
+        raise TraceError(f"{path}: not UTF-8 text", _NOT_TEXT) from None
     except csv.Error as e:
-        raise TraceError(f"{path}:{reader.line_num}: {e}", "give a plain-text CSV (decompress .gz/.tar.gz traces first)"
-                         ) from None
+        raise TraceError(f"{path}:{reader.line_num}: {e}", _NOT_TEXT) from None
+    except (EOFError, OSError) as e:  # gzip's: a truncated download, a corrupt member
+        raise TraceError(f"{path}: not a readable gzip file ({e})", "download the trace again, or give it "
+                         "decompressed") from None
     if problems:
         shown = problems[:MAX_LISTED]
         more = f"\n... and {len(problems) - MAX_LISTED} more bad rows" if len(problems) > MAX_LISTED else ""

@@ -262,7 +262,7 @@ def test_goals_cli_bad_input_lists_every_problem(tmp_path):
                  "--sets", "full,quarters", "--config", str(cfg), "--workers", "0", "--plot", str(tmp_path / "g.txt"),
                  "--users", "0", "--load", "0", "--zipf", "-1", "--half-life", "soon")
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    for needle in (f"--traces: no *.csv in folder {empty}", "nope.csv does not exist", "--seeds: range '5-2' is empty",
+    for needle in (f"--traces: no *.csv or *.csv.gz in folder {empty}", "nope.csv does not exist", "--seeds: range '5-2' is empty",
                    "--plot: ", "--users: must be from 1 to 100,000, got 0", "--load: must be a finite number > 0, got 0", "--zipf: must be >= 0",
                    "--half-life: must be a duration",
                    "--sets: unknown set 'quarters'", f"--config {cfg}: fairshare.weight_age: must be >= 0", "--workers: must be"):
@@ -482,3 +482,14 @@ def test_stopping_a_pool_leaves_the_callers_own_processes_alone():
     finally:
         mine.terminate()
         mine.join()
+
+
+def test_a_folder_of_gzip_traces_is_judged_by_the_traces_names(tmp_path):
+    # cluster02.csv.gz is cluster02, with its stricter light-user target, not a trace named "cluster02.csv"
+    import gzip
+
+    (tmp_path / "cluster02.csv.gz").write_bytes(gzip.compress((TRACES / "cluster02.csv").read_bytes()))
+    out = _goals("--traces", str(tmp_path), "--workers", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    [run] = json.loads(out.stdout)["runs"]
+    assert run["trace"] == "cluster02" and "0.15" in run["checks"]["light_wait_p95"]["target"], run["checks"]

@@ -78,15 +78,27 @@ def test_every_bad_row_is_named_in_one_error(tmp_path):
     assert f"{p}:23:" not in text and "... and 7 more bad rows" in text  # 27 bad rows, 20 named
 
 
-def test_spreadsheet_exports_parse_and_binary_files_are_refused(tmp_path):
+def test_spreadsheet_exports_and_gzip_traces_parse_and_binary_files_are_refused(tmp_path):
     p = tmp_path / "excel.csv"  # UTF-8 BOM and CRLF line ends, as spreadsheet exports write them
     p.write_bytes(b"\xef\xbb\xbfjob_id,submission_time,duration,num_gpu\r\na,0,100,1\r\nb,5,50,16\r\n")
     assert [(j.job_id, j.gpus, j.line) for j in read_trace(p)] == [("a", 1, 2), ("b", 16, 3)]
-    gz = tmp_path / "trace.csv.gz"
+    gz = tmp_path / "trace.csv.gz"  # as traces are published: read as it is, told by its first bytes
     gz.write_bytes(gzip.compress(p.read_bytes()))
+    assert read_trace(gz) == read_trace(p)
+    bad = tmp_path / "bad.csv.gz"
+    bad.write_bytes(gzip.compress(b"job_id,submission_time,duration,num_gpu\na,x,100,1\n"))
+    with pytest.raises(TraceError, match=f"{bad}:2: non-numeric"):  # rows named by line, compressed or not
+        read_trace(bad)
+    cut_short = tmp_path / "download.csv.gz"
+    cut_short.write_bytes(gz.read_bytes()[:-12])
     with pytest.raises(TraceError) as e:
-        read_trace(gz)
-    assert f"{gz}: not UTF-8 text" in str(e.value) and "decompress" in str(e.value)
+        read_trace(cut_short)
+    assert f"{cut_short}: not a readable gzip file" in str(e.value) and "download the trace again" in str(e.value)
+    binary = tmp_path / "trace.xlsx"
+    binary.write_bytes(b"PK\x03\x04\x14\x00\x06\x00\x08\x00\x00\x00!\x00\xff\xfe\x81")
+    with pytest.raises(TraceError) as e:
+        read_trace(binary)
+    assert f"{binary}: not UTF-8 text" in str(e.value) and "plain or gzip-compressed" in str(e.value)
 
 
 @pytest.mark.parametrize("body,load", [
