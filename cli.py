@@ -389,8 +389,10 @@ def serve_stop(names, stop_all):
 def serve_start(names, start_all, port):
     """Start the local model servers NAMES again (down after a reboot or a crash; see serve list):
     the model each served, on its old port when that is free, smoke-tested before it is listed up."""
+    from urllib.parse import urlsplit
+
     from kfp_pytorch.components.errors import ServingError
-    from kfp_pytorch.components.serve import list_servers, revive
+    from kfp_pytorch.components.serve import list_servers, revive, server_status
 
     if start_all == bool(names):
         raise click.UsageError("give the names of the servers to start, or --all")
@@ -400,13 +402,16 @@ def serve_start(names, start_all, port):
             click.echo("every local model server is up" if list_servers() else "no local model servers")
     failed = []
     for name in names:
+        old_port = urlsplit((server_status(name) or {}).get("url") or "").port
         try:
             ep, started = revive(name, port)
         except KfpPytorchError as e:  # (a model gone, a port taken) the others still start; each failure is told
             click.secho(f"{name}: {e}", fg="red", err=True)
             failed.append(name)
             continue
-        click.echo(f"{name}: {'started' if started else 'already up'} at {ep.infer_url} (pid {ep.pid})")
+        moved = (f" (its old port {old_port} is taken by another process: clients of the old URL must change)"
+                 if started and not port and old_port and urlsplit(ep.url).port != old_port else "")
+        click.echo(f"{name}: {'started' if started else 'already up'} at {ep.infer_url} (pid {ep.pid}){moved}")
     if failed:
         raise ServingError(f"could not start {', '.join(map(repr, failed))}", "see each server's error above")
 

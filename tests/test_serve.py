@@ -465,6 +465,26 @@ def test_a_server_that_died_is_started_again_with_its_model_on_its_port(endpoint
     r = cli("logs", "nothere")
     assert r.returncode == 1 and "no log for a local model server named 'nothere'" in r.stderr
     stop_server("gone")
+    # its old port taken while it was down: it starts on a free one, and says its URL changed
+    import socket
+    from urllib.parse import urlsplit
+
+    psutil.Process(again["pid"]).kill()
+    psutil.Process(again["pid"]).wait(10)
+    old_port = urlsplit(endpoint.url).port
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the killed server's connections linger
+        squatter.bind(("127.0.0.1", old_port))
+        squatter.listen()
+        r = cli("start", "digits")
+    [moved] = [s for s in list_servers() if s["name"] == "digits"]
+    assert r.returncode == 0 and moved["alive"] and urlsplit(moved["url"]).port != old_port, r.stderr
+    assert r.stdout == (f"digits: started at {moved['infer_url']} (pid {moved['pid']}) (its old port {old_port} is "
+                        "taken by another process: clients of the old URL must change)\n")
+    psutil.Process(moved["pid"]).kill()  # back where the other tests expect it
+    psutil.Process(moved["pid"]).wait(10)
+    r = cli("start", "digits", "--port", str(old_port))
+    assert r.returncode == 0 and r.stdout.startswith(f"digits: started at {endpoint.infer_url} ") and "old port" not in r.stdout
 
 
 def test_port_in_use_is_a_clear_error(trained_model):
