@@ -19,7 +19,9 @@ A trace of one's own cluster may name each job's ``user``: the jobs then keep th
 from __future__ import annotations
 
 import csv
+import gzip
 import math
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,8 +68,6 @@ def trace_name(path: str | Path) -> str:
 def _open_text(path: Path):
     """The trace as text: plain, or gzip-compressed (traces are published as ``.csv.gz`` too),
     told by its first bytes rather than its name."""
-    import gzip
-
     with open(path, "rb") as raw:
         compressed = raw.read(2) == _GZIP_MAGIC
     opener = gzip.open if compressed else open
@@ -97,7 +97,7 @@ def read_trace(path: str | Path) -> list[TraceJob]:
         raise TraceError(f"{path}: not UTF-8 text", _NOT_TEXT) from None
     except csv.Error as e:
         raise TraceError(f"{path}:{reader.line_num}: {e}", _NOT_TEXT) from None
-    except (EOFError, OSError) as e:  # gzip's: a truncated download, a corrupt member
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # a truncated download, a corrupt member
         raise TraceError(f"{path}: not a readable gzip file ({e})", "download the trace again, or give it "
                          "decompressed") from None
     if problems:
