@@ -456,7 +456,8 @@ def serve_logs(name, tail, previous):
 @click.option("--label-column", default=None,
               help="Compared with the predictions when present; never sent. Default: the column the model "
                    "was trained to predict (its metadata's), else 'label'.")
-@click.option("--batch-size", default=256, show_default=True, type=click.IntRange(1, 65536))
+@click.option("--batch-size", default=256, show_default=True, type=click.IntRange(1, 65536),
+              help="Rows sent in each inference request.")
 @click.option("--probabilities", is_flag=True,
               help="Add each class's probability as a column p_<class> (its name where the model's metadata is "
                    "known: a local server, or --model-uri; else its id).")
@@ -765,7 +766,8 @@ def _kfp_options(f=None, *, host_required: bool = True, experiment: bool = True)
                          help="PEM file of the CA that signed an https KFP endpoint's certificate (or "
                               "KF_PIPELINES_CA_CERT).")(f)
         if experiment:
-            f = click.option("--experiment", default="kfp-pytorch", show_default=True)(f)
+            f = click.option("--experiment", default="kfp-pytorch", show_default=True,
+                             help="KFP experiment the runs and recurring runs belong to.")(f)
         f = click.option("--namespace", default=None, callback=_namespace,
                          help="Kubeflow profile namespace (multi-user).")(f)
         return click.option("--host", required=host_required, envvar="KFP_HOST",
@@ -778,8 +780,8 @@ def _kfp_options(f=None, *, host_required: bool = True, experiment: bool = True)
 @cli.command("submit")
 @click.argument("pipeline")
 @_kfp_options
-@click.option("--param", "params", multiple=True, metavar="KEY=VALUE")
-@click.option("--run-name", default=None)
+@click.option("--param", "params", multiple=True, metavar="KEY=VALUE", help="Pipeline parameter (repeatable).")
+@click.option("--run-name", default=None, help="The run's display name in the KFP UI (default: PIPELINE-YYYYMMDD-HHMMSS).")
 @click.option("--wait/--no-wait", default=True, help="Follow the run until it ends.")
 @_platform_option
 def submit_cmd(pipeline, host, namespace, experiment, token, ca_cert, params, run_name, wait, platform_file):
@@ -856,7 +858,8 @@ def cancel_cmd(run_id, host, namespace, token, ca_cert):
 @click.argument("pipeline")
 @_kfp_options
 @click.option("--cron", required=True, help='6 fields, seconds first: "0 0 3 * * *" is 03:00 daily; or a descriptor: "@daily", "@every 6h".')
-@click.option("--param", "params", multiple=True, metavar="KEY=VALUE")
+@click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
+              help="Pipeline parameter of every run it starts (repeatable).")
 @click.option("--name", default=None, help="Recurring run name (default: PIPELINE-schedule).")
 @click.option("--max-concurrency", default=1, show_default=True, type=click.IntRange(1, 10),
               help="Runs of this schedule at once (KFP allows 1-10).")
@@ -909,7 +912,7 @@ def schedule_cmd(pipeline, host, namespace, experiment, token, ca_cert, cron, pa
 
 @cli.command("schedules")
 @_kfp_options
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the recurring runs as JSON.")
 def schedules_cmd(host, namespace, experiment, token, ca_cert, as_json):
     """List the experiment's recurring runs: name, status, cron, the next run time and the state of
     the last run each started."""
@@ -1024,7 +1027,7 @@ def resume_schedule_cmd(name, host, namespace, experiment, token, ca_cert):
 @_kfp_options(host_required=False)
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(min=0),
               help="Newest runs to list; 0: all of them.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the runs as JSON.")
 @click.option("--local", is_flag=True, help="The runs of `run --local` on this machine (KFP_PYTORCH_HOME).")
 @click.option("--keep", default=None, type=click.IntRange(min=1), metavar="N",
               help="With --local: remove all but the newest N runs' outputs (a served model's run is kept).")
@@ -1141,9 +1144,11 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
 @click.argument("kind", type=click.Choice(["pytorchjob", "trainjob", "inferenceservice", "launcher-config", "s3-secret"]))
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
               help="train_and_serve parameters (epochs, workers, nodes, gpus_per_node, storage_root, model_name...).")
-@click.option("--namespace", default="kubeflow-user", show_default=True, callback=_namespace)
+@click.option("--namespace", default="kubeflow-user", show_default=True, callback=_namespace,
+              help="Namespace of the resources (the Kubeflow profile's).")
 @click.option("--image", envvar="KFP_PYTORCH_IMAGE", default="", help="The kfp-pytorch image (or KFP_PYTORCH_IMAGE).")
-@click.option("--run-id", default="dry-run", show_default=True)
+@click.option("--run-id", default="dry-run", show_default=True,
+              help="KFP run id: names the resources and their storage_root/RUN_ID/ paths.")
 @click.option("--fairness/--no-fairness", default=False, help="Add the fairness scheduler's gate.")
 @_platform_option
 def manifest_cmd(kind, params, namespace, image, run_id, fairness, platform_file):
@@ -1258,9 +1263,11 @@ def _config_and_half_life(config: str | None, half_life: str | None, problems: l
 @click.option("--users", default=20, show_default=True, type=int,
               help="Users drawn by the Zipf law; the lighter half are the light users. A trace with a user "
                    "column keeps its own users (--users, --zipf and --seed then do not apply).")
-@click.option("--zipf", default=1.1, show_default=True, type=float)
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--load", default=0.9, show_default=True, type=float)
+@click.option("--zipf", default=1.1, show_default=True, type=float,
+              help="Exponent of the Zipf law users are drawn by: higher puts more of the jobs on the few heaviest users.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the users' draw (the protocol's).")
+@click.option("--load", default=0.9, show_default=True, type=float,
+              help="Offered load: the cluster is sized so the trace's mean GPU demand is this share of it.")
 @click.option("--half-life", "half_life", default=None,
               help="Usage half-life: 7d, 12h, seconds. Overrides the config's (default 7d).")
 @click.option("--config", "config", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -1341,8 +1348,10 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
 @click.option("--users", default=20, show_default=True, type=int,
               help="Protocol options, as simulate's: the goals' targets are set at their defaults; other "
                    "values stress-test the setting beyond them.")
-@click.option("--zipf", default=1.1, show_default=True, type=float)
-@click.option("--load", default=0.9, show_default=True, type=float)
+@click.option("--zipf", default=1.1, show_default=True, type=float,
+              help="Exponent of the Zipf law users are drawn by: higher puts more of the jobs on the few heaviest users.")
+@click.option("--load", default=0.9, show_default=True, type=float,
+              help="Offered load: the cluster is sized so the trace's mean GPU demand is this share of it.")
 @click.option("--half-life", "half_life", default=None,
               help="Usage half-life of every policy: 7d, 12h, seconds. Overrides the config's (default 7d).")
 @click.option("--cache", "cache_dir", type=click.Path(file_okay=False), default=None,
@@ -1513,7 +1522,7 @@ def ledger_show(ledger_url, at, half_life, config, capacity, as_json):
 @_ledger_options
 @click.option("--older-than", "older_than", required=True,
               help="Fold intervals that ended at least this long before --at (30d, 12h, seconds).")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print {folded, before, remaining} as JSON.")
 def ledger_compact(ledger_url, at, half_life, older_than, as_json):
     """Fold old usage intervals into per-user decayed aggregates (one transaction).
 

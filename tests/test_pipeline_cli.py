@@ -97,6 +97,27 @@ def test_steps_that_read_changing_data_or_act_on_the_world_are_never_cached(tmp_
                       "serve-op": False}
 
 
+def test_every_command_and_option_says_what_it_does():
+    # `--help` is the reference a user reads at the prompt: an option listed bare (`--json` and nothing
+    # else) leaves them guessing what it prints or changes
+    import click
+
+    from kfp_pytorch.cli import cli
+
+    def walk(cmd, path):
+        yield path, cmd
+        for name, sub in getattr(cmd, "commands", {}).items():
+            yield from walk(sub, f"{path} {name}")
+
+    bare = []
+    for path, cmd in walk(cli, "kfp-pytorch"):
+        if not (cmd.help or "").strip():
+            bare.append(path)
+        bare += [f"{path} {p.opts[0]}" for p in cmd.params
+                 if isinstance(p, click.Option) and not (p.help or "").strip() and p.name not in ("help", "version")]
+    assert not bare, bare
+
+
 def test_pipelines_lists_parameters():
     r = run_cli("pipelines", "--json")
     params = json.loads(r.stdout)["train_and_serve"]
