@@ -1583,25 +1583,39 @@ def _stop_descendants(signum: int, frame) -> None:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return
+    import multiprocessing
+    import time
+
     import psutil  # imported by main() already: an import here could be one the signal interrupted
 
+    # multiprocessing's own children (a simulation pool's workers) are left for it to reap: one
+    # reaped here is "still running" to it for ever (its poll() reads ECHILD so), and the pool's
+    # shutdown then spins waiting for it
+    pooled = {p.pid: p for p in multiprocessing.active_children()}
     kids = psutil.Process().children(recursive=True)
     for kid in kids:
         try:
             kid.send_signal(signal.SIGTERM)
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(kids, timeout=15)  # the train step takes its workers down first
+    deadline = time.monotonic() + 15  # the train step takes its workers down first
+    _, alive = psutil.wait_procs([k for k in kids if k.pid not in pooled], timeout=15)
     for kid in alive:
         try:
             kid.kill()
         except psutil.Error:
             pass
+    for p in pooled.values():
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
     raise _Terminated(signum)
 
 
 def main(argv: list[str] | None = None) -> int:  # noqa: D103
     import signal
+
+    import multiprocessing  # noqa: F401  (for the handler, as psutil)
 
     import psutil  # noqa: F401  (for the handler: importing it in the handler could meet a half-done import)
 

@@ -299,8 +299,8 @@ def _run_all(units: list[_Unit], workers: int, progress) -> list[dict]:
             ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
             before = set(mp.active_children())
             with ProcessPoolExecutor(min(workers, len(units)), mp_context=ctx, initializer=quiet_worker_signals) as ex:
-                futures = {ex.submit(_run_unit, units[i]): i for i in order}
-                try:
+                try:  # the submitting too: thousands of runs take a while to queue
+                    futures = {ex.submit(_run_unit, units[i]): i for i in order}
                     for fut in as_completed(futures):
                         out[futures[fut]] = fut.result()
                         report()

@@ -205,8 +205,8 @@ def _run_parallel(workloads, policies: list[str], args: tuple, workers: int, pro
     before = set(mp.active_children())
     with ProcessPoolExecutor(min(workers, len(policies)), mp_context=ctx, initializer=_worker_init,
                              initargs=(workloads, args, counter)) as ex:
-        pending = {ex.submit(_worker_run, p): p for p in ordered}
         try:
+            pending = {ex.submit(_worker_run, p): p for p in ordered}
             while pending:
                 done, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
                 for f in done:

@@ -462,6 +462,41 @@ def test_stopping_a_parallel_run_ends_its_workers_without_tracebacks(command, ho
             proc.wait()
 
 
+def test_a_kill_amid_many_short_runs_ends_the_pool_at_once():
+    """Hundreds of short runs queued behind the workers: the CLI's handler reaped the stopped
+    workers itself, the pool then took them for still running and its shutdown spun for ever
+    (one kill in two hung, with SIGTERM ignored by then). Killed at several moments of the run."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    for delay in (0.3, 1.0, 1.7, 2.4, 3.1):
+        proc = subprocess.Popen([sys.executable, "-m", "kfp_pytorch.cli", "goals", "--traces",
+                                 str(TRACES / "cluster10.csv"), "--seeds", "0-299", "--workers", "2"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 60
+            while len(workers := psutil.Process(proc.pid).children(recursive=True)) < 2:
+                assert proc.poll() is None and time.monotonic() < deadline, "the workers never started"
+                time.sleep(0.05)
+            time.sleep(delay)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                _, err = proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"killed {delay} s into the runs, it did not end within 15 s")
+            assert proc.returncode == 128 + signal.SIGTERM and "stopped by signal 15" in err, (delay, err)
+            assert "Traceback" not in err, err
+            _, alive = psutil.wait_procs(workers, timeout=5)
+            assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], delay
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
 def test_stopping_a_pool_leaves_the_callers_own_processes_alone():
     # a notebook's own processes are not the pool's to end
     import multiprocessing as mp
