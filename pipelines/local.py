@@ -201,7 +201,9 @@ def _write_run_record(run: LocalRun, params: dict, status: str | None = None) ->
               "failed_task": run.failed_task, "elapsed_s": round(run.elapsed_s, 2),
               "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "params": params,
               "result": run_result(summarize(run))}
-    (run.run_dir / RUN_RECORD).write_text(json.dumps(record, indent=1, default=str))
+    tmp = run.run_dir / f".{RUN_RECORD}.tmp"  # whole or not at all: a reader never sees half a record
+    tmp.write_text(json.dumps(record, indent=1, default=str))
+    tmp.replace(run.run_dir / RUN_RECORD)
 
 
 def run_result(summary: dict) -> dict:
@@ -281,14 +283,15 @@ def local_runs(root: Path | None = None, now: float | None = None) -> list[Local
                 continue
             modified = max(modified, st.st_mtime)
             size += st.st_size if f.is_file() else 0
+        ended = (d / RUN_RECORD).exists()  # the record is written when the run ends
         try:
             record = json.loads((d / RUN_RECORD).read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # damaged (a disk filled up): the run has ended all the same
             record = None
         if not isinstance(record, dict):
             record = None
         status = (record.get("status", "UNKNOWN") if record is not None
-                  else "RUNNING?" if now - modified < ACTIVE_WINDOW_S else "UNKNOWN")
+                  else "RUNNING?" if not ended and now - modified < ACTIVE_WINDOW_S else "UNKNOWN")
         resolved = d.resolve()
         out.append(LocalRunInfo(d.name, d, status, modified, size,
                                 sorted(f.parent.name for f in d.glob("*/executor_output.json")),

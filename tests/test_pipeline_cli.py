@@ -286,26 +286,30 @@ def test_local_runs_are_listed_and_pruned_but_a_served_model_and_a_running_run_a
     make("train-and-serve-d", 20, "SUCCEEDED")
     make("train-and-serve-e", 0.1)                          # no record yet, writing: may be running
     make("train-and-serve-f", 0.05, "SUCCEEDED")
+    damaged = make("train-and-serve-g", 0.2) / "run.json"  # half written (a full disk): it ended all the same
+    damaged.write_text('{"status": ')
+    for f in (damaged, damaged.parent):
+        os.utime(f, (now - 0.2 * 3600, now - 0.2 * 3600))
     served = serve(ServeSpec(str(root / "train-and-serve-a" / "train-op" / "model"), "kept-model"))
     try:
         r = run_cli("runs", "--local")
         assert r.returncode == 0, r.stderr
         lines = r.stdout.splitlines()
-        assert [ln.split()[0] for ln in lines[:6]] == [f"train-and-serve-{x}" for x in "fedcba"]
-        assert [ln.split()[1] for ln in lines[:6]] == ["SUCCEEDED", "RUNNING?", "SUCCEEDED", "UNKNOWN", "FAILED",
-                                                       "SUCCEEDED"]
-        assert lines[5].endswith("serving: kept-model") and "6 local run(s)" in lines[-1]
-        assert lines[2].endswith("1 steps  accuracy 0.9712, models:/digits/20 (champion)")  # d
-        assert lines[4].endswith("1 steps")  # b: it failed, and came to nothing
+        assert [ln.split()[0] for ln in lines[:7]] == [f"train-and-serve-{x}" for x in "fegdcba"]
+        assert [ln.split()[1] for ln in lines[:7]] == ["SUCCEEDED", "RUNNING?", "UNKNOWN", "SUCCEEDED", "UNKNOWN",
+                                                       "FAILED", "SUCCEEDED"]
+        assert lines[6].endswith("serving: kept-model") and "7 local run(s)" in lines[-1]
+        assert lines[3].endswith("1 steps  accuracy 0.9712, models:/digits/20 (champion)")  # d
+        assert lines[5].endswith("1 steps")  # b: it failed, and came to nothing
         dry = run_cli("runs", "--local", "--keep", "1", "--dry-run")
-        assert dry.returncode == 0 and "would remove 3 local run(s), 29.6 KB" in dry.stdout, dry.stdout
-        assert len(list(root.iterdir())) == 6
+        assert dry.returncode == 0 and "would remove 4 local run(s), 39.3 KB" in dry.stdout, dry.stdout
+        assert len(list(root.iterdir())) == 7
         r = run_cli("runs", "--local", "--keep", "1")
         assert r.returncode == 0, r.stderr
         assert sorted(d.name for d in root.iterdir()) == [f"train-and-serve-{x}" for x in "aef"]
         assert "kept train-and-serve-a: its model is served by kept-model" in r.stdout
         assert "kept train-and-serve-e: no record and written within the hour: it may still be running" in r.stdout
-        assert "removed 3 local run(s), 29.6 KB; kept the newest 1 and 2 more" in r.stdout
+        assert "removed 4 local run(s), 39.3 KB; kept the newest 1 and 2 more" in r.stdout
         # a server that died (a reboot) still keeps its model's run: `serve start` needs it
         psutil.Process(served.pid).kill()
         psutil.Process(served.pid).wait(10)
