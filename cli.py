@@ -386,14 +386,28 @@ def serve_stop(names, stop_all):
 @click.option("--all", "start_all", is_flag=True, help="Every local model server that is down.")
 @click.option("--port", type=click.IntRange(0, 65535), default=0,
               help="Port for a server whose old port is taken (0: a free one).  [default: its old port]")
-def serve_start(names, start_all, port):
+@click.option("--model-uri", default=None, metavar="URI",
+              help="Serve this model as NAME instead: a version from the MLflow registry (models:/MODEL/VERSION, "
+                   "models:/MODEL@champion), or a model directory (a path or s3://, as a run's train-op.model). "
+                   "A server already up under NAME keeps serving until the new one has passed its smoke test "
+                   "(a rollback); --port 0 picks a free port.")
+@click.option("--tracking-uri", envvar="MLFLOW_TRACKING_URI", default=None,
+              help="With a models:/ URI: the MLflow registry (or MLFLOW_TRACKING_URI; default: the embedded "
+                   "sqlite store that run --local registers into).")
+def serve_start(names, start_all, port, model_uri, tracking_uri):
     """Start the local model servers NAMES again (down after a reboot or a crash; see serve list):
-    the model each served, on its old port when that is free, smoke-tested before it is listed up."""
+    the model each served, on its old port when that is free, smoke-tested before it is listed up.
+    With --model-uri, serve that model as NAME: a registered version, or an older run's model."""
     from urllib.parse import urlsplit
 
     from kfp_pytorch.components.errors import ServingError
     from kfp_pytorch.components.serve import list_servers, revive, server_status
 
+    if model_uri is not None:
+        return _serve_model_as(names, start_all, port, model_uri, tracking_uri)
+    if tracking_uri is not None and click.get_current_context().get_parameter_source(
+            "tracking_uri") != ParameterSource.ENVIRONMENT:
+        raise click.UsageError("--tracking-uri reads a models:/ URI: give it with --model-uri")
     if start_all == bool(names):
         raise click.UsageError("give the names of the servers to start, or --all")
     if start_all:
@@ -414,6 +428,39 @@ def serve_start(names, start_all, port):
         click.echo(f"{name}: {'started' if started else 'already up'} at {ep.infer_url} (pid {ep.pid}){moved}")
     if failed:
         raise ServingError(f"could not start {', '.join(map(repr, failed))}", "see each server's error above")
+
+
+def _serve_model_as(names, start_all, port, model_uri, tracking_uri) -> None:
+    """``serve start NAME --model-uri URI``: a registered version (downloaded once under
+    KFP_PYTORCH_HOME/registry_models) or a model directory, served as NAME and smoke-tested."""
+    from kfp_pytorch.components.paths import home
+    from kfp_pytorch.components.serve import ServeSpec, serve, server_status
+    from kfp_pytorch.components.storage import Storage, join
+
+    if start_all or len(names) != 1:
+        raise click.UsageError("--model-uri serves one model: give one NAME (the endpoint's name), not --all")
+    [name] = names
+    ServeSpec(model_uri, name, port=port).validate()  # a bad name before any download
+    what = model_uri
+    if model_uri.startswith("models:"):
+        from kfp_pytorch.components.tracking import Tracker
+
+        got = Tracker(tracking_uri, experiment=None).fetch_model(model_uri, home() / "registry_models")
+        what = f"models:/{got['name']}/{got['version']}" + (f" (@{got['alias']})" if got["alias"] else "")
+        model_dir = str(got["model_dir"])
+    else:
+        model_dir = model_uri
+        if not Storage().exists(join(model_dir, "metadata.json")):
+            from kfp_pytorch.components.errors import ServingError
+
+            raise ServingError(f"{model_uri} is not a model directory (it has no metadata.json)",
+                               "give a run's train-op.model directory (`kfp-pytorch runs --local` lists the runs), "
+                               "or a registered version: models:/MODEL/VERSION")
+    before = server_status(name)
+    ep = serve(ServeSpec(model_dir, name, port=port))
+    replaced = (f"; it replaced the server of {before['model_uri']} at {before['infer_url']}"
+                if before and before.get("alive") and before.get("model_uri") else "")
+    click.echo(f"{name}: serving {what} at {ep.infer_url} (pid {ep.pid}){replaced}")
 
 
 @serve_grp.command("logs")

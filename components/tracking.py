@@ -137,10 +137,26 @@ def _mapped(action: str, uri: str):
         raise
 
 
+_REGISTRY_URI = re.compile(r"models:/([A-Za-z0-9][A-Za-z0-9_.-]{0,127})(?:/([1-9][0-9]*)|@([A-Za-z0-9_-]+))")
+
+
+def parse_registry_uri(uri: str) -> tuple[str, int | None, str | None]:
+    """``models:/NAME/VERSION`` or ``models:/NAME@ALIAS`` as (name, version, alias). Pure."""
+    m = _REGISTRY_URI.fullmatch(uri)
+    if not m:
+        from .errors import ConfigError
+
+        raise ConfigError([f"model URI {uri!r}: write models:/MODEL/VERSION or models:/MODEL@ALIAS "
+                           f"(e.g. models:/digits/3, models:/digits@{CHAMPION})"], title="invalid model URI",
+                          hint="`kfp-pytorch runs --local` shows each run's registered version")
+    return m.group(1), int(m.group(2)) if m.group(2) else None, m.group(3)
+
+
 class Tracker:
     """Thin facade over ``mlflow``; one instance per tracking URI."""
 
-    def __init__(self, tracking_uri: str | None = None, experiment: str = EXPERIMENT):
+    def __init__(self, tracking_uri: str | None = None, experiment: str | None = EXPERIMENT):
+        """``experiment`` None: the registry only (reading a version creates no experiment there)."""
         # Fail fast on a dead server instead of MLflow's minutes of retries.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
@@ -153,8 +169,12 @@ class Tracker:
                                 "give the PEM file of the CA that signed the MLflow server's certificate")
         self.mlflow = mlflow
         mlflow.set_tracking_uri(self.uri)
-        with _mapped("open experiment", self.uri):
+        with _mapped("open the tracking store", self.uri):
             self.client = mlflow.MlflowClient(self.uri)
+        self.experiment_id = None
+        if experiment is None:
+            return
+        with _mapped("open experiment", self.uri):
             exp = self.client.get_experiment_by_name(experiment)
             if exp is None:
                 location = None
@@ -199,6 +219,62 @@ class Tracker:
         except MlflowException as e:
             print(f"warning: the MLflow server at {self.uri} did not record the training dataset "
                   f"({_server_said(str(e))[:200]}); the run's metrics are recorded without it", file=sys.stderr)
+
+    def fetch_model(self, uri: str, dst_root: Path) -> dict:
+        """The model directory of the registered version ``uri`` (``models:/NAME/VERSION`` or
+        ``models:/NAME@ALIAS``), downloaded once into ``dst_root/NAME-vVERSION`` and kept there: a
+        local server serves from it, and starts from it again after a reboot. Returns
+        ``{name, version, alias, model_dir}``; a version that is not there is a RegistryError that names
+        the versions there are."""
+        import shutil
+        import tempfile
+
+        import yaml
+        from mlflow.exceptions import MlflowException
+
+        name, version, alias = parse_registry_uri(uri)
+        with _mapped(f"read {uri}", self.uri), _no_bars_in_a_log():
+            try:
+                mv = (self.client.get_model_version_by_alias(name, alias) if alias
+                      else self.client.get_model_version(name, str(version)))
+            except MlflowException as e:
+                if e.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                    raise
+                raise RegistryError(f"{uri}: not in the MLflow registry at {self.uri}",
+                                    self._registered_hint(name)) from None
+            dst = Path(dst_root) / f"{name}-v{mv.version}"
+            if not (dst / "MLmodel").is_file():
+                dst_root.mkdir(parents=True, exist_ok=True)
+                tmp = Path(tempfile.mkdtemp(dir=dst_root, prefix=f".{name}-v{mv.version}-"))
+                try:  # whole or not at all: a download cut short is not served later as if complete
+                    self.mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{mv.version}",
+                                                             dst_path=str(tmp), tracking_uri=self.uri)
+                    shutil.rmtree(dst, ignore_errors=True)
+                    os.replace(tmp, dst)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+        flavor = (yaml.safe_load((dst / "MLmodel").read_text()) or {}).get("flavors", {}).get("python_function", {})
+        rel = ((flavor.get("artifacts") or {}).get("model_dir") or {}).get("path")
+        if not rel or not (dst / rel / "metadata.json").is_file():
+            raise RegistryError(f"{uri} is not a kfp-pytorch model (its MLflow model has no model_dir artifact)",
+                                "serve a version that the pipeline's register step registered")
+        return {"name": name, "version": int(mv.version), "alias": alias, "model_dir": dst / rel}
+
+    def _registered_hint(self, name: str) -> str:
+        """What the registry holds under ``name``: its versions and aliases, or the models there are."""
+        try:
+            model = self.client.get_registered_model(name)
+        except Exception:  # noqa: BLE001 (no such model, or the registry unreadable: list what is there)
+            try:
+                names = sorted(m.name for m in self.client.search_registered_models(max_results=50))
+            except Exception:  # noqa: BLE001
+                names = []
+            return (f"there is no registered model {name!r}" + (f"; registered: {', '.join(names)}" if names
+                                                                  else "; nothing is registered there yet"))
+        versions = sorted(int(v.version) for v in self.client.search_model_versions(f"name='{name}'"))
+        aliases = ", ".join(f"@{a} = version {v}" for a, v in sorted((model.aliases or {}).items()))
+        return (f"{name!r} has version(s) {', '.join(map(str, versions)) or 'none'}"
+                + (f"; aliases: {aliases}" if aliases else ""))
 
     def champion(self, name: str) -> dict | None:
         """The version holding ``champion`` and its run's metrics; None when the model or alias is absent.

@@ -688,3 +688,60 @@ def test_serve_predict_writes_its_predictions_to_s3(endpoint, s3, bucket, tmp_pa
     r = cli("nothere", str(tmp_path / "rows.csv"), "-o", f"s3://{bucket}/scored/")
     assert r.returncode == 2 and f"-o/--output: 's3://{bucket}/scored/' names no object" in r.stderr, r.stderr
     assert f"s3://{bucket}/predictions.csv" in r.stderr and s3.list(f"s3://{bucket}/") == [uri]
+
+
+def test_a_registered_version_or_an_older_runs_model_is_served_by_name(mlflow_server, s3, trained_model, tmp_path):
+    """A rollback: `serve start NAME --model-uri models:/MODEL/VERSION` serves a version from the
+    real MLflow registry (artifacts on S3), and a champion alias or a run's model directory
+    replaces it only once the new server answers."""
+    import subprocess
+    import sys
+
+    from kfp_pytorch.components.register import RegisterSpec, register
+
+    uri = mlflow_server.url
+    metrics = {"accuracy": 0.95, "macro_f1": 0.95}
+    first = register(RegisterSpec(trained_model.model_uri, "rollback-digits", metrics, True, tracking_uri=uri))
+    second = register(RegisterSpec(trained_model.model_uri, "rollback-digits", {**metrics, "accuracy": 0.97}, True,
+                                   tracking_uri=uri))
+    v1, v2 = first["version"], second["version"]
+
+    def start(*a):
+        r = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "serve", "start", *a, "--tracking-uri", uri],
+                           capture_output=True, text=True)
+        assert "Traceback" not in r.stderr, r.stderr
+        return r
+
+    row = [read_metadata(trained_model.model_uri)["normalization"]["mean"]]
+    try:
+        r = start("rollback", "--model-uri", f"models:/rollback-digits/{v1}")
+        assert r.returncode == 0, r.stderr
+        [up] = [s for s in list_servers() if s["name"] == "rollback"]
+        assert r.stdout == f"rollback: serving models:/rollback-digits/{v1} at {up['infer_url']} (pid {up['pid']})\n"
+        assert f"rollback-digits-v{v1}" in up["model_uri"] and infer(up["url"], "rollback", row)["outputs"]
+        r = start("rollback", "--model-uri", "models:/rollback-digits@champion")  # moved to the second version
+        [now] = [s for s in list_servers() if s["name"] == "rollback"]
+        assert r.returncode == 0 and now["alive"] and now["pid"] != up["pid"], r.stderr
+        assert r.stdout.startswith(f"rollback: serving models:/rollback-digits/{v2} (@champion) at {now['infer_url']} ")
+        assert f"it replaced the server of {up['model_uri']} at {up['infer_url']}" in r.stdout
+        assert not psutil.pid_exists(up["pid"]) or psutil.Process(up["pid"]).status() == psutil.STATUS_ZOMBIE
+        # a run's model directory, as `runs --local` shows it
+        r = start("from-run", "--model-uri", trained_model.model_uri)
+        assert r.returncode == 0 and r.stdout.startswith(f"from-run: serving {trained_model.model_uri} at "), r.stderr
+        # what is not there says what is; nothing is started, and the server up stays up
+        r = start("rollback", "--model-uri", f"models:/rollback-digits/{v2 + 5}")
+        assert r.returncode == 1 and f"models:/rollback-digits/{v2 + 5}: not in the MLflow registry at {uri}" in r.stderr
+        assert f"'rollback-digits' has version(s) {v1}, {v2}; aliases: @champion = version {v2}" in r.stderr
+        r = start("rollback", "--model-uri", "models:/no-such-model@champion")
+        assert r.returncode == 1 and "there is no registered model 'no-such-model'; registered: " in r.stderr
+        r = start("rollback", "--model-uri", "models:rollback-digits")
+        assert r.returncode == 2 and "write models:/MODEL/VERSION or models:/MODEL@ALIAS" in r.stderr
+        r = start("rollback", "--model-uri", str(tmp_path))
+        assert r.returncode == 1 and "is not a model directory (it has no metadata.json)" in r.stderr
+        r = start("Rollback", "--model-uri", f"models:/rollback-digits/{v1}")
+        assert r.returncode == 2 and "model_name: must be a DNS-1123 label" in r.stderr
+        assert start("a", "b", "--model-uri", trained_model.model_uri).returncode == 2
+        assert [s["pid"] for s in list_servers() if s["name"] == "rollback"] == [now["pid"]] and psutil.pid_exists(now["pid"])
+    finally:
+        stop_server("rollback")
+        stop_server("from-run")
