@@ -10,6 +10,18 @@ from pathlib import Path
 
 
 def home() -> Path:
-    p = Path(os.environ.get("KFP_PYTORCH_HOME", "~/.kfp-pytorch")).expanduser().resolve()
-    p.mkdir(parents=True, exist_ok=True)
+    """The folder, made when missing; one that cannot be is a ConfigError naming KFP_PYTORCH_HOME
+    (it was an OSError about a bare path, which did not say where the path came from)."""
+    given = os.environ.get("KFP_PYTORCH_HOME")
+    p = Path(given or "~/.kfp-pytorch").expanduser().resolve()
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        from .errors import ConfigError
+
+        source = f"KFP_PYTORCH_HOME={given}" if given else f"the default KFP_PYTORCH_HOME, {p}"
+        why = ("is a file, not a folder" if isinstance(e, FileExistsError) or p.is_file()
+               else f"cannot be made ({e.strerror or e})")
+        raise ConfigError([f"{source} {why}"], title="no folder for this machine's runs, models and servers",
+                          hint="point KFP_PYTORCH_HOME at a writable folder (it is made when missing)") from None
     return p

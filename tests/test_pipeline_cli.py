@@ -463,6 +463,17 @@ def test_bad_input_is_a_clear_error(args, needle):
     assert not (Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").exists()  # nothing ran
 
 
+@pytest.mark.parametrize("command", [["run", "train_and_serve", "--local"], ["serve", "list"], ["runs", "--local"]])
+def test_a_home_that_cannot_be_a_folder_is_named_by_its_variable(tmp_path, command):
+    # it was "Error: File exists: /path": no word of KFP_PYTORCH_HOME, where the path came from
+    taken = tmp_path / "a-file"
+    taken.write_text("x")
+    for home, why in ((taken, "is a file, not a folder"), (taken / "sub", "cannot be made (Not a directory)")):
+        r = run_cli(*command, env={"KFP_PYTORCH_HOME": str(home)})
+        assert r.returncode == 2 and f"KFP_PYTORCH_HOME={home} {why}" in r.stderr, r.stderr
+        assert "point KFP_PYTORCH_HOME at a writable folder" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_a_tracking_server_that_does_not_answer_is_found_before_any_step():
     # found by the train step, after the data was prepared and the model trained
     r = run_cli("run", "train_and_serve", "--local", "--param", f"tracking_uri=http://127.0.0.1:{free_port()}")
