@@ -233,6 +233,15 @@ def parse_endpoint(raw: str) -> tuple[str, str]:
     if parsed.path.strip("/"):  # minio's client takes no path: it would be dropped
         raise StorageError(f"S3 endpoint {raw!r} has a path; the endpoint is the server only",
                            "set AWS_ENDPOINT_URL=http://HOST:PORT and put the bucket in the URI: s3://BUCKET/KEY")
+    try:
+        port = parsed.port  # minio's client raised a bare ValueError on the first call
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise StorageError(f"S3 endpoint {raw!r} has no valid port (a number from 1 to 65535 after the host)",
+                           "set AWS_ENDPOINT_URL=http://HOST:PORT, e.g. http://minio.kubeflow:9000")
+    if not parsed.hostname:
+        raise StorageError(f"S3 endpoint {raw!r} has no host", "set AWS_ENDPOINT_URL=http://HOST:PORT")
     return parsed.netloc, parsed.scheme
 
 

@@ -37,6 +37,13 @@ def test_a_bad_bucket_name_or_endpoint_scheme_is_an_error_not_a_traceback(tmp_pa
     ftp = subprocess.run([*cli, "s3://bkt/x"], capture_output=True, text=True,
                          env={**env, "AWS_ENDPOINT_URL": "ftp://127.0.0.1:9"})
     assert ftp.returncode == 1 and "has the scheme 'ftp'; S3 speaks http or https" in ftp.stderr
+    port = subprocess.run([*cli, "s3://bkt/x"], capture_output=True, text=True,  # minio's bare ValueError once
+                          env={**env, "AWS_ENDPOINT_URL": "http://127.0.0.1:minio"})
+    assert port.returncode == 1 and "has no valid port (a number from 1 to 65535" in port.stderr, port.stderr
+    assert "Traceback" not in port.stderr
+    for bad in ("http://minio:0", "http://minio:65536", "http://:9000"):
+        with pytest.raises(StorageError, match="no valid port|has no host"):
+            StorageConfig.from_env({"AWS_ENDPOINT_URL": bad, "KFP_PYTORCH_STORAGE_CONFIG": "/nope"})
     with pytest.raises(StorageError) as e:
         StorageConfig.from_env({"AWS_ENDPOINT_URL": "http://minio:9000/models", "KFP_PYTORCH_STORAGE_CONFIG": "/nope"})
     assert "has a path; the endpoint is the server only" in str(e.value) and "s3://BUCKET/KEY" in e.value.hint
