@@ -160,10 +160,18 @@ class StorageConfig:
             endpoint, scheme = parse_endpoint(raw)
             if scheme:
                 secure_default = scheme == "https"
+        access_key = env.get("AWS_ACCESS_KEY_ID") or file_cfg.get("access_key")
+        secret_key = env.get("AWS_SECRET_ACCESS_KEY") or file_cfg.get("secret_key")
+        if bool(access_key) != bool(secret_key):  # minio's client raised a bare ValueError at the first call
+            given, missing = (("an access key", "a secret key (AWS_SECRET_ACCESS_KEY, or secret_key in the storage "
+                               "config)") if access_key else
+                              ("a secret key", "an access key (AWS_ACCESS_KEY_ID, or access_key in the storage config)"))
+            raise StorageError(f"S3 credentials: {given} is set but not {missing}",
+                               "set both AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or neither, for anonymous access)")
         return cls(
             endpoint=endpoint,
-            access_key=env.get("AWS_ACCESS_KEY_ID") or file_cfg.get("access_key"),
-            secret_key=env.get("AWS_SECRET_ACCESS_KEY") or file_cfg.get("secret_key"),
+            access_key=access_key,
+            secret_key=secret_key,
             session_token=env.get("AWS_SESSION_TOKEN") or file_cfg.get("session_token"),
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or file_cfg.get("region"),
             secure=flag(env.get("S3_USE_HTTPS"), secure_default),

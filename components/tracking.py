@@ -69,6 +69,18 @@ def dataset_input(meta: dict):
     return DatasetInput(entity, tags=[InputTag("mlflow.data.context", "training")])
 
 
+TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "file")
+
+
+def tracking_uri_problem(uri: str, where: str = "tracking_uri") -> str | None:
+    """Why ``uri`` is no MLflow tracking URI, named by ``where``; None when it is one. Pure."""
+    scheme = uri.partition("://")[0].split("+")[0] if "://" in uri else ""
+    if scheme in TRACKING_SCHEMES:
+        return None
+    return (f"{where}: must be an MLflow server (http(s)://HOST[:PORT]) or a store URI "
+            f"({', '.join(s + '://' for s in TRACKING_SCHEMES[2:])}), got {uri!r}")
+
+
 def resolve_tracking_uri(uri: str | None = None) -> str:
     return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home() / 'mlflow.db'}"
 

@@ -8,6 +8,7 @@ has its failed task's partial outputs removed, so nothing half-written is left b
 """
 import collections
 import json
+import os
 import re
 import shutil
 import sys
@@ -15,14 +16,14 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kfp_pytorch.components.errors import KfpPytorchError, PortInUseError, RegistryError
+from kfp_pytorch.components.errors import ConfigError, KfpPytorchError, PortInUseError, RegistryError
 from kfp_pytorch.components.models import build_model, resolve_factory
 from kfp_pytorch.components.paths import home
 from kfp_pytorch.components.prepare_data import (SAMPLE_SCHEME, check_table, encode_labels, feature_names, image_shape,
                                                  load_table, parse_columns)
 from kfp_pytorch.components.serve import port_is_free, read_server
 from kfp_pytorch.components.storage import Storage
-from kfp_pytorch.components.tracking import resolve_tracking_uri
+from kfp_pytorch.components.tracking import resolve_tracking_uri, tracking_uri_problem
 
 from .registry import PipelineEntry
 
@@ -54,6 +55,11 @@ def preflight(params: dict, storage: Storage | None = None) -> None:
     if params.get("storage_root"):
         storage.ensure_bucket(params["storage_root"])
     if "tracking_uri" in params:
+        env_uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not params["tracking_uri"] and env_uri and (problem := tracking_uri_problem(env_uri, "MLFLOW_TRACKING_URI")):
+            # what the steps use when the parameter is empty: MLflow refused it in the train step, a traceback
+            raise ConfigError([problem], hint="fix or unset MLFLOW_TRACKING_URI (unset: the embedded sqlite store), "
+                                              "or pass --param tracking_uri=...")
         check_tracking_server(resolve_tracking_uri(params["tracking_uri"]))
     port = params.get("serve_port", 0)
     if port:

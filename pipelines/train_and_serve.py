@@ -15,6 +15,7 @@ from kfp_pytorch.components.ops.evaluate import evaluate_op
 from kfp_pytorch.components.models import ZOO
 from kfp_pytorch.components.prepare_data import columns_problems, parse_columns, seed_problem
 from kfp_pytorch.components.storage import StorageError, parse_uri
+from kfp_pytorch.components.tracking import tracking_uri_problem
 from kfp_pytorch.components.train import gpu_share_problem, training_settings_problems
 from kfp_pytorch.components.ops.prepare_data import prepare_data_op
 from kfp_pytorch.components.ops.register import register_op
@@ -92,7 +93,6 @@ TRAIN_SPEC_PARAMS = {
 }
 
 # The tracking URIs MLflow opens a store for (a driver may follow '+': postgresql+psycopg2://).
-_TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "file")
 
 
 def validate_params(p: dict) -> list[str]:
@@ -125,11 +125,8 @@ def validate_params(p: dict) -> list[str]:
                 parse_uri(p[k])
             except StorageError as e:
                 problems.append(f"{k}: {e.message}" + (f" ({e.hint})" if e.hint else ""))
-    if p["tracking_uri"]:
-        scheme = p["tracking_uri"].partition("://")[0].split("+")[0] if "://" in p["tracking_uri"] else ""
-        if scheme not in _TRACKING_SCHEMES:
-            problems.append(f"tracking_uri: must be an MLflow server (http(s)://HOST[:PORT]) or a store URI "
-                            f"({', '.join(s + '://' for s in _TRACKING_SCHEMES[2:])}), got {p['tracking_uri']!r}")
+    if p["tracking_uri"] and (problem := tracking_uri_problem(p["tracking_uri"])):
+        problems.append(problem)
     if not 0 <= p["serve_port"] <= 65535:
         problems.append(f"serve_port: must be in [0, 65535], got {p['serve_port']}")
     for k in ("train_backend", "serve_backend"):

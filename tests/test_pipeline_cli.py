@@ -474,6 +474,15 @@ def test_a_home_that_cannot_be_a_folder_is_named_by_its_variable(tmp_path, comma
         assert "point KFP_PYTORCH_HOME at a writable folder" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_malformed_mlflow_tracking_uri_in_the_environment_is_found_before_any_step():
+    # the steps use it when tracking_uri is empty: MLflow refused it in the train step, a traceback
+    r = run_cli("run", "train_and_serve", "--local", env={"MLFLOW_TRACKING_URI": "mlflow.kubeflow:5000"})
+    assert r.returncode == 2 and "MLFLOW_TRACKING_URI: must be an MLflow server (http(s)://HOST[:PORT]) or a store " \
+                                 "URI" in r.stderr and "got 'mlflow.kubeflow:5000'" in r.stderr, r.stderr
+    assert "fix or unset MLFLOW_TRACKING_URI" in r.stderr and "Traceback" not in r.stderr
+    assert not (Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").exists()  # nothing ran
+
+
 def test_a_tracking_server_that_does_not_answer_is_found_before_any_step():
     # found by the train step, after the data was prepared and the model trained
     r = run_cli("run", "train_and_serve", "--local", "--param", f"tracking_uri=http://127.0.0.1:{free_port()}")

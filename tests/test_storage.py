@@ -41,6 +41,12 @@ def test_a_bad_bucket_name_or_endpoint_scheme_is_an_error_not_a_traceback(tmp_pa
                           env={**env, "AWS_ENDPOINT_URL": "http://127.0.0.1:minio"})
     assert port.returncode == 1 and "has no valid port (a number from 1 to 65535" in port.stderr, port.stderr
     assert "Traceback" not in port.stderr
+    half = subprocess.run([*cli, "s3://bkt/x"], capture_output=True, text=True,  # a bare ValueError once
+                          env={**env, "AWS_ACCESS_KEY_ID": "minio"})
+    assert half.returncode == 1 and "S3 credentials: an access key is set but not a secret key" in half.stderr
+    assert "Traceback" not in half.stderr
+    with pytest.raises(StorageError, match="a secret key is set but not an access key"):
+        StorageConfig.from_env({"AWS_SECRET_ACCESS_KEY": "s", "KFP_PYTORCH_STORAGE_CONFIG": "/nope"})
     for bad in ("http://minio:0", "http://minio:65536", "http://:9000"):
         with pytest.raises(StorageError, match="no valid port|has no host"):
             StorageConfig.from_env({"AWS_ENDPOINT_URL": bad, "KFP_PYTORCH_STORAGE_CONFIG": "/nope"})
