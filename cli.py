@@ -796,7 +796,11 @@ def _host(ctx, param, value):
     from urllib.parse import urlsplit
 
     parts = urlsplit(value or "")
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    try:
+        bad_port = parts.port is not None and not 1 <= parts.port <= 65535
+    except ValueError:  # not a number, or above 65535: requests' InvalidURL after the call
+        bad_port = True
+    if parts.scheme not in ("http", "https") or not parts.hostname or bad_port:
         raise click.BadParameter(f"{value!r} is not a URL of the KFP API: give http(s)://HOST[:PORT], e.g. "
                                  "http://127.0.0.1:8080 after kubectl -n kubeflow port-forward svc/ml-pipeline-ui 8080:80")
     return value

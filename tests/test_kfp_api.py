@@ -488,6 +488,9 @@ def test_options_kfp_would_refuse_are_refused_before_any_call(kfp_server):
     assert r.returncode == 2 and "'Team_A' is not a Kubernetes namespace" in r.stderr and r.stdout == ""
     r = cli("submit", "train_and_serve", "--host", url.split("://", 1)[1])  # the scheme left out
     assert r.returncode == 2 and "is not a URL of the KFP API: give http(s)://HOST[:PORT]" in r.stderr
+    for port in ("99999", "ui"):  # requests' InvalidURL, "cannot reach the KFP API", once
+        r = cli("runs", "--host", f"http://127.0.0.1:{port}")
+        assert r.returncode == 2 and "is not a URL of the KFP API" in r.stderr and "cannot reach" not in r.stderr
     assert len(fake.requests) == before and not fake.recurring
 
 
