@@ -492,7 +492,7 @@ def serve_logs(name, tail, previous):
 @click.argument("name")
 @click.argument("table")
 @click.option("--url", default=None,
-              help="The server's base URL, for one not started here (a KServe InferenceService's status.url).")
+              help="The server's base URL, for one not started here (a KServe InferenceService's status.url; a model's .../v2/models/NAME/infer endpoint is taken too).")
 @click.option("--model-uri", default=None,
               help="The model directory, for its feature names and label column (default: a local server's "
                    "record; with --url, the features the server's model metadata declares).")

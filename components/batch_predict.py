@@ -40,11 +40,26 @@ class Target:
     """A bearer token for a gateway that authenticates (never shown)."""
 
 
+def server_base_url(url: str, name: str) -> str:
+    """The server's base URL from ``url``, which may be a model's endpoint as `serve list` and the
+    run summary print it (``.../v2/models/NAME/infer``): the requests add that path, and a
+    doubled one was a bare 404. Pure."""
+    import re
+
+    m = re.fullmatch(r"(.*?)/v2/models/([^/]+)(?:/versions/[^/]+)?(?:/(?:infer|ready))?/?", url)
+    if m is None:
+        return url.rstrip("/")
+    if m.group(2) != name:
+        raise ServingError(f"--url {url!r} is the endpoint of the model {m.group(2)!r}, not of {name!r}",
+                           f"give the model's name as NAME ({m.group(2)!r}), or the server's base URL {m.group(1)!r}")
+    return m.group(1)
+
+
 def resolve_target(name: str, url: str | None = None, model_uri: str | None = None,
                    host_header: str | None = None, token: str | None = None) -> Target:
     """A local server by name (its record holds URL and model), or any server by ``url``."""
     if url:
-        return Target(url, name, model_uri, host_header, token)
+        return Target(server_base_url(url, name), name, model_uri, host_header, token)
     if host_header:
         raise ServingError("--host-header goes with --url (the ingress gateway's address)",
                            "a local server is reached by its name alone")

@@ -278,6 +278,14 @@ def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_mod
     r = cli("digits", str(tmp_path / "rows.csv"), "--url", endpoint.url, "-o", str(tmp_path / "p.csv"))
     assert r.returncode == 0 and r.stdout == "" and f"accuracy against 'label': {acc:.4f}" in r.stderr, r.stderr
     assert (pd.read_csv(tmp_path / "p.csv")["prediction"].to_numpy() == expected).all()
+    # the endpoint as `serve list` prints it, or with a trailing '/': the server's URL is taken from it
+    # (the requests' path was doubled: a bare 404)
+    for given in (endpoint.infer_url, endpoint.url + "/"):
+        r = cli("digits", str(tmp_path / "rows.csv"), "--url", given, "-o", str(tmp_path / "p2.csv"))
+        assert r.returncode == 0 and f"rows predicted by digits at {endpoint.url};" in r.stderr, r.stderr
+    r = cli("other", str(tmp_path / "rows.csv"), "--url", endpoint.infer_url)
+    assert r.returncode == 1 and f"--url '{endpoint.infer_url}' is the endpoint of the model 'digits', not of " \
+                                 "'other'" in r.stderr, r.stderr
     # a label column with empty cells (pandas reads its ids as floats: 3.0): the labelled rows are
     # scored as ids, the others are not counted
     shuffled.assign(label=shuffled["label"].where(shuffled.index >= 10)).to_csv(tmp_path / "gaps.csv", index=False)
