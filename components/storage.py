@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -356,8 +357,10 @@ class Storage:
                                 "some servers, a backend down); try again once it is fixed")
         if _local_file_error(e):  # this machine's disk, not the network: a path, a permission, the space left
             in_the_way = " (a file stands where that path needs a folder)" if e.errno in (errno.EEXIST, errno.ENOTDIR) else ""
+            # minio writes a download into NAME.<etag>.part.minio first: the user gave NAME
+            shown = re.sub(r"\.[0-9a-f]*\.part\.minio$", "", str(e.filename)) if e.filename else None
             return StorageError(f"{where}: {e.strerror or type(e).__name__}"
-                                + (f": {e.filename}" if e.filename else " (on this machine)") + in_the_way,
+                                + (f": {shown}" if shown else " (on this machine)") + in_the_way,
                                 "check that local path, its permissions and the free disk space")
         if isinstance(e, (urllib3.exceptions.HTTPError, OSError)):
             return StorageUnreachable(

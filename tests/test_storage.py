@@ -418,11 +418,15 @@ def test_a_problem_with_a_local_file_is_not_taken_for_an_unreachable_server(s3, 
         (lambda: s3.upload_file(tmp_path / "dir", f"s3://{bucket}/z"), f"Is a directory: {tmp_path / 'dir'}"),
         (lambda: s3.download_file(f"s3://{bucket}/k.csv", tmp_path / "a-file" / "k.csv"),
          f"File exists: {tmp_path / 'a-file'} (a file stands where that path needs a folder)"),
+        # /proc takes no new file: the path given, not minio's NAME.<etag>.part.minio beside it
+        (lambda: s3.download_file(f"s3://{bucket}/k.csv", tmp_path.root + "proc/kfp-pytorch-k.csv"),
+         "No such file or directory: /proc/kfp-pytorch-k.csv"),
     ]:
         with pytest.raises(StorageError) as e:
             call()
         assert not isinstance(e.value, StorageUnreachable) and "cannot reach" not in str(e.value)
         assert needle in str(e.value) and "free disk space" in e.value.hint, str(e.value)
+        assert ".part.minio" not in str(e.value)
     with pytest.raises(StorageError) as e:  # minio's bare ValueError before
         s3.download_file(f"s3://{bucket}/k.csv", tmp_path / "dir")
     assert f"{tmp_path / 'dir'} is a directory" in str(e.value) and str(tmp_path / "dir" / "k.csv") in e.value.hint
