@@ -234,10 +234,11 @@ class Tracker:
 
     def fetch_model(self, uri: str, dst_root: Path) -> dict:
         """The model directory of the registered version ``uri`` (``models:/NAME/VERSION`` or
-        ``models:/NAME@ALIAS``), downloaded once into ``dst_root/NAME-vVERSION`` and kept there: a
+        ``models:/NAME@ALIAS``), downloaded once into ``dst_root/NAME-vVERSION-KEY`` and kept there: a
         local server serves from it, and starts from it again after a reboot. Returns
         ``{name, version, alias, model_dir}``; a version that is not there is a RegistryError that names
         the versions there are."""
+        import hashlib
         import shutil
         import tempfile
 
@@ -254,7 +255,11 @@ class Tracker:
                     raise
                 raise RegistryError(f"{uri}: not in the MLflow registry at {self.uri}",
                                     self._registered_hint(name)) from None
-            dst = Path(dst_root) / f"{name}-v{mv.version}"
+            # named by the registry and the version's own artifacts too: another registry's (or a
+            # recreated store's) version 1 of the same name is another model
+            key = hashlib.sha256(f"{self.uri}\n{mv.source}\n{mv.run_id}".encode()).hexdigest()[:10]
+            dst_root = Path(dst_root)
+            dst = dst_root / f"{name}-v{mv.version}-{key}"
             if not (dst / "MLmodel").is_file():
                 dst_root.mkdir(parents=True, exist_ok=True)
                 tmp = Path(tempfile.mkdtemp(dir=dst_root, prefix=f".{name}-v{mv.version}-"))

@@ -702,8 +702,10 @@ def test_a_registered_version_or_an_older_runs_model_is_served_by_name(mlflow_se
     """A rollback: `serve start NAME --model-uri models:/MODEL/VERSION` serves a version from the
     real MLflow registry (artifacts on S3), and a champion alias or a run's model directory
     replaces it only once the new server answers."""
+    import os
     import subprocess
     import sys
+    from pathlib import Path
 
     from kfp_pytorch.components.register import RegisterSpec, register
 
@@ -714,9 +716,12 @@ def test_a_registered_version_or_an_older_runs_model_is_served_by_name(mlflow_se
                                    tracking_uri=uri))
     v1, v2 = first["version"], second["version"]
 
-    def start(*a):
-        r = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "serve", "start", *a, "--tracking-uri", uri],
-                           capture_output=True, text=True)
+    embedded = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # the default store
+
+    def start(*a, registry=uri):
+        r = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "serve", "start", *a]
+                           + (["--tracking-uri", registry] if registry else []), capture_output=True, text=True,
+                           env=os.environ if registry else embedded)
         assert "Traceback" not in r.stderr, r.stderr
         return r
 
@@ -733,6 +738,16 @@ def test_a_registered_version_or_an_older_runs_model_is_served_by_name(mlflow_se
         assert r.stdout.startswith(f"rollback: serving models:/rollback-digits/{v2} (@champion) at {now['infer_url']} ")
         assert f"it replaced the server of {up['model_uri']} at {up['infer_url']}" in r.stdout
         assert not psutil.pid_exists(up["pid"]) or psutil.Process(up["pid"]).status() == psutil.STATUS_ZOMBIE
+        # the embedded store's version of the same name and number is another model: not the
+        # server registry's download, served from a folder of its own
+        own = json.loads(subprocess.run(  # a process of its own: MLflow keeps the last registry as a global
+            [sys.executable, "-c", "import json, sys; from kfp_pytorch.components.register import RegisterSpec, register; "
+             "print(json.dumps(register(RegisterSpec(sys.argv[1], 'rollback-digits', {'accuracy': 0.9}, True))))",
+             trained_model.model_uri], capture_output=True, text=True, check=True, env=embedded).stdout.splitlines()[-1])
+        r = start("embedded", "--model-uri", f"models:/rollback-digits/{own['version']}", registry=None)
+        [other] = [s for s in list_servers() if s["name"] == "embedded"]
+        assert r.returncode == 0 and own["version"] == v1 and other["model_uri"] != up["model_uri"], r.stderr
+        assert other["model_uri"].startswith(str(Path(os.environ["KFP_PYTORCH_HOME"]) / "registry_models"))
         # a run's model directory, as `runs --local` shows it
         r = start("from-run", "--model-uri", trained_model.model_uri)
         assert r.returncode == 0 and r.stdout.startswith(f"from-run: serving {trained_model.model_uri} at "), r.stderr
@@ -752,4 +767,5 @@ def test_a_registered_version_or_an_older_runs_model_is_served_by_name(mlflow_se
         assert [s["pid"] for s in list_servers() if s["name"] == "rollback"] == [now["pid"]] and psutil.pid_exists(now["pid"])
     finally:
         stop_server("rollback")
+        stop_server("embedded")
         stop_server("from-run")
