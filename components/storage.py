@@ -237,7 +237,7 @@ def parse_endpoint(raw: str) -> tuple[str, str]:
     if parsed.scheme not in ("", "http", "https"):
         raise StorageError(f"S3 endpoint {raw!r} has the scheme {parsed.scheme!r}; S3 speaks http or https",
                            "set AWS_ENDPOINT_URL=http://HOST:PORT (https:// for TLS)")
-    if not parsed.netloc:
+    if not parsed.hostname:  # none at all, or only a port (http://:9000)
         raise StorageError(f"S3 endpoint {raw!r} has no host", "set AWS_ENDPOINT_URL=http://HOST:PORT")
     if parsed.path.strip("/"):  # minio's client takes no path: it would be dropped
         raise StorageError(f"S3 endpoint {raw!r} has a path; the endpoint is the server only",
@@ -249,8 +249,6 @@ def parse_endpoint(raw: str) -> tuple[str, str]:
     if port is not None and not 1 <= port <= 65535:
         raise StorageError(f"S3 endpoint {raw!r} has no valid port (a number from 1 to 65535 after the host)",
                            "set AWS_ENDPOINT_URL=http://HOST:PORT, e.g. http://minio.kubeflow:9000")
-    if not parsed.hostname:
-        raise StorageError(f"S3 endpoint {raw!r} has no host", "set AWS_ENDPOINT_URL=http://HOST:PORT")
     return parsed.netloc, parsed.scheme
 
 
