@@ -263,8 +263,21 @@ def _read_csv(path, encoding: str):
             df, form = comma, [*form, "decimal commas"]
     if encoding != "utf-8":
         form.append(f"{encoding}-encoded")
+    # the header as written: pandas names an empty cell 'Unnamed: N' and a repeated name 'a.1'
+    header = pd.read_csv(path, sep=sep, header=None, nrows=1, dtype=str, keep_default_na=False,
+                         encoding=encoding).iloc[0].tolist()
+    twins = {df.columns[i]: name for i, name in enumerate(header) if name in header[:i]}
+    first = df.iloc[:, 0]
+    if (len(header) == len(df.columns) > 1 and not header[0].strip() and first.notna().all() and first.is_unique
+            and not pd.api.types.is_float_dtype(first)):
+        # the row index pandas' to_csv writes by default (index=True): as a feature it is the row's
+        # place in the file, which leaks the label wherever the file is sorted by it
+        df = df.iloc[:, 1:]
+        form.append("row-indexed (its unnamed first column, the row index pandas' to_csv writes, is not a feature)")
     if form:
         df.attrs["csv_format"] = ", ".join(form)
+    if twins:
+        df.attrs["csv_repeated_names"] = twins
     return df
 
 
@@ -326,6 +339,12 @@ def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fract
         return missing
     features = feature_names(df, label_column, feature_columns)
     problems: list[str] = []
+    twins = df.attrs.get("csv_repeated_names", {})
+    for name in dict.fromkeys(twins[c] for c in [label_column, *features] if c in twins):
+        read_as = [name, *(c for c, n in twins.items() if n == name)]
+        problems.append(f"column {name!r}: {len(read_as)} columns of the header have this name (read as "
+                        f"{', '.join(map(repr, read_as))}); give each column a name of its own"
+                        + ("" if feature_columns else ", or list the features in feature_columns"))
     if not features:
         problems.append("no feature columns: the table has only the label column")
     if len(df) == 0:
