@@ -511,7 +511,7 @@ def serve_logs(name, tail, previous):
 @click.option("-o", "--output", metavar="FILE|URI", default=None,
               help="Write the predictions as CSV here: a file, or s3://BUCKET/KEY (default, or '-': stdout).")
 def serve_predict(name, table, url, model_uri, host_header, token, label_column, batch_size, probabilities, output):
-    """Predict every row of TABLE (CSV or Parquet: a path, s3://..., or sample://digits) with the
+    """Predict every row of TABLE (CSV, Parquet, JSON Lines or Feather: a path, s3://..., or sample://digits) with the
     model server NAME, and write row, prediction, confidence (and the row's label) as CSV."""
     from kfp_pytorch.components.batch_predict import predict_table, resolve_target, weakest_label
     from kfp_pytorch.components.prepare_data import load_table

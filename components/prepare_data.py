@@ -56,7 +56,7 @@ class PrepareSpec:
     """What to prepare and where to put it."""
 
     dataset_uri: str
-    """Local path, s3://bucket/key, minio://bucket/key (CSV or Parquet), or sample://digits."""
+    """Local path, s3://bucket/key, minio://bucket/key (CSV, Parquet, JSON Lines or Feather), or sample://digits."""
     output_uri: str
     """Directory URI (local or s3://) that receives metadata.json and the shards."""
     label_column: str = "label"
@@ -137,8 +137,6 @@ def load_table(uri: str, storage: Storage | None = None, label_column: str = "la
     """Read the raw table as a DataFrame; ``sample://NAME`` gives a bundled dataset. Column names
     are text, as the parameters that name them are (a Parquet file's may be numbers). ``what``:
     the name the user gave the table by (a parameter, a CLI argument), for the hint of a missing one."""
-    import pandas as pd
-
     if uri.startswith(SAMPLE_SCHEME):
         name = uri[len(SAMPLE_SCHEME):]
         if name != "digits":
@@ -165,36 +163,70 @@ def load_table(uri: str, storage: Storage | None = None, label_column: str = "la
                                   partition_base_dir=str(path)).to_table().to_pandas()
             kind = "a Parquet dataset"
         else:
-            suffix = PurePosixPath(loc.key).suffix.lower()
-            parquet = suffix in PARQUET_SUFFIXES
-            # pandas reads a file: the table is never held twice (as bytes, then parsed)
-            path = loc.path if not loc.is_s3 else Path(tmp) / f"table{suffix}"
+            name = PurePosixPath(loc.key)
+            suffix = name.suffix.lower()
+            packed = suffix in COMPRESSION_SUFFIXES  # data.jsonl.gz: pandas unpacks it, the suffix before says the format
+            form = PurePosixPath(name.stem).suffix.lower() if packed else suffix
+            # pandas reads a file: the table is never held twice (as bytes, then parsed); the download
+            # keeps both suffixes, which pandas infers the compression from
+            path = loc.path if not loc.is_s3 else Path(tmp) / f"table{form if packed else ''}{suffix}"
             try:
                 if loc.is_s3:
                     storage.download_file(uri, path)
                 elif path.is_dir():
                     raise DatasetError(f"dataset {uri} is a directory without Parquet files",
-                                       "give a CSV or Parquet file, or a directory of .parquet files (a Spark or "
-                                       "pandas partitioned dataset)")
+                                       "give a table file (CSV, Parquet, JSON Lines or Feather), or a directory "
+                                       "of .parquet files (a Spark or pandas partitioned dataset)")
                 elif not path.is_file():
                     raise StorageNotFound(f"read {uri}: no such file", "check the path")
             except StorageNotFound as e:
                 raise DatasetError(f"dataset not found: {uri}",
-                                   f"check {what}; it must point at a CSV or Parquet file, or a directory "
-                                   "of Parquet files (or use sample://digits)") from e
+                                   f"check {what}; it must point at a table file (CSV, Parquet, JSON Lines or "
+                                   "Feather), or a directory of Parquet files (or use sample://digits)") from e
             if suffix in SPREADSHEET_SUFFIXES:
                 raise DatasetError(f"dataset {uri} is a spreadsheet workbook ({suffix}), not a table file",
                                    "save the sheet as CSV (File > Save As > CSV) or Parquet, and give that")
-            read = (lambda: pd.read_parquet(path)) if parquet else (lambda: read_csv(path))
-            kind = "Parquet" if parquet else "CSV"
+            kind, read = _reader(form, path)
+        hint = TABLE_FORMAT_HINTS.get(kind, TABLE_FORMAT_HINTS["CSV"])
         try:
             return read().rename(columns=str)
         except Exception as e:  # pandas raises many types for unparsable input
-            raise DatasetError(f"cannot parse {uri} as {kind}: {e}",
-                               "give a CSV with a header row, or a .parquet file") from e
+            raise DatasetError(f"cannot parse {uri} as {kind}: {e}", hint) from e
+
+
+def _reader(form: str, path):
+    """(the format's name, a function reading the file) by its suffix (``form``, compression
+    aside); a file of any other suffix is read as a CSV."""
+    import pandas as pd
+
+    if form in PARQUET_SUFFIXES:
+        return "Parquet", lambda: pd.read_parquet(path)
+    if form in FEATHER_SUFFIXES:
+        return "Feather", lambda: pd.read_feather(path)
+    if form in JSON_LINES_SUFFIXES:
+        return "JSON Lines", lambda: pd.read_json(path, lines=True)
+    if form == ".json":  # an array of records, as df.to_json(orient="records") writes, or JSON Lines
+        def read():
+            try:
+                return pd.read_json(path)
+            except ValueError:  # "Trailing data": one object per line
+                return pd.read_json(path, lines=True)
+        return "JSON", read
+    return "CSV", lambda: read_csv(path)
 
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
+FEATHER_SUFFIXES = (".feather", ".arrow")
+JSON_LINES_SUFFIXES = (".jsonl", ".ndjson")
+COMPRESSION_SUFFIXES = (".gz", ".bz2", ".zip", ".xz", ".zst")
+TABLE_FORMAT_HINTS = {
+    "CSV": "give a CSV with a header row, or a .parquet file",
+    "Parquet": "give a Parquet file as pandas or Spark writes it (df.to_parquet), or a CSV",
+    "a Parquet dataset": "give a folder of Parquet files as pandas or Spark writes it, or one Parquet or CSV file",
+    "Feather": "give a Feather file as pandas writes it (df.to_feather), or a Parquet file or a CSV",
+    "JSON Lines": "give one JSON object per line, each a row: df.to_json(path, orient='records', lines=True)",
+    "JSON": "give an array of JSON objects, each a row (df.to_json(path, orient='records')), or one object per line",
+}
 SPREADSHEET_SUFFIXES = (".xlsx", ".xls", ".xlsm", ".ods")
 
 

@@ -351,6 +351,37 @@ def test_a_name_the_header_repeats_is_refused_where_the_column_is_read(tmp_path)
     assert meta["features"] == ["a", "b", "c"]
 
 
+@pytest.mark.parametrize("name, write", [
+    ("t.jsonl", lambda d, p: d.to_json(p, orient="records", lines=True)),
+    ("t.ndjson.gz", lambda d, p: d.to_json(p, orient="records", lines=True)),  # compressed: the inner suffix decides
+    ("t.json", lambda d, p: d.to_json(p, orient="records")),
+    ("lines.json", lambda d, p: d.to_json(p, orient="records", lines=True)),  # JSON Lines under .json
+    ("t.feather", lambda d, p: d.to_feather(p)),
+])
+def test_json_lines_json_and_feather_tables_are_read_as_their_csv_twin(tmp_path, name, write):
+    # before, every suffix but Parquet's was read as a CSV: a .jsonl's "columns" were its first record
+    d = _table().assign(label=lambda t: t["label"].map({0: "cat", 1: "dog", 2: "eel"}))
+    write(d, tmp_path / name)
+    pd.testing.assert_frame_equal(load_table(str(tmp_path / name)), d)
+    meta = prepare_data(PrepareSpec(str(tmp_path / name), str(tmp_path / "o")))
+    assert meta["features"] == ["a", "b", "c", "d"] and meta["class_names"] == ["cat", "dog", "eel"]
+
+
+def test_a_json_lines_table_on_s3_keeps_its_format_and_compression(s3, bucket, tmp_path):
+    d = _table()
+    d.to_json(tmp_path / "t.jsonl.gz", orient="records", lines=True)
+    s3.write_bytes(f"s3://{bucket}/raw/t.jsonl.gz", (tmp_path / "t.jsonl.gz").read_bytes())
+    pd.testing.assert_frame_equal(load_table(f"s3://{bucket}/raw/t.jsonl.gz", s3), d)
+
+
+def test_a_damaged_json_lines_table_says_how_to_write_one(tmp_path):
+    (tmp_path / "t.jsonl").write_text('{"a": 1, "label": 0}\n{"a": \n')
+    with pytest.raises(DatasetError) as e:
+        load_table(str(tmp_path / "t.jsonl"))
+    assert "cannot parse" in str(e.value) and "as JSON Lines" in str(e.value)
+    assert "orient='records', lines=True" in e.value.hint
+
+
 def _partitioned(tmp_path):
     """A table written as Spark and pandas write one: a folder of hive partitions, with a _SUCCESS
     marker, and the same rows as one file."""
