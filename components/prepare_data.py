@@ -265,6 +265,7 @@ def read_csv(path):
     then a comma), with decimal commas (``1,5``)
     where the separator is a semicolon and the numbers are written so, and in UTF-8 (a BOM too) or,
     failing that, Windows-1252, the encoding Excel's plain "CSV" export uses in western locales.
+    Spaces after a separator (``a, b, label`` as people type it) are not part of the names or values.
 
     The separator is chosen by pandas' own header reads (quotes and compression as pandas reads
     them), then the table is read once by pandas' C parser: ``sep=None`` would sniff it, but only
@@ -286,10 +287,10 @@ def _read_csv(path, encoding: str):
     widths = {sep: len(pd.read_csv(path, sep=sep, nrows=0, encoding=encoding).columns) for sep in CSV_SEPARATORS}
     widest = [s for s in CSV_SEPARATORS if widths[s] == max(widths.values())]
     sep = widest[0] if len(widest) == 1 else max(widest, key=lambda s: (_fit(path, s, encoding), s == ","))
-    df = pd.read_csv(path, sep=sep, encoding=encoding)
+    df = pd.read_csv(path, sep=sep, encoding=encoding, skipinitialspace=True)
     form = [] if sep == "," else [{";": "semicolon", "\t": "tab", "|": "pipe"}[sep] + "-separated"]
     if sep == ";" and any(df[c].dtype == object for c in df.columns):
-        comma = pd.read_csv(path, sep=sep, decimal=",", encoding=encoding)
+        comma = pd.read_csv(path, sep=sep, decimal=",", encoding=encoding, skipinitialspace=True)
         numeric = lambda t: sum(pd.api.types.is_numeric_dtype(t[c]) for c in t.columns)  # noqa: E731
         if numeric(comma) > numeric(df):
             df, form = comma, [*form, "decimal commas"]
@@ -297,7 +298,7 @@ def _read_csv(path, encoding: str):
         form.append(f"{encoding}-encoded")
     # the header as written: pandas names an empty cell 'Unnamed: N' and a repeated name 'a.1'
     header = pd.read_csv(path, sep=sep, header=None, nrows=1, dtype=str, keep_default_na=False,
-                         encoding=encoding).iloc[0].tolist()
+                         encoding=encoding, skipinitialspace=True).iloc[0].tolist()
     twins = {df.columns[i]: name for i, name in enumerate(header) if name in header[:i]}
     first = df.iloc[:, 0]
     if (len(header) == len(df.columns) > 1 and not header[0].strip() and first.notna().all() and first.is_unique
@@ -321,7 +322,8 @@ def _fit(path, sep: str, encoding: str, rows: int = 50) -> tuple[int, int]:
     import pandas as pd
 
     try:
-        head = pd.read_csv(path, sep=sep, nrows=rows, encoding=encoding, decimal="," if sep == ";" else ".")
+        head = pd.read_csv(path, sep=sep, nrows=rows, encoding=encoding, decimal="," if sep == ";" else ".",
+                           skipinitialspace=True)
     except (pd.errors.ParserError, ValueError):
         return -1, -1
     filled = int(head.notna().all(axis=1).sum())

@@ -307,6 +307,18 @@ def test_header_names_holding_a_comma_do_not_make_the_table_comma_separated(tmp_
     assert table.attrs.get("csv_format") == expect
 
 
+@pytest.mark.parametrize("sep, decimal", [(",", "."), (";", ",")])
+def test_spaces_after_the_separators_are_not_part_of_names_or_values(tmp_path, sep, decimal):
+    # "a, b, label" as people type it: before, the label column was ' label' and the classes ' cat'
+    d = _table().assign(label=lambda t: t["label"].map({0: "cat", 1: "dog", 2: "eel"}))
+    text = d.to_csv(index=False, sep=sep, decimal=decimal).replace(sep, sep + " ")
+    assert text.startswith(f"a{sep} b{sep} c")
+    (tmp_path / "t.csv").write_text(text)
+    pd.testing.assert_frame_equal(load_table(str(tmp_path / "t.csv")), d)
+    meta = prepare_data(PrepareSpec(str(tmp_path / "t.csv"), str(tmp_path / "o")))
+    assert meta["features"] == ["a", "b", "c", "d"] and meta["class_names"] == ["cat", "dog", "eel"]
+
+
 @pytest.mark.parametrize("order", ["sorted by label", "shuffled", "text ids"])
 def test_the_row_index_pandas_writes_is_not_a_feature(tmp_path, order):
     # df.to_csv(path) writes the index as an unnamed first column; read as a feature, the row's place
