@@ -269,6 +269,17 @@ def _weakest_line(w: dict, rows: str = "rows") -> str:
             f"{w['taken_rows']} taken for {shown(w['taken_for'])}")
 
 
+def _counted_classes(classes, shown: int = 6) -> str:
+    """``'cat' (12 rows), 3 (4 rows)`` of {class: rows}, or ``'cat', 'dog'`` of a list: an id as it
+    is, a name quoted, as :func:`_weakest_line` shows them; the first ``shown``, then how many more."""
+    def one(c):
+        name = c if c.lstrip("-").isdigit() else repr(c)
+        return f"{name} ({classes[c]} row{'s' if classes[c] != 1 else ''})" if isinstance(classes, dict) else name
+
+    items = list(classes)
+    return ", ".join(map(one, items[:shown])) + (f" and {len(items) - shown} more" if len(items) > shown else "")
+
+
 def _print_summary(s: dict) -> None:
     ok = s["status"] == "SUCCEEDED"
     click.echo("")
@@ -522,10 +533,9 @@ def serve_predict(name, table, url, model_uri, host_header, token, label_column,
     frame = load_table(table, label_column=label_column or "label", what="TABLE")
     show = sys.stderr.isatty() and len(frame) > batch_size
     with click.progressbar(length=len(frame), label="predicting", file=sys.stderr) if show else nullcontext() as bar:
-        preds, accuracy, label_column = predict_table(target, frame, label_column, source=table,
-                                                      batch_size=batch_size,
-                                                      on_batch=bar.update if bar is not None else None,
-                                                      probabilities=probabilities)
+        result = predict_table(target, frame, label_column, source=table, batch_size=batch_size,
+                               on_batch=bar.update if bar is not None else None, probabilities=probabilities)
+    preds, accuracy, label_column = result.frame, result.accuracy, result.label_column
     if to_s3:
         from kfp_pytorch.components.storage import Storage
 
@@ -535,12 +545,20 @@ def serve_predict(name, table, url, model_uri, host_header, token, label_column,
     else:
         click.echo(preds.to_csv(index=False), nl=False)
     note = f"{len(preds)} rows predicted by {target.name} at {target.url}"
+    unknown = result.unknown_labels
     if accuracy is not None:
         unlabelled = int(preds["label"].isna().sum())
         note += f"; accuracy against {label_column!r}: {accuracy:.4f}" + (
             f" on the {len(preds) - unlabelled} labelled rows ({unlabelled} without a label)" if unlabelled else "")
         if w := weakest_label(preds):
             note += f"; weakest: {_weakest_line(w)}"
+        if unknown:
+            note += (f"; {sum(unknown.values())} row(s) have a label that is no class of the model, which no "
+                     f"prediction can match: {_counted_classes(unknown)}")
+    elif unknown:  # 0 would be a score of the names, not of the model
+        note += (f"; not scored: no {label_column!r} in the table is a class of the model (the table's: "
+                 f"{_counted_classes(unknown)}; the model's: {_counted_classes(result.model_classes)}); "
+                 "write the labels as the model names its classes")
     elif "label" in preds:
         note += f"; no row has a {label_column!r} to score against"
     click.echo(note + (f"; written to {output}" if output else ""), err=True)

@@ -12,6 +12,7 @@ directory is known (a local server's record has it), else from the server's own 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
@@ -156,8 +157,15 @@ class Predictions(NamedTuple):
     """row, prediction, confidence, with ``probabilities`` one ``p_<class>`` column per class,
     and the row's label when the table has one."""
     accuracy: float | None
+    """Of the labelled rows, the share predicted right; None without labels, or when no label is
+    one of the model's classes (the table names them otherwise: ids for a model of names, say)."""
     label_column: str
     """The column compared with the predictions: the one given, or the model's own."""
+    unknown_labels: dict[str, int] = {}
+    """Labels of the table that are none of the model's classes, with their rows: those rows can
+    never be predicted right (empty where the model's classes are not known: a server by URL)."""
+    model_classes: list[str] | None = None
+    """The model's classes as predictions are written (names, else ids); None where not known."""
 
 
 def predict_table(target: Target, table, label_column: str | None = None, source: str = "the table",
@@ -185,15 +193,31 @@ def predict_table(target: Target, table, label_column: str | None = None, source
         probs = res["probabilities"]
         for c, column in enumerate(probability_columns(probs.shape[1], meta.get("class_names"))):
             out[column] = np.round(probs[:, c], 6)
-    accuracy = None
+    accuracy, unknown, classes = None, {}, model_classes(meta, res)
     if truth:
         labels = [label_text(t) for t in truth]
         ids = res["class"] is None and all(t is None or t.lstrip("-").isdigit() for t in labels)
         # the label column as the prediction column is typed: ids as integers (empty cells as <NA>), names as text
         out["label"] = pd.array([None if t is None else int(t) for t in labels], dtype="Int64") if ids else labels
         scored = [str(p) == t for p, t in zip(shown, labels) if t is not None]
-        accuracy = float(np.mean(scored)) if scored else None
-    return Predictions(out, accuracy, label_column)
+        if classes is not None:
+            unknown = dict(Counter(t for t in labels if t is not None and t not in set(classes)).most_common())
+        # no label a class of the model: the table names the classes otherwise, and 0 would be no score
+        accuracy = float(np.mean(scored)) if scored and sum(unknown.values()) < len(scored) else None
+    return Predictions(out, accuracy, label_column, unknown, classes)
+
+
+def model_classes(meta: dict, res: dict) -> list[str] | None:
+    """The classes the model predicts, as :func:`predict_table` writes them: its class names, or
+    its class ids (those it was trained on where its metadata is known, else one per output);
+    None for a server by URL that answers with names, whose other names are not known."""
+    if meta.get("class_names"):
+        return [str(c) for c in meta["class_names"]]
+    if res["class"] is not None:
+        return None
+    if meta.get("classes"):
+        return [str(c) for c in meta["classes"]]
+    return [str(c) for c in range(res["probabilities"].shape[1])] if len(res["probabilities"]) else None
 
 
 def label_text(value) -> str | None:

@@ -603,7 +603,9 @@ def test_a_text_label_column_is_trained_evaluated_and_served_by_name(tmp_path):
         # a whole table: predictions by class name, scored against the table's own text labels
         from kfp_pytorch.components.batch_predict import predict_table, resolve_target
 
-        preds, accuracy, _ = predict_table(resolve_target("named"), table.head(50), batch_size=16)
+        scored = predict_table(resolve_target("named"), table.head(50), batch_size=16)
+        preds, accuracy = scored.frame, scored.accuracy
+        assert scored.unknown_labels == {} and scored.model_classes == sorted(set(table["label"]))
         assert list(preds["prediction"][:20]) == out["class"]["data"] and list(preds["label"]) == list(table["label"][:50])
         assert accuracy == pytest.approx(float(np.mean(preds["prediction"] == preds["label"]))) and accuracy > 0.8
     finally:
@@ -661,10 +663,47 @@ def test_a_scored_tables_label_column_is_typed_as_its_predictions(endpoint, trai
 
     table = load_table("sample://digits").head(20)
     table["label"] = table["label"].where(table.index >= 2)  # two rows without a label: the ids read as floats
-    preds, accuracy, _ = predict_table(resolve_target("digits"), table)
+    scored = predict_table(resolve_target("digits"), table)
+    preds, accuracy = scored.frame, scored.accuracy
     assert str(preds["label"].dtype) == "Int64" and preds["label"][:2].isna().all()
     assert accuracy == pytest.approx((preds["prediction"][2:] == preds["label"][2:]).mean())  # comparable as they are
-    assert pd.isna(predict_table(resolve_target("digits"), table.assign(label=np.nan))[1])
+    assert pd.isna(predict_table(resolve_target("digits"), table.assign(label=np.nan)).accuracy)
+
+
+def test_labels_that_are_no_class_of_the_model_are_said_and_never_scored_as_its_mistakes(endpoint, trained_model,
+                                                                                         tmp_path):
+    import subprocess
+    import sys
+
+    from kfp_pytorch.components.batch_predict import predict_table, resolve_target
+    from kfp_pytorch.components.prepare_data import load_table
+
+    table = load_table("sample://digits").head(30)
+    model = predict_table(resolve_target("digits"), table)
+    assert model.model_classes == [str(c) for c in range(10)] and model.unknown_labels == {}
+    # the classes named as words: no label is a class of a model of ids, and accuracy 0 was printed
+    words = "zero one two three four five six seven eight nine".split()
+    named = predict_table(resolve_target("digits"), table.assign(label=table["label"].map(dict(enumerate(words)))))
+    assert named.accuracy is None and sum(named.unknown_labels.values()) == 30
+    assert named.unknown_labels["zero"] == int((table["label"] == 0).sum())
+    # a few rows of an id the model never learnt: said, and counted wrong (no prediction can match them)
+    odd = table.assign(label=table["label"].where(table.index >= 4, 42))
+    some = predict_table(resolve_target("digits"), odd)
+    assert some.unknown_labels == {"42": 4}
+    assert some.accuracy == pytest.approx(float((some.frame["prediction"] == some.frame["label"]).mean()))
+    assert some.accuracy <= 26 / 30
+
+    cli = lambda t: subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "serve", "predict", "digits", t,  # noqa: E731
+                                    "-o", str(tmp_path / "p.csv")], capture_output=True, text=True, timeout=300)
+    table.assign(label=table["label"].map(dict(enumerate(words)))).to_csv(tmp_path / "words.csv", index=False)
+    r = cli(str(tmp_path / "words.csv"))
+    assert r.returncode == 0 and "accuracy" not in r.stderr, r.stderr
+    assert "not scored: no 'label' in the table is a class of the model (the table's: 'zero' (" in r.stderr
+    assert "the model's: 0, 1, 2, 3, 4, 5 and 4 more)" in r.stderr
+    odd.to_csv(tmp_path / "odd.csv", index=False)
+    r = cli(str(tmp_path / "odd.csv"))
+    assert r.returncode == 0 and f"accuracy against 'label': {some.accuracy:.4f}" in r.stderr, r.stderr
+    assert "4 row(s) have a label that is no class of the model, which no prediction can match: 42 (4 rows)" in r.stderr
 
 
 def test_serve_predict_writes_its_predictions_to_s3(endpoint, s3, bucket, tmp_path):
