@@ -61,5 +61,11 @@ def champion_note(res: dict, metric: str, gate_passed: bool) -> str:
     if not gate_passed:
         return (f"version {v} is registered for audit only (tagged gate=failed); "
                 + (f"the champion stays version {prev}" if prev is not None else "there is no champion"))
+    if res.get("previous_inputs"):
+        return (f"version {v} is registered, not champion: it takes other inputs than champion version {prev} "
+                f"({res['inputs']}; the champion: {res['previous_inputs']}), so its {metric} is not compared and the "
+                f"clients of {res['name']!r} keep the champion; to serve it, register it under a model_name of its "
+                f"own, or make it the champion by hand: MlflowClient().set_registered_model_alias("
+                f"{res['name']!r}, 'champion', '{v}')")
     return (f"version {v} is registered, not champion: {metric} {res['value']:.4f} does not beat version {prev}'s "
             f"{old:.4f} (a tie keeps the champion)")

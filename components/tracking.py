@@ -21,6 +21,20 @@ CHAMPION = "champion"
 EXPERIMENT = "kfp-pytorch"
 
 
+def model_inputs(model_dir: Path) -> tuple[str, str]:
+    """(digest, summary) of what a model takes and gives, from its ``metadata.json``: its feature
+    names in order and its classes. Two versions with another digest are not interchangeable
+    behind one endpoint, and a test metric of one says nothing of the other. Pure but for the read."""
+    import hashlib
+    import json
+
+    meta = json.loads((Path(model_dir) / "metadata.json").read_text())
+    features, classes = list(meta.get("features") or []), list(meta.get("class_names") or meta.get("classes") or [])
+    digest = hashlib.sha256(json.dumps([features, classes]).encode()).hexdigest()[:16]
+    shown = ", ".join(map(str, classes[:4])) + (", ..." if len(classes) > 4 else "")
+    return digest, f"{len(features)} features, {len(classes)} classes ({shown})"
+
+
 def pyfunc_signature():
     """The registered model's signature: its parameters only. ``probabilities`` (off by default)
     answers each class's probability beside the class (mlflow_model.py). No input schema: a named
@@ -313,14 +327,17 @@ class Tracker:
             return None
         mv = self.client.get_model_version(name, str(version))
         metrics = self.client.get_run(mv.run_id).data.metrics if mv.run_id else {}
-        return {"version": mv.version, "run_id": mv.run_id, "metrics": metrics}
+        return {"version": mv.version, "run_id": mv.run_id, "metrics": metrics, "tags": dict(mv.tags or {})}
 
     def register(self, name: str, model_dir: Path, metrics: dict, gate_passed: bool, metric: str = "accuracy",
                  run_id: str | None = None, pip_requirements: list[str] | None = None) -> dict:
         """Log the model as an MLflow pyfunc, register a version, and move ``champion`` if earned.
 
         ``champion`` moves only when the gate passed and the new model beats the current champion's
-        ``test_<metric>`` strictly (a tie keeps the incumbent: no churn for equal models).
+        ``test_<metric>`` strictly (a tie keeps the incumbent: no churn for equal models), and only
+        between versions that take the same features and give the same classes (:func:`model_inputs`,
+        kept as the version's ``inputs`` tag): another table's model is registered, never promoted
+        over the champion by a metric measured on other data, and never swapped in under its clients.
         """
         import torch
 
@@ -344,10 +361,18 @@ class Tracker:
             version = max(int(v.version) for v in versions) if versions else int(info.registered_model_version)
             new_value = float(metrics[metric])
             old_value = previous["metrics"].get(f"test_{metric}") if previous else None
-            promote = gate_passed and (old_value is None or new_value > old_value)
+            inputs, summary = model_inputs(model_dir)
+            # a champion registered before the tag was kept: nothing to tell them apart by
+            theirs = previous["tags"].get("inputs") if previous else None
+            differ = theirs is not None and theirs != inputs
+            promote = gate_passed and not differ and (old_value is None or new_value > old_value)
             self.client.set_model_version_tag(name, str(version), "gate", "passed" if gate_passed else "failed")
+            self.client.set_model_version_tag(name, str(version), "inputs", inputs)
+            self.client.set_model_version_tag(name, str(version), "inputs_summary", summary)
             if promote:
                 self.client.set_registered_model_alias(name, CHAMPION, str(version))
         return {"name": name, "version": version, "run_id": rid, "champion": promote,
                 "previous_champion": int(previous["version"]) if previous else None,
-                "previous_value": old_value, "value": new_value, "model_uri": f"models:/{name}/{version}"}
+                "previous_value": old_value, "value": new_value, "model_uri": f"models:/{name}/{version}",
+                "inputs": summary,
+                "previous_inputs": previous["tags"].get("inputs_summary", "other inputs") if differ else None}

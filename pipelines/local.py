@@ -396,7 +396,8 @@ def summarize(run: LocalRun) -> dict:
         s["endpoint"] = sv.get("endpoint")
         s["server_url"] = sv.get("url")
     elif reg and reg.get("champion") is False:
-        s["not_served"] = f"version {reg.get('version')} did not beat the champion (only a new champion is served)"
+        s["not_served"] = (f"{reg['note']} (only a new champion is served)" if reg.get("note") else
+                           f"version {reg.get('version')} did not beat the champion (only a new champion is served)")
         name = (reg.get("registry_uri") or "").removeprefix("models:/").split("/")[0]
         from kfp_pytorch.components.serve import server_status
 

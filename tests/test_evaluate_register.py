@@ -509,6 +509,38 @@ def test_a_server_too_old_for_dataset_inputs_still_records_the_run(mlflow_server
     assert "the run's metrics are recorded without it" in err
 
 
+def test_a_model_of_other_inputs_never_takes_the_champions_place(mlflow_server, trained_model, tmp_path):
+    """A version trained on another table (other features, other classes) was promoted by a metric
+    measured on other data, and its endpoint then refused every client of the champion."""
+    import shutil
+
+    from kfp_pytorch.components.register import champion_note
+
+    uri, name = mlflow_server.url, "digits-inputs"
+    other = shutil.copytree(trained_model.model_uri, tmp_path / "other")
+    meta = json.loads((other / "metadata.json").read_text())
+    meta["features"] = [f"f{i}" for i in range(len(meta["features"]))]  # same shape, another table's columns
+    (other / "metadata.json").write_text(json.dumps(meta))
+    first = register(RegisterSpec(trained_model.model_uri, name, _metrics(0.95), True, tracking_uri=uri))
+    assert first["champion"] is True and first["inputs"] == "64 features, 10 classes (0, 1, 2, 3, ...)"
+    moved = register(RegisterSpec(str(other), name, _metrics(0.99), True, tracking_uri=uri))
+    v = first["version"]
+    assert moved["champion"] is False and moved["previous_inputs"] == first["inputs"]
+    note = champion_note(moved, "accuracy", True)
+    assert note.startswith(f"version {v + 1} is registered, not champion: it takes other inputs than champion "
+                           f"version {v} (64 features, 10 classes (0, 1, 2, 3, ...); the champion: 64 features, ")
+    assert f"set_registered_model_alias('{name}', 'champion', '{v + 1}')" in note
+    client = mlflow.MlflowClient(uri)
+    tags = [client.get_model_version(name, str(x)).tags for x in (v, v + 1)]
+    assert tags[0]["inputs"] != tags[1]["inputs"] and tags[1]["gate"] == "passed"
+    # the same inputs again: judged by the metric, as before
+    same = register(RegisterSpec(trained_model.model_uri, name, _metrics(0.97), True, tracking_uri=uri))
+    assert same["champion"] is True and same["previous_inputs"] is None and same["previous_champion"] == v
+    # a champion registered before versions kept their inputs: nothing to tell them apart, the metric decides
+    client.delete_model_version_tag(name, str(same["version"]), "inputs")
+    assert register(RegisterSpec(str(other), name, _metrics(0.98), True, tracking_uri=uri))["champion"] is True
+
+
 def test_register_validates_name_and_metric(trained_model):
     with pytest.raises(ConfigError) as e:
         register(RegisterSpec(trained_model.model_uri, "bad name!", {"accuracy": 1.0}, True, metric="auc"))

@@ -174,8 +174,9 @@ def test_end_to_end_on_s3_and_mlflow_server(s3, bucket, mlflow_server):
         assert again["gate_passed"] is True and again["metrics"]["accuracy"] < s["metrics"]["accuracy"]
         assert again["model"] == {"registry_uri": "models:/digits-e2e/2", "version": 2, "champion": False}
         assert "endpoint" not in again and "prediction" not in again
-        assert again["not_served"] == ("version 2 did not beat the champion (only a new champion is served); "
-                                       f"the champion serves at {s['endpoint']}")
+        assert again["not_served"] == (f"version 2 is registered, not champion: accuracy {again['metrics']['accuracy']:.4f} "
+                                       f"does not beat version 1's {s['metrics']['accuracy']:.4f} (a tie keeps the "
+                                       f"champion) (only a new champion is served); the champion serves at {s['endpoint']}")
         assert "whose local server was down; it serves again at " + s["endpoint"] in r.stdout  # the serve step's log
         listed = json.loads(run_cli("serve", "list", "--json").stdout)
         assert [(x["name"], x["model_uri"], x["alive"]) for x in listed if x["name"] == "digits-e2e"] == [
