@@ -191,7 +191,7 @@ def load_table(uri: str, storage: Storage | None = None, label_column: str = "la
         try:
             return read().rename(columns=str)
         except Exception as e:  # pandas raises many types for unparsable input
-            raise DatasetError(f"cannot parse {uri} as {kind}: {e}", hint) from e
+            raise DatasetError(f"cannot parse {uri} as {kind}: {str(e).strip()}", hint) from e
 
 
 def _reader(form: str, path):
@@ -287,10 +287,11 @@ def _read_csv(path, encoding: str):
     widths = {sep: len(pd.read_csv(path, sep=sep, nrows=0, encoding=encoding).columns) for sep in CSV_SEPARATORS}
     widest = [s for s in CSV_SEPARATORS if widths[s] == max(widths.values())]
     sep = widest[0] if len(widest) == 1 else max(widest, key=lambda s: (_fit(path, s, encoding), s == ","))
-    df = pd.read_csv(path, sep=sep, encoding=encoding, skipinitialspace=True)
+    df = _as_written(lambda **kw: pd.read_csv(path, sep=sep, encoding=encoding, skipinitialspace=True, **kw))
     form = [] if sep == "," else [{";": "semicolon", "\t": "tab", "|": "pipe"}[sep] + "-separated"]
     if sep == ";" and any(df[c].dtype == object for c in df.columns):
-        comma = pd.read_csv(path, sep=sep, decimal=",", encoding=encoding, skipinitialspace=True)
+        comma = _as_written(lambda **kw: pd.read_csv(path, sep=sep, decimal=",", encoding=encoding,
+                                                     skipinitialspace=True, **kw))
         numeric = lambda t: sum(pd.api.types.is_numeric_dtype(t[c]) for c in t.columns)  # noqa: E731
         if numeric(comma) > numeric(df):
             df, form = comma, [*form, "decimal commas"]
@@ -299,7 +300,10 @@ def _read_csv(path, encoding: str):
     # the header as written: pandas names an empty cell 'Unnamed: N' and a repeated name 'a.1'
     header = pd.read_csv(path, sep=sep, header=None, nrows=1, dtype=str, keep_default_na=False,
                          encoding=encoding, skipinitialspace=True).iloc[0].tolist()
-    twins = {df.columns[i]: name for i, name in enumerate(header) if name in header[:i]}
+    twins = {df.columns[i]: name for i, name in enumerate(header) if name.strip() and name in header[:i]}
+    # columns a spreadsheet leaves at the right (a separator ending every line, header too): no
+    # name, no value
+    df = df[[c for c, name in zip(df.columns, header) if name.strip() or df[c].notna().any()]]
     first = df.iloc[:, 0]
     if (len(header) == len(df.columns) > 1 and not header[0].strip() and first.notna().all() and first.is_unique
             and not pd.api.types.is_float_dtype(first)):
@@ -312,6 +316,37 @@ def _read_csv(path, encoding: str):
     if twins:
         df.attrs["csv_repeated_names"] = twins
     return df
+
+
+def _as_written(read):
+    """A CSV's table as its header names it, whatever its rows end in; ``read(**kw)``: pandas'
+    read of it.
+
+    Rows with more fields than the header (a separator ending every row but the header's, as
+    some exporters write) make pandas take their first fields for an index, shifting every column
+    one name to the right: the fields are put back under their names, and the extra ones, empty,
+    dropped; extra fields that hold values are an error (a column the header does not name). Empty
+    rows at the end (a spreadsheet's formatted but empty rows: ``,,``) are no rows: the table is
+    read again without them, so that their gaps do not make its integer columns floats."""
+    df = _unshifted(read())
+    filled = np.flatnonzero(df.notna().any(axis=1).to_numpy())
+    return _unshifted(read(nrows=int(filled[-1]) + 1)) if len(filled) and filled[-1] + 1 < len(df) else df
+
+
+def _unshifted(df):
+    """:func:`_as_written`'s columns put back under their names."""
+    import pandas as pd
+
+    if isinstance(df.index, pd.RangeIndex):
+        return df
+    names, wide = list(df.columns), df.reset_index()
+    extra = wide.iloc[:, len(names):]
+    if extra.notna().any().any():
+        row = int(np.flatnonzero(extra.notna().any(axis=1).to_numpy())[0])
+        raise ValueError(f"its rows have {len(wide.columns)} fields, but its header names {len(names)} columns "
+                         f"(row {row + 1} ends in {[v for v in extra.iloc[row].tolist() if pd.notna(v)]!r}); "
+                         "name every column in the header")
+    return wide.iloc[:, :len(names)].set_axis(names, axis=1)
 
 
 def _fit(path, sep: str, encoding: str, rows: int = 50) -> tuple[int, int]:

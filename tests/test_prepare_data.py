@@ -319,6 +319,32 @@ def test_spaces_after_the_separators_are_not_part_of_names_or_values(tmp_path, s
     assert meta["features"] == ["a", "b", "c", "d"] and meta["class_names"] == ["cat", "dog", "eel"]
 
 
+@pytest.mark.parametrize("leftover", ["a separator ending every line", "a separator ending every row",
+                                      "two ending every line", "empty rows at the end"])
+def test_what_a_spreadsheet_leaves_around_a_table_is_not_part_of_it(tmp_path, leftover):
+    # before: an unnamed empty column failed validation, and rows one field wider than the header
+    # shifted every column one name to the right (the label column read empty, 'b' the labels)
+    d = _table()
+    lines = d.to_csv(index=False).splitlines()
+    lines = {"a separator ending every line": [f"{x}," for x in lines],
+             "a separator ending every row": lines[:1] + [f"{x}," for x in lines[1:]],
+             "two ending every line": [f"{x},," for x in lines],
+             "empty rows at the end": lines + [",,,,"] * 3}[leftover]
+    (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")
+    pd.testing.assert_frame_equal(load_table(str(tmp_path / "t.csv")), d)
+
+
+def test_rows_wider_than_the_header_with_values_there_are_refused_and_an_empty_row_inside_is_named(tmp_path):
+    lines = _table().to_csv(index=False).splitlines()
+    (tmp_path / "t.csv").write_text("\n".join(lines[:1] + [f"{x},7" for x in lines[1:]]) + "\n")
+    with pytest.raises(DatasetError) as e:
+        load_table(str(tmp_path / "t.csv"))
+    assert "its rows have 6 fields, but its header names 5 columns (row 1 ends in [7]); name every column" in str(e.value)
+    (tmp_path / "t.csv").write_text("\n".join(lines[:5] + [",,,,"] + lines[5:]) + "\n")  # not at the end: data missing
+    with pytest.raises(DatasetError, match="column 'a': 1 empty or NaN value.s., row 5"):
+        prepare_data(PrepareSpec(str(tmp_path / "t.csv"), str(tmp_path / "o")))
+
+
 @pytest.mark.parametrize("order", ["sorted by label", "shuffled", "text ids"])
 def test_the_row_index_pandas_writes_is_not_a_feature(tmp_path, order):
     # df.to_csv(path) writes the index as an unnamed first column; read as a feature, the row's place
