@@ -12,7 +12,7 @@ def serve_op(model: Input[Model], model_name: str, port: int = 0, backend: str =
              canary_traffic_percent: int = -1, min_replicas: int = 1, max_replicas: int = 1,
              champion: bool = True) -> NamedTuple("Outputs", [("endpoint", str), ("url", str)]):
     """Serve the model over the Open Inference Protocol v2 and smoke-test one prediction.
-    ``champion`` False (register's verdict: it did not beat the champion): serve nothing, so the
+    ``champion`` False (register's verdict: it did not beat the champion, or takes other inputs): serve nothing, so the
     champion stays served (locally: its server is started again if it is down); the outputs are
     empty."""
     from collections import namedtuple
@@ -23,7 +23,7 @@ def serve_op(model: Input[Model], model_name: str, port: int = 0, backend: str =
             from kfp_pytorch.components.serve import keep_champion_served
 
             note = keep_champion_served(model_name)
-        print(f"not served: this model did not beat the champion of {model_name!r}, {note}")
+        print(f"not served: this model is not the champion of {model_name!r} (the register step says why), {note}")
         return namedtuple("Outputs", ["endpoint", "url"])("", "")
 
     from kfp_pytorch.components.serve import ServeSpec, serve
