@@ -7,7 +7,7 @@ import json
 import os
 import sys
 from contextlib import nullcontext
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 import click
 from click.core import ParameterSource
@@ -520,11 +520,13 @@ def serve_logs(name, tail, previous):
               help="Add each class's probability as a column p_<class> (its name where the model's metadata is "
                    "known: a local server, or --model-uri; else its id).")
 @click.option("-o", "--output", metavar="FILE|URI", default=None,
-              help="Write the predictions as CSV here: a file, or s3://BUCKET/KEY (default, or '-': stdout).")
+              help="Write the predictions here: a file, or s3://BUCKET/KEY, as CSV or, by the name's suffix, "
+                   "Parquet, JSON Lines (.jsonl), JSON or Feather (default, or '-': CSV on stdout).")
 def serve_predict(name, table, url, model_uri, host_header, token, label_column, batch_size, probabilities, output):
     """Predict every row of TABLE (CSV, Parquet, JSON Lines or Feather: a path, s3://..., or sample://digits) with the
-    model server NAME, and write row, prediction, confidence (and the row's label) as CSV."""
-    from kfp_pytorch.components.batch_predict import predict_table, resolve_target, weakest_label
+    model server NAME, and write row, prediction, confidence (and the row's label) as CSV (or, by
+    -o's suffix, Parquet, JSON Lines, JSON or Feather)."""
+    from kfp_pytorch.components.batch_predict import predict_table, resolve_target, table_bytes, weakest_label
     from kfp_pytorch.components.prepare_data import load_table
 
     output = None if output == "-" else output  # '-': stdout, as click's File type and most tools read it
@@ -539,9 +541,9 @@ def serve_predict(name, table, url, model_uri, host_header, token, label_column,
     if to_s3:
         from kfp_pytorch.components.storage import Storage
 
-        Storage().write_bytes(output, preds.to_csv(index=False).encode(), "text/csv")
+        Storage().write_bytes(output, *table_bytes(preds, output))
     elif output:
-        preds.to_csv(output, index=False)
+        Path(output).write_bytes(table_bytes(preds, output)[0])
     else:
         click.echo(preds.to_csv(index=False), nl=False)
     note = f"{len(preds)} rows predicted by {target.name} at {target.url}"

@@ -220,6 +220,28 @@ def model_classes(meta: dict, res: dict) -> list[str] | None:
     return [str(c) for c in range(res["probabilities"].shape[1])] if len(res["probabilities"]) else None
 
 
+def table_bytes(frame: "pd.DataFrame", name: str) -> tuple[bytes, str]:
+    """``frame`` as the file ``name`` asks for, by its suffix: Parquet (``.parquet``, ``.pq``),
+    JSON Lines (``.jsonl``, ``.ndjson``), JSON records (``.json``), Feather (``.feather``,
+    ``.arrow``), else CSV, the formats a table is read in; and its content type. Pure."""
+    import io
+    from pathlib import PurePosixPath
+
+    suffix = PurePosixPath(name).suffix.lower()
+    buf = io.BytesIO()
+    if suffix in (".parquet", ".pq"):
+        frame.to_parquet(buf, index=False)
+        return buf.getvalue(), "application/vnd.apache.parquet"
+    if suffix in (".feather", ".arrow"):
+        frame.reset_index(drop=True).to_feather(buf)
+        return buf.getvalue(), "application/vnd.apache.arrow.file"
+    if suffix in (".jsonl", ".ndjson", ".json"):
+        lines = suffix != ".json"
+        text = frame.to_json(orient="records", lines=lines) + ("\n" if lines else "")
+        return text.encode(), "application/x-ndjson" if lines else "application/json"
+    return frame.to_csv(index=False).encode(), "text/csv"
+
+
 def label_text(value) -> str | None:
     """A table's label as a prediction is written, to compare them: a class id read as a float is
     an integer (pandas reads an id column with an empty cell as floats: 3.0 is class 3); an empty

@@ -706,6 +706,36 @@ def test_labels_that_are_no_class_of_the_model_are_said_and_never_scored_as_its_
     assert "4 row(s) have a label that is no class of the model, which no prediction can match: 42 (4 rows)" in r.stderr
 
 
+def test_serve_predict_writes_the_format_its_output_names(endpoint, s3, bucket, tmp_path):
+    """-o preds.parquet got CSV text under a Parquet name; each format a table is read in is
+    written by its suffix, to a file or to S3, and reads back as the CSV's predictions."""
+    import io
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    from kfp_pytorch.components.batch_predict import table_bytes
+    from kfp_pytorch.components.prepare_data import load_table
+
+    cli = lambda *a: subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "serve", "predict", "digits",  # noqa: E731
+                                     str(tmp_path / "rows.csv"), "--probabilities", *a],
+                                    capture_output=True, text=True, timeout=300)
+    load_table("sample://digits").head(30).to_csv(tmp_path / "rows.csv", index=False)
+    plain = cli()
+    assert plain.returncode == 0, plain.stderr
+    expect = pd.read_csv(io.StringIO(plain.stdout))
+    for out in [tmp_path / "p.parquet", tmp_path / "p.jsonl", tmp_path / "p.json", tmp_path / "p.feather",
+                f"s3://{bucket}/scored/p.jsonl"]:
+        r = cli("-o", str(out))
+        assert r.returncode == 0 and r.stdout == "", r.stderr
+        got = load_table(str(out), s3)
+        pd.testing.assert_frame_equal(got, expect, check_dtype=False)
+    assert s3.read_bytes(f"s3://{bucket}/scored/p.jsonl").startswith(b'{"row":1,"prediction":')
+    data, kind = table_bytes(expect, "x.parquet")
+    assert data[:4] == b"PAR1" and kind == "application/vnd.apache.parquet"
+
+
 def test_serve_predict_writes_its_predictions_to_s3(endpoint, s3, bucket, tmp_path):
     """-o s3://BUCKET/KEY puts the CSV in the store; a bucket that is not there, or a URI naming
     no object, is refused before a row is sent."""
