@@ -300,13 +300,14 @@ def _read_csv(path, encoding: str):
     # the header as written: pandas names an empty cell 'Unnamed: N' and a repeated name 'a.1'
     header = pd.read_csv(path, sep=sep, header=None, nrows=1, dtype=str, keep_default_na=False,
                          encoding=encoding, skipinitialspace=True).iloc[0].tolist()
-    twins = {df.columns[i]: name for i, name in enumerate(header) if name.strip() and name in header[:i]}
+    cells = dict(zip(df.columns, header)) if len(header) == len(df.columns) else {}  # pandas' name: as written
+    twins = {c: name for i, (c, name) in enumerate(cells.items()) if name.strip() and name in header[:i]}
     # columns a spreadsheet leaves at the right (a separator ending every line, header too): no
     # name, no value
-    df = df[[c for c, name in zip(df.columns, header) if name.strip() or df[c].notna().any()]]
+    df = df[[c for c in df.columns if cells.get(c, c).strip() or df[c].notna().any()]]
     first = df.iloc[:, 0]
-    if (len(header) == len(df.columns) > 1 and not header[0].strip() and first.notna().all() and first.is_unique
-            and not pd.api.types.is_float_dtype(first)):
+    if (len(df.columns) > 1 and cells and df.columns[0] == next(iter(cells)) and not cells[df.columns[0]].strip()
+            and first.notna().all() and first.is_unique and not pd.api.types.is_float_dtype(first)):
         # the row index pandas' to_csv writes by default (index=True): as a feature it is the row's
         # place in the file, which leaks the label wherever the file is sorted by it
         df = df.iloc[:, 1:]

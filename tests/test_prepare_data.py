@@ -320,7 +320,7 @@ def test_spaces_after_the_separators_are_not_part_of_names_or_values(tmp_path, s
 
 
 @pytest.mark.parametrize("leftover", ["a separator ending every line", "a separator ending every row",
-                                      "two ending every line", "empty rows at the end"])
+                                      "two ending every line", "empty rows at the end", "and pandas' row index"])
 def test_what_a_spreadsheet_leaves_around_a_table_is_not_part_of_it(tmp_path, leftover):
     # before: an unnamed empty column failed validation, and rows one field wider than the header
     # shifted every column one name to the right (the label column read empty, 'b' the labels)
@@ -329,7 +329,8 @@ def test_what_a_spreadsheet_leaves_around_a_table_is_not_part_of_it(tmp_path, le
     lines = {"a separator ending every line": [f"{x}," for x in lines],
              "a separator ending every row": lines[:1] + [f"{x}," for x in lines[1:]],
              "two ending every line": [f"{x},," for x in lines],
-             "empty rows at the end": lines + [",,,,"] * 3}[leftover]
+             "empty rows at the end": lines + [",,,,"] * 3,
+             "and pandas' row index": [f"{x}," for x in d.to_csv().splitlines()]}[leftover]
     (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")
     pd.testing.assert_frame_equal(load_table(str(tmp_path / "t.csv")), d)
 
