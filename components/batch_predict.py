@@ -201,7 +201,8 @@ def predict_table(target: Target, table, label_column: str | None = None, source
         out["label"] = pd.array([None if t is None else int(t) for t in labels], dtype="Int64") if ids else labels
         scored = [str(p) == t for p, t in zip(shown, labels) if t is not None]
         if classes is not None:
-            unknown = dict(Counter(t for t in labels if t is not None and t not in set(classes)).most_common())
+            known = set(classes)
+            unknown = dict(Counter(t for t in labels if t is not None and t not in known).most_common())
         # no label a class of the model: the table names the classes otherwise, and 0 would be no score
         accuracy = float(np.mean(scored)) if scored and sum(unknown.values()) < len(scored) else None
     return Predictions(out, accuracy, label_column, unknown, classes)

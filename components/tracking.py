@@ -21,14 +21,18 @@ CHAMPION = "champion"
 EXPERIMENT = "kfp-pytorch"
 
 
-def model_inputs(model_dir: Path) -> tuple[str, str]:
+def model_inputs(model_dir: Path) -> tuple[str | None, str]:
     """(digest, summary) of what a model takes and gives, from its ``metadata.json``: its feature
     names in order and its classes. Two versions with another digest are not interchangeable
-    behind one endpoint, and a test metric of one says nothing of the other. Pure but for the read."""
+    behind one endpoint, and a test metric of one says nothing of the other. A folder without
+    readable metadata has no digest (None): nothing to compare it by. Pure but for the read."""
     import hashlib
     import json
 
-    meta = json.loads((Path(model_dir) / "metadata.json").read_text())
+    try:
+        meta = json.loads((Path(model_dir) / "metadata.json").read_text())
+    except (OSError, ValueError):
+        return None, "inputs not known (no metadata.json)"
     features, classes = list(meta.get("features") or []), list(meta.get("class_names") or meta.get("classes") or [])
     digest = hashlib.sha256(json.dumps([features, classes]).encode()).hexdigest()[:16]
     shown = ", ".join(map(str, classes[:4])) + (", ..." if len(classes) > 4 else "")
@@ -364,11 +368,12 @@ class Tracker:
             inputs, summary = model_inputs(model_dir)
             # a champion registered before the tag was kept: nothing to tell them apart by
             theirs = previous["tags"].get("inputs") if previous else None
-            differ = theirs is not None and theirs != inputs
+            differ = None not in (theirs, inputs) and theirs != inputs
             promote = gate_passed and not differ and (old_value is None or new_value > old_value)
             self.client.set_model_version_tag(name, str(version), "gate", "passed" if gate_passed else "failed")
-            self.client.set_model_version_tag(name, str(version), "inputs", inputs)
-            self.client.set_model_version_tag(name, str(version), "inputs_summary", summary)
+            if inputs is not None:
+                self.client.set_model_version_tag(name, str(version), "inputs", inputs)
+                self.client.set_model_version_tag(name, str(version), "inputs_summary", summary)
             if promote:
                 self.client.set_registered_model_alias(name, CHAMPION, str(version))
         return {"name": name, "version": version, "run_id": rid, "champion": promote,
