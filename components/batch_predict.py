@@ -161,11 +161,18 @@ class Predictions(NamedTuple):
     one of the model's classes (the table names them otherwise: ids for a model of names, say)."""
     label_column: str
     """The column compared with the predictions: the one given, or the model's own."""
-    unknown_labels: dict[str, int] = {}
-    """Labels of the table that are none of the model's classes, with their rows: those rows can
-    never be predicted right (empty where the model's classes are not known: a server by URL)."""
-    model_classes: list[str] | None = None
-    """The model's classes as predictions are written (names, else ids); None where not known."""
+
+    # three fields, as notebooks unpack them (preds, accuracy, label = ...); the rest rides on the frame
+    @property
+    def unknown_labels(self) -> dict[str, int]:
+        """Labels of the table that are none of the model's classes, with their rows: those rows
+        can never be predicted right (empty where the model's classes are not known: a server by URL)."""
+        return self.frame.attrs.get("unknown_labels", {})
+
+    @property
+    def model_classes(self) -> list[str] | None:
+        """The model's classes as predictions are written (names, else ids); None where not known."""
+        return self.frame.attrs.get("model_classes")
 
 
 def predict_table(target: Target, table, label_column: str | None = None, source: str = "the table",
@@ -205,7 +212,8 @@ def predict_table(target: Target, table, label_column: str | None = None, source
             unknown = dict(Counter(t for t in labels if t is not None and t not in known).most_common())
         # no label a class of the model: the table names the classes otherwise, and 0 would be no score
         accuracy = float(np.mean(scored)) if scored and sum(unknown.values()) < len(scored) else None
-    return Predictions(out, accuracy, label_column, unknown, classes)
+    out.attrs.update(unknown_labels=unknown, model_classes=classes)
+    return Predictions(out, accuracy, label_column)
 
 
 def model_classes(meta: dict, res: dict) -> list[str] | None:
