@@ -293,7 +293,7 @@ def _print_summary(s: dict) -> None:
 
         d, rows = s["data"], s["data"]["rows"]
         click.echo(f"data:      {rows['train']}/{rows['val']}/{rows['test']} rows (train/val/test), "
-                   f"{d.get('num_features')} features, {len(d.get('classes', []))} classes"
+                   f"{d.get('num_features')} feature{'' if d.get('num_features') == 1 else 's'}, {len(d.get('classes', []))} classes"
                    + (f"; read as {d['source_format']}" if d.get("source_format") else ""))
         if note := duplicates_note(d.get("duplicates", {}), rows):
             click.secho(f"  warning: {note}", fg="yellow")

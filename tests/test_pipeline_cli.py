@@ -362,6 +362,8 @@ def test_the_summary_says_how_to_use_and_stop_the_served_model(capsys):
                                   "source_format": "semicolon-separated, decimal commas"}})
     assert ("data:      90/20/20 rows (train/val/test), 4 features, 2 classes; read as semicolon-separated, "
             "decimal commas\n") in capsys.readouterr().out
+    _print_summary({**s, "data": {"rows": {"train": 90, "val": 20, "test": 20}, "num_features": 1, "classes": [0, 1]}})
+    assert "data:      90/20/20 rows (train/val/test), 1 feature, 2 classes\n" in capsys.readouterr().out
     _print_summary({**s, "training": {"epochs_trained": 14, "exported_epoch": 11, "val_accuracy": 0.9}})
     assert "training:  14 epoch(s), stopped early; the model is epoch 11's, the best on validation\n" in (
         capsys.readouterr().out)
