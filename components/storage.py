@@ -272,6 +272,11 @@ def parse_uri(uri: str) -> Location:
     if parsed.scheme == "file":
         return Location("file", "", parsed.path)
     if parsed.scheme and len(parsed.scheme) > 1:  # a Windows drive letter is not a scheme
+        if parsed.scheme in ("http", "https"):  # a web page's file: the pods that read it may not reach the web
+            name = PurePosixPath(parsed.path).name or "FILE"
+            raise StorageError(f"unsupported URI scheme {parsed.scheme!r} in {uri!r}: a URL is not read directly",
+                               f"download it (curl -LO {uri}) and give the file, or put it in the object store "
+                               f"for the cluster's pods: kfp-pytorch storage cp {name} s3://BUCKET/{name}")
         raise StorageError(f"unsupported URI scheme {parsed.scheme!r} in {uri!r}",
                            "use a local path, file://, s3:// or minio:// (gs:// is not used on-prem)")
     return Location("file", "", uri)

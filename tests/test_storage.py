@@ -25,6 +25,15 @@ def test_parse_uri_rejects_with_hint(uri):
     assert e.value.hint
 
 
+def test_a_web_url_says_how_to_get_the_file_in():
+    with pytest.raises(StorageError) as e:
+        parse_uri("https://example.com/data/iris.csv?raw=1")
+    assert "a URL is not read directly" in e.value.message
+    assert e.value.hint == ("download it (curl -LO https://example.com/data/iris.csv?raw=1) and give the file, or put "
+                            "it in the object store for the cluster's pods: kfp-pytorch storage cp iris.csv "
+                            "s3://BUCKET/iris.csv")
+
+
 def test_a_bad_bucket_name_or_endpoint_scheme_is_an_error_not_a_traceback(tmp_path):
     import subprocess
     import sys
