@@ -505,8 +505,10 @@ def serve_logs(name, tail, previous):
 @click.option("--url", default=None,
               help="The server's base URL, for one not started here (a KServe InferenceService's status.url; a model's .../v2/models/NAME/infer endpoint is taken too).")
 @click.option("--model-uri", default=None,
-              help="The model directory, for its feature names and label column (default: a local server's "
-                   "record; with --url, the features the server's model metadata declares).")
+              help="The model directory, for its feature names and label column, or a registered version "
+                   "(models:/MODEL/VERSION, models:/MODEL@champion, from MLFLOW_TRACKING_URI's registry, else the "
+                   "embedded one) (default: a local server's record; with --url, the features the server's model "
+                   "metadata declares).")
 @click.option("--host-header", default=None,
               help="With --url pointing at the ingress gateway: the InferenceService's host (its status.url's).")
 @click.option("--token", envvar="KFP_PYTORCH_SERVE_TOKEN", default=None,

@@ -76,9 +76,16 @@ def resolve_target(name: str, url: str | None = None, model_uri: str | None = No
 
 
 def model_features(model_uri: str, storage: Storage | None = None) -> dict:
-    """The model's metadata (features, class names) from its directory."""
+    """The model's metadata (features, class names) from its directory, or from a registered
+    version (``models:/NAME/VERSION``, ``models:/NAME@ALIAS``: downloaded once, as ``serve start``
+    does, from the registry MLFLOW_TRACKING_URI names, else the embedded one)."""
     from .predictor import model_dir_uri
 
+    if model_uri.startswith("models:"):
+        from .paths import home
+        from .tracking import Tracker
+
+        model_uri = str(Tracker(None, experiment=None).fetch_model(model_uri, home() / "registry_models")["model_dir"])
     storage = storage or Storage()
     try:
         return json.loads(storage.read_bytes(join(model_dir_uri(model_uri), "metadata.json")))

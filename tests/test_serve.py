@@ -776,6 +776,8 @@ def test_a_registered_version_or_an_older_runs_model_is_served_by_name(mlflow_se
     import sys
     from pathlib import Path
 
+    import pandas as pd
+
     from kfp_pytorch.components.register import RegisterSpec, register
 
     uri = mlflow_server.url
@@ -834,6 +836,15 @@ def test_a_registered_version_or_an_older_runs_model_is_served_by_name(mlflow_se
         assert r.returncode == 2 and "model_name: must be a DNS-1123 label" in r.stderr
         assert start("a", "b", "--model-uri", trained_model.model_uri).returncode == 2
         assert [s["pid"] for s in list_servers() if s["name"] == "rollback"] == [now["pid"]] and psutil.pid_exists(now["pid"])
+        # serve predict takes a registered version for the features too (MLFLOW_TRACKING_URI's registry);
+        # before, 'unsupported URI scheme models'
+        pd.DataFrame(row, columns=read_metadata(trained_model.model_uri)["features"]).to_csv(tmp_path / "row.csv",
+                                                                                          index=False)
+        r = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "serve", "predict", "rollback",
+                            str(tmp_path / "row.csv"), "--model-uri", "models:/rollback-digits@champion"],
+                           capture_output=True, text=True, env={**os.environ, "MLFLOW_TRACKING_URI": uri})
+        assert r.returncode == 0 and r.stdout.startswith("row,prediction,confidence\n1,"), r.stderr
+        assert "1 rows predicted by rollback" in r.stderr
     finally:
         stop_server("rollback")
         stop_server("embedded")
