@@ -203,14 +203,16 @@ def _reader(form: str, path):
         return "Parquet", lambda: pd.read_parquet(path)
     if form in FEATHER_SUFFIXES:
         return "Feather", lambda: pd.read_feather(path)
+    # numbers stay numbers, as a CSV's do: pandas would read a column named like a date
+    # (created_at, timestamp, ...) as datetimes from epoch seconds
     if form in JSON_LINES_SUFFIXES:
-        return "JSON Lines", lambda: pd.read_json(path, lines=True)
+        return "JSON Lines", lambda: pd.read_json(path, lines=True, convert_dates=False)
     if form == ".json":  # an array of records, as df.to_json(orient="records") writes, or JSON Lines
         def read():
             try:
-                return pd.read_json(path)
+                return pd.read_json(path, convert_dates=False)
             except ValueError:  # "Trailing data": one object per line
-                return pd.read_json(path, lines=True)
+                return pd.read_json(path, lines=True, convert_dates=False)
         return "JSON", read
     return "CSV", lambda: read_csv(path)
 

@@ -400,10 +400,11 @@ def test_a_name_the_header_repeats_is_refused_where_the_column_is_read(tmp_path)
 def test_json_lines_json_and_feather_tables_are_read_as_their_csv_twin(tmp_path, name, write):
     # before, every suffix but Parquet's was read as a CSV: a .jsonl's "columns" were its first record
     d = _table().assign(label=lambda t: t["label"].map({0: "cat", 1: "dog", 2: "eel"}))
+    d["created_at"] = 1.7e9 + np.arange(len(d)) + 0.25  # epoch seconds, a number (pandas' JSON reader made it a date)
     write(d, tmp_path / name)
     pd.testing.assert_frame_equal(load_table(str(tmp_path / name)), d)
     meta = prepare_data(PrepareSpec(str(tmp_path / name), str(tmp_path / "o")))
-    assert meta["features"] == ["a", "b", "c", "d"] and meta["class_names"] == ["cat", "dog", "eel"]
+    assert meta["features"] == ["a", "b", "c", "d", "created_at"] and meta["class_names"] == ["cat", "dog", "eel"]
 
 
 def test_a_json_lines_table_on_s3_keeps_its_format_and_compression(s3, bucket, tmp_path):
