@@ -444,7 +444,6 @@ def serve_start(names, start_all, port, model_uri, tracking_uri):
 def _serve_model_as(names, start_all, port, model_uri, tracking_uri) -> None:
     """``serve start NAME --model-uri URI``: a registered version (downloaded once under
     KFP_PYTORCH_HOME/registry_models) or a model directory, served as NAME and smoke-tested."""
-    from kfp_pytorch.components.paths import home
     from kfp_pytorch.components.serve import ServeSpec, serve, server_status
     from kfp_pytorch.components.storage import Storage, join
 
@@ -456,7 +455,7 @@ def _serve_model_as(names, start_all, port, model_uri, tracking_uri) -> None:
     if model_uri.startswith("models:"):
         from kfp_pytorch.components.tracking import Tracker
 
-        got = Tracker(tracking_uri, experiment=None).fetch_model(model_uri, home() / "registry_models")
+        got = Tracker(tracking_uri, experiment=None).fetch_model(model_uri)
         what = f"models:/{got['name']}/{got['version']}" + (f" (@{got['alias']})" if got["alias"] else "")
         model_dir = str(got["model_dir"])
     else:

@@ -82,10 +82,9 @@ def model_features(model_uri: str, storage: Storage | None = None) -> dict:
     from .predictor import model_dir_uri
 
     if model_uri.startswith("models:"):
-        from .paths import home
         from .tracking import Tracker
 
-        model_uri = str(Tracker(None, experiment=None).fetch_model(model_uri, home() / "registry_models")["model_dir"])
+        model_uri = str(Tracker(None, experiment=None).fetch_model(model_uri)["model_dir"])
     storage = storage or Storage()
     try:
         return json.loads(storage.read_bytes(join(model_dir_uri(model_uri), "metadata.json")))
@@ -243,15 +242,17 @@ def table_bytes(frame: "pd.DataFrame", name: str) -> tuple[bytes, str]:
     import io
     from pathlib import PurePosixPath
 
+    from .prepare_data import FEATHER_SUFFIXES, JSON_LINES_SUFFIXES, PARQUET_SUFFIXES
+
     suffix = PurePosixPath(name).suffix.lower()
     buf = io.BytesIO()
-    if suffix in (".parquet", ".pq"):
+    if suffix in PARQUET_SUFFIXES:
         frame.to_parquet(buf, index=False)
         return buf.getvalue(), "application/vnd.apache.parquet"
-    if suffix in (".feather", ".arrow"):
+    if suffix in FEATHER_SUFFIXES:
         frame.reset_index(drop=True).to_feather(buf)
         return buf.getvalue(), "application/vnd.apache.arrow.file"
-    if suffix in (".jsonl", ".ndjson", ".json"):
+    if suffix in (*JSON_LINES_SUFFIXES, ".json"):
         lines = suffix != ".json"
         text = frame.to_json(orient="records", lines=lines) + ("\n" if lines else "")
         return text.encode(), "application/x-ndjson" if lines else "application/json"

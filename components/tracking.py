@@ -250,10 +250,11 @@ class Tracker:
             print(f"warning: the MLflow server at {self.uri} did not record the training dataset "
                   f"({_server_said(str(e))[:200]}); the run's metrics are recorded without it", file=sys.stderr)
 
-    def fetch_model(self, uri: str, dst_root: Path) -> dict:
+    def fetch_model(self, uri: str, dst_root: Path | None = None) -> dict:
         """The model directory of the registered version ``uri`` (``models:/NAME/VERSION`` or
-        ``models:/NAME@ALIAS``), downloaded once into ``dst_root/NAME-vVERSION-KEY`` and kept there: a
-        local server serves from it, and starts from it again after a reboot. Returns
+        ``models:/NAME@ALIAS``), downloaded once into ``dst_root/NAME-vVERSION-KEY`` (by default
+        KFP_PYTORCH_HOME/registry_models, shared by ``serve start`` and ``serve predict``) and kept
+        there: a local server serves from it, and starts from it again after a reboot. Returns
         ``{name, version, alias, model_dir}``; a version that is not there is a RegistryError that names
         the versions there are."""
         import hashlib
@@ -276,7 +277,7 @@ class Tracker:
             # named by the registry and the version's own artifacts too: another registry's (or a
             # recreated store's) version 1 of the same name is another model
             key = hashlib.sha256(f"{self.uri}\n{mv.source}\n{mv.run_id}".encode()).hexdigest()[:10]
-            dst_root = Path(dst_root)
+            dst_root = Path(dst_root) if dst_root is not None else home() / "registry_models"
             dst = dst_root / f"{name}-v{mv.version}-{key}"
             if not (dst / "MLmodel").is_file():
                 dst_root.mkdir(parents=True, exist_ok=True)
