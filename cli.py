@@ -444,7 +444,7 @@ def serve_start(names, start_all, port, model_uri, tracking_uri):
 def _serve_model_as(names, start_all, port, model_uri, tracking_uri) -> None:
     """``serve start NAME --model-uri URI``: a registered version (downloaded once under
     KFP_PYTORCH_HOME/registry_models) or a model directory, served as NAME and smoke-tested."""
-    from kfp_pytorch.components.serve import ServeSpec, serve, server_status
+    from kfp_pytorch.components.serve import ServeSpec, serve
     from kfp_pytorch.components.storage import Storage, join
 
     if start_all or len(names) != 1:
@@ -466,10 +466,10 @@ def _serve_model_as(names, start_all, port, model_uri, tracking_uri) -> None:
             raise ServingError(f"{model_uri} is not a model directory (it has no metadata.json)",
                                "give a run's train-op.model directory (`kfp-pytorch runs --local` lists the runs), "
                                "or a registered version: models:/MODEL/VERSION")
-    before = server_status(name)
     ep = serve(ServeSpec(model_dir, name, port=port))
+    before = ep.replaced  # read under the deploy's lock: a deploy of NAME beside this one came first
     replaced = (f"; it replaced the server of {before['model_uri']} at {before['infer_url']}"
-                if before and before.get("alive") and before.get("model_uri") else "")
+                if before and before.get("model_uri") else "")
     click.echo(f"{name}: serving {what} at {ep.infer_url} (pid {ep.pid}){replaced}")
 
 

@@ -10,6 +10,7 @@ Backends (one seam, like train):
 """
 
 import collections
+import contextlib
 import http.client
 import json
 import os
@@ -84,6 +85,8 @@ class Endpoint:
     smoke_test: dict | None = None
     cluster_url: str | None = None
     """Cluster backend: the InferenceService's in-cluster address (status.address.url)."""
+    replaced: dict | None = None
+    """Local backend: the record of the live server this one replaced (None: none was up)."""
 
 
 def server_log(name: str, previous: bool = False) -> Path:
@@ -96,6 +99,22 @@ def _servers_dir() -> Path:
     d = home() / "servers"
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+@contextlib.contextmanager
+def _deploying(name: str):
+    """One deploy of ``name`` at a time on this machine (two runs, two notebooks): each reads the
+    server it replaces and writes its own record; interleaved, the first one's server was left
+    running with no record, out of `serve list`'s and `serve stop`'s reach. An advisory lock on
+    ``servers/NAME.lock`` (flock: released when the process ends, however it ends)."""
+    import fcntl
+
+    with open(_servers_dir() / f"{name}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -284,7 +303,12 @@ class LocalServeBackend:
         Serving a name again replaces the running server (a redeploy, as KServe rolls out an
         update): the new one starts beside it and the old one is stopped only once the new one
         is ready and ``check`` passed, so a model that fails to load or to answer leaves the old
-        one serving. Only a redeploy on the old one's own fixed port stops it first."""
+        one serving. Only a redeploy on the old one's own fixed port stops it first. Deploys of one
+        name wait for each other (:func:`_deploying`)."""
+        with _deploying(spec.model_name):
+            return self._start(spec, check)
+
+    def _start(self, spec: ServeSpec, check: Callable[[Endpoint], None] | None) -> Endpoint:
         old = read_server(spec.model_name)
         live = old if old is not None and _ours(old) else None
         port = spec.port or _pick_port(spec.host)
@@ -325,11 +349,13 @@ class LocalServeBackend:
             _terminate(proc.pid)
             raise
         if live is not None:
+            ep.replaced = live
             stop_server(spec.model_name)  # the old one goes only now
             if log.exists():
                 os.replace(log, server_log(spec.model_name, previous=True))
             os.replace(new_log, log)  # the file stays open in the new server: it logs on, under the usual name
-        _write_record(spec.model_name, {**asdict(ep), "create_time": _create_time(proc.pid),
+        record = {k: v for k, v in asdict(ep).items() if k != "replaced"}
+        _write_record(spec.model_name, {**record, "create_time": _create_time(proc.pid),
                                         "start_ticks": _start_ticks(proc.pid)})
         return ep
 

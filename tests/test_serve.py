@@ -767,6 +767,32 @@ def test_serve_predict_writes_its_predictions_to_s3(endpoint, s3, bucket, tmp_pa
     assert f"s3://{bucket}/predictions.csv" in r.stderr and s3.list(f"s3://{bucket}/") == [uri]
 
 
+def test_two_deploys_of_one_name_at_once_leave_one_server_and_no_orphan(trained_model):
+    """Two runs serving one name at once (two notebooks): both read 'no server yet', both started
+    one, and the record kept the second; the first served on, out of serve list's and serve stop's
+    reach. Deploys of a name now wait for each other, so the second replaces the first."""
+    import subprocess
+    import sys
+
+    def predictors():
+        return sorted(p.pid for p in psutil.process_iter(["cmdline"])
+                      if "kfp_pytorch.components.kserve_predictor" in (p.info["cmdline"] or [])
+                      and "twice" in (p.info["cmdline"] or []))
+
+    cmd = [sys.executable, "-m", "kfp_pytorch.cli", "serve", "start", "twice", "--model-uri", trained_model.model_uri]
+    try:
+        runs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        outs = [r.communicate(timeout=300) for r in runs]
+        assert [r.returncode for r in runs] == [0, 0], outs
+        [up] = [x for x in list_servers() if x["name"] == "twice"]
+        assert predictors() == [up["pid"]] and up["alive"]
+        assert sum("it replaced the server of" in out for out, _ in outs) == 1, outs  # the second took over
+    finally:
+        stop_server("twice")
+        for pid in predictors():  # an orphan of the old race: no record names it
+            psutil.Process(pid).kill()
+
+
 def test_a_registered_version_or_an_older_runs_model_is_served_by_name(mlflow_server, s3, trained_model, tmp_path):
     """A rollback: `serve start NAME --model-uri models:/MODEL/VERSION` serves a version from the
     real MLflow registry (artifacts on S3), and a champion alias or a run's model directory
