@@ -306,7 +306,8 @@ def _read_csv(path, encoding: str):
     twins = {c: name for i, (c, name) in enumerate(cells.items()) if name.strip() and name in header[:i]}
     # columns a spreadsheet leaves at the right (a separator ending every line, header too): no
     # name, no value
-    df = df[[c for c in df.columns if cells.get(c, c).strip() or df[c].notna().any()]]
+    keep = [c for c in df.columns if cells.get(c, c).strip() or df[c].notna().any()]
+    df = df[keep] if len(keep) < len(df.columns) else df  # no copy of the table where nothing goes
     first = df.iloc[:, 0]
     if (len(df.columns) > 1 and cells and df.columns[0] == next(iter(cells)) and not cells[df.columns[0]].strip()
             and first.notna().all() and first.is_unique and not pd.api.types.is_float_dtype(first)):

@@ -21,7 +21,7 @@ CHAMPION = "champion"
 EXPERIMENT = "kfp-pytorch"
 
 
-def model_inputs(model_dir: Path) -> tuple[str | None, str]:
+def model_interface(model_dir: Path) -> tuple[str | None, str]:
     """(digest, summary) of what a model takes and gives, from its ``metadata.json``: its feature
     names in order and its classes. Two versions with another digest are not interchangeable
     behind one endpoint, and a test metric of one says nothing of the other. A folder without
@@ -340,7 +340,7 @@ class Tracker:
 
         ``champion`` moves only when the gate passed and the new model beats the current champion's
         ``test_<metric>`` strictly (a tie keeps the incumbent: no churn for equal models), and only
-        between versions that take the same features and give the same classes (:func:`model_inputs`,
+        between versions that take the same features and give the same classes (:func:`model_interface`,
         kept as the version's ``inputs`` tag): another table's model is registered, never promoted
         over the champion by a metric measured on other data, and never swapped in under its clients.
         """
@@ -366,7 +366,7 @@ class Tracker:
             version = max(int(v.version) for v in versions) if versions else int(info.registered_model_version)
             new_value = float(metrics[metric])
             old_value = previous["metrics"].get(f"test_{metric}") if previous else None
-            inputs, summary = model_inputs(model_dir)
+            inputs, summary = model_interface(model_dir)
             # a champion registered before the tag was kept: nothing to tell them apart by
             theirs = previous["tags"].get("inputs") if previous else None
             differ = None not in (theirs, inputs) and theirs != inputs

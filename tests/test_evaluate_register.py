@@ -539,9 +539,9 @@ def test_a_model_of_other_inputs_never_takes_the_champions_place(mlflow_server, 
     # a champion registered before versions kept their inputs: nothing to tell them apart, the metric decides
     client.delete_model_version_tag(name, str(same["version"]), "inputs")
     assert register(RegisterSpec(str(other), name, _metrics(0.98), True, tracking_uri=uri))["champion"] is True
-    from kfp_pytorch.components.tracking import model_inputs
+    from kfp_pytorch.components.tracking import model_interface
 
-    assert model_inputs(tmp_path / "no-such-model") == (None, "inputs not known (no metadata.json)")
+    assert model_interface(tmp_path / "no-such-model") == (None, "inputs not known (no metadata.json)")
 
 
 def test_register_validates_name_and_metric(trained_model):
