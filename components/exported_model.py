@@ -79,8 +79,33 @@ def lacking(features: list[str], present) -> str | None:
     missing = [f for f in features if f not in present]
     if not missing:
         return None
-    return (f"{len(missing)} of the model's {len(features)} feature columns: "
+    said = (f"{len(missing)} of the model's {len(features)} feature columns: "
             f"{missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    near = _near_names(missing[:8], [p for p in present if isinstance(p, str) and p not in set(features)])
+    return said + (f"; did you mean {', '.join(f'{h!r} for {m!r}' for m, h in near)}?" if near else "")
+
+
+def _near_names(missing: list[str], others: list[str]) -> list[tuple[str, str]]:
+    """``(missing, present)`` pairs where a present name that the model does not know is the missing
+    one in another case or spacing, or with a slip of a letter or two (``Age`` for ``age``), so that
+    the error names the rename rather than leaving the reader to compare two lists (prepare_data's
+    "did you mean" for a column setting; this module may not import it)."""
+    import difflib
+
+    def key(name: str) -> str:
+        return "".join(name.split()).casefold()
+
+    by_key = {key(o): o for o in reversed(others)}  # the first of names alike wins
+    pairs, used = [], set()
+    for m in missing:
+        hit = by_key.get(key(m))
+        if hit is None:
+            close = difflib.get_close_matches(key(m), [k for k, o in by_key.items() if o not in used], n=1, cutoff=0.8)
+            hit = by_key[close[0]] if close else None
+        if hit is not None and hit not in used:
+            used.add(hit)
+            pairs.append((m, hit))
+    return pairs
 
 
 def probability_columns(num_classes: int, class_names: list[str] | None) -> list[str]:

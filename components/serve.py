@@ -548,7 +548,9 @@ def revive(name: str, port: int = 0) -> tuple[Endpoint, bool]:
     info = server_status(name)
     if info is None or info.get("unreadable") or not info.get("model_uri"):
         raise ServingError(f"no local model server named {name!r} to start again",
-                           "`kfp-pytorch serve list` names the servers; a pipeline run serves a new model")
+                           "`kfp-pytorch serve list` names the servers (`serve stop` removes a server's record); "
+                           f"serve a model as {name!r} with `kfp-pytorch serve start {name} --model-uri "
+                           f"models:/{name}@champion` (its registered champion) or --model-uri a run's train-op.model")
     if info["alive"]:
         return Endpoint(**{k: info.get(k) for k in ("name", "url", "infer_url", "pid", "model_uri")}), False
     if not Storage().exists(join(info["model_uri"], "metadata.json")):

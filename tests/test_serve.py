@@ -101,6 +101,12 @@ def test_a_table_is_taken_one_input_per_column_by_name_as_kserves_tabular_server
         assert r.status_code == 200 and r.json()["outputs"][1]["data"] == expected, r.text
     r = requests.post(endpoint.infer_url, json={"inputs": [c for c in columns if c["name"] != "pixel_3_3"]})
     assert r.status_code == 400 and "lacks 1 of the model's 64 feature columns: ['pixel_3_3']" in r.text, r.text
+    # a renamed column is named beside the one it stands for; an input the model does not take is named
+    renamed = [{**c, "name": "Pixel_3_3"} if c["name"] == "pixel_3_3" else c for c in columns]
+    r = requests.post(endpoint.infer_url, json={"inputs": [*renamed, {**ident, "name": "zz"}]})
+    assert r.status_code == 400 and ("lacks 1 of the model's 64 feature columns: ['pixel_3_3']; did you mean "
+                                     "'Pixel_3_3' for 'pixel_3_3'?; inputs the model does not take: ['Pixel_3_3', 'zz']"
+                                     ) in r.json()["error"], r.text
     short = [{**c, "shape": [4], "data": c["data"][:4]} if c["name"] == "pixel_0_1" else c for c in columns]
     r = requests.post(endpoint.infer_url, json={"inputs": short})
     assert r.status_code == 400 and "input 'pixel_0_1': a column is of shape [n] (every column the same n)" in r.text
@@ -307,6 +313,12 @@ def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_mod
     shuffled.drop(columns=["pixel_0_3", "pixel_7_7"]).to_csv(tmp_path / "short.csv", index=False)
     r = cli("digits", str(tmp_path / "short.csv"))
     assert r.returncode == 2 and "lacks 2 of the model's 64 feature columns: ['pixel_0_3', 'pixel_7_7']" in r.stderr
+    assert "did you mean" not in r.stderr  # nothing it has is near them
+    # a column renamed in another case or spacing is named beside the one it stands for
+    shuffled.rename(columns={"pixel_0_3": "Pixel_0_3", "pixel_7_7": "pixel 7 7"}).to_csv(tmp_path / "renamed.csv", index=False)
+    r = cli("digits", str(tmp_path / "renamed.csv"))
+    assert r.returncode == 2 and ("lacks 2 of the model's 64 feature columns: ['pixel_0_3', 'pixel_7_7']; did you mean "
+                                  "'Pixel_0_3' for 'pixel_0_3', 'pixel 7 7' for 'pixel_7_7'?") in r.stderr, r.stderr
     bad = table.astype({"pixel_2_2": object, "pixel_1_1": object})
     bad.loc[4, "pixel_2_2"] = "n/a"  # pandas reads it as NaN
     bad.to_csv(tmp_path / "bad.csv", index=False)
@@ -466,6 +478,7 @@ def test_a_server_that_died_is_started_again_with_its_model_on_its_port(endpoint
     assert r.returncode == 1 and r.stdout == f"digits: already up at {endpoint.infer_url} (pid {again['pid']})\n"
     assert f"gone: the model that 'gone' served is gone: {tmp_path / 'pruned' / 'model'}" in r.stderr
     assert "nothere: no local model server named 'nothere' to start again" in r.stderr
+    assert "kfp-pytorch serve start nothere --model-uri models:/nothere@champion" in r.stderr
     assert "Error: could not start 'gone', 'nothere'" in r.stderr
     assert keep_champion_served("gone").startswith("whose local server is down and cannot start again: the model")
     assert keep_champion_served("nothere").startswith("and no local server serves it here")
