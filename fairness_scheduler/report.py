@@ -13,7 +13,7 @@ from .errors import SchedulerConfigError
 from .model import UserConfig, placement_problem
 from .policy import POLICIES
 from .simulator import METRICS, SimResult, simulate
-from .trace import MAX_USERS, TraceJob, capacity, protocol_nodes, protocol_users, protocol_workloads, read_trace, trace_users
+from .trace import MAX_USERS, TraceJob, capacity_bounds, protocol_nodes, protocol_users, protocol_workloads, read_trace, trace_users
 from .usage import format_duration
 
 
@@ -98,13 +98,15 @@ def run_jobs(jobs: list[TraceJob], policies: list[str], users: int = 20, zipf: f
     not apply. Users that ``user_config`` lists (the scheduler config's
     :meth:`.config.SchedulerConfig.user`) have its shares, tier and quota, under every policy; the
     others 1 share and the protocol's tier (tier 1 for a trace's own users)."""
-    c = capacity(jobs, load, source=trace or "the trace")
+    by_load, biggest = capacity_bounds(jobs, load, source=trace or "the trace")
+    c = max(by_load, biggest)
     people = trace_people(jobs, users, user_config)
     if trace_users(jobs):
         info_users = {"users": len(people), "users_from": "trace"}
     else:
         info_users = {"users": users, "zipf": zipf, "seed": seed}
-    info = {"trace": trace, "jobs": len(jobs), "capacity_gpus": c, "nodes": c // 8, **info_users, "load": load,
+    info = {"trace": trace, "jobs": len(jobs), "capacity_gpus": c, "nodes": c // 8,
+            "capacity_by": "load" if by_load >= biggest else "largest_job", "load_gpus": by_load, **info_users, "load": load,
             "half_life_s": half_life, "placement": placement, "user_names": [u.name for u in people]}
     workloads = protocol_workloads(jobs, users, zipf, seed)  # read-only to the simulator: one set for all
     # The protocol's light users are the 10 of its 20 with the least submitted GPU-time: the lighter
@@ -226,6 +228,14 @@ _FRACTION_METRICS = ("utilization", "jain_service", "min_service")
 _AGAINST_FIFO = ("wait_p95", "wait_max", "jct_mean", "utilization", "light_wait_p95")
 
 
+def _sized_by(info: dict) -> str:
+    """Where the largest job sizes the cluster, say so: else two --load values that give one table
+    look like a --load that does nothing."""
+    if info.get("capacity_by") != "largest_job":
+        return ""
+    return f"; the largest job's size: at load {info['load']} the mean demand needs {info['load_gpus']}"
+
+
 def format_table(results: dict[str, SimResult], info: dict) -> str:
     """Metrics per policy (times in s/m/h/d) and, when ``fifo`` ran, each policy against it."""
     w = 15
@@ -233,7 +243,8 @@ def format_table(results: dict[str, SimResult], info: dict) -> str:
     who = (f"{info['users']} users from the trace's user column" if info.get("users_from") == "trace" else
            f"{info['users']} users, zipf {info['zipf']}, seed {info['seed']}")
     lines = [f"trace {info['trace']}: {info['jobs']} jobs, C = {info['capacity_gpus']} GPUs "
-             f"({info['nodes']} node{'s' if info['nodes'] != 1 else ''} of 8), {who}, load {info['load']}, placement {info.get('placement', 'binpack')}",
+             f"({info['nodes']} node{'s' if info['nodes'] != 1 else ''} of 8{_sized_by(info)}), {who}, load {info['load']}, "
+             f"placement {info.get('placement', 'binpack')}",
              head, "-" * len(head)]
     for p, r in results.items():
         cells = [f"{r.metrics[m]:>{w}.4f}" if m in _FRACTION_METRICS else f"{format_duration(r.metrics[m]):>{w}}"

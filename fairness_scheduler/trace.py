@@ -192,6 +192,14 @@ def protocol_users(n_users: int = 20) -> list[UserConfig]:
 
 def capacity(jobs: list[TraceJob], load: float = 0.9, node_gpus: int = NODE_GPUS, source: str = "the trace") -> int:
     """The protocol's cluster size in GPUs; a TraceError (naming ``source``) past :data:`MAX_NODES`."""
+    return max(capacity_bounds(jobs, load, node_gpus, source))
+
+
+def capacity_bounds(jobs: list[TraceJob], load: float = 0.9, node_gpus: int = NODE_GPUS, source: str = "the trace"
+                    ) -> tuple[int, int]:
+    """The protocol's two lower bounds on the cluster, in GPUs: what the mean demand needs at
+    ``load``, and the largest job (each rounded up to whole nodes). The larger is the cluster; where
+    it is the largest job, ``load`` changes nothing until the demand's bound passes it."""
     span = max(j.submit for j in jobs) - min(j.submit for j in jobs)
     demand = sum(j.gpus * j.duration for j in jobs) / span if span > 0 else 0.0
     nodes = demand / load / node_gpus  # inf for demand beyond a float: refused below, never ceil'd
@@ -202,7 +210,7 @@ def capacity(jobs: list[TraceJob], load: float = 0.9, node_gpus: int = NODE_GPUS
             "raise --load (the protocol's is 0.9), or check the trace's duration and num_gpu columns")
     by_load = math.ceil(nodes) * node_gpus
     biggest = math.ceil(max(j.gpus for j in jobs) / node_gpus) * node_gpus
-    return max(by_load, biggest)
+    return by_load, biggest
 
 
 def trace_users(jobs: list[TraceJob]) -> list[str]:

@@ -789,6 +789,18 @@ def test_simulate_cli_names_the_jobs_that_can_never_start(tmp_path):
     assert as_json.stderr.count("big: needs 16 GPUs, more than user ann's GPU quota of 8") == 1
 
 
+def test_simulate_cli_says_when_the_largest_job_sizes_the_cluster_and_not_the_load(tmp_path):
+    # 1.8 GPUs of mean demand: 8 GPUs at load 0.9, but a 16-GPU job needs 2 nodes, so a --load of
+    # 0.9 or 2 gives one table; the header says why. At load 0.1 the demand needs 24: no note.
+    trace = write(tmp_path, "job_id,submission_time,duration,num_gpu\nbig,0,100,16\nsmall,10,100,1\nother,1000,50,2\n")
+    cmd = [sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(trace), "--policies", "fifo"]
+    for load, head in (("0.9", "C = 16 GPUs (2 nodes of 8; the largest job's size: at load 0.9 the mean demand needs 8)"),
+                       ("2", "C = 16 GPUs (2 nodes of 8; the largest job's size: at load 2.0 the mean demand needs 8)"),
+                       ("0.1", "C = 24 GPUs (3 nodes of 8), ")):
+        out = subprocess.run(cmd + ["--load", load], capture_output=True, text=True)
+        assert out.returncode == 0 and head in out.stdout.splitlines()[0], out.stdout + out.stderr
+
+
 @pytest.mark.parametrize("policy", [p for p, cls in POLICIES.items()
                                     if not (cls.reads_usage and cls.reads_held and cls.reads_history)])
 def test_a_policy_that_says_it_reads_less_is_not_fed_less_than_it_reads(policy, monkeypatch):
