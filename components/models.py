@@ -58,13 +58,17 @@ def mlp(input_dim: int, num_classes: int, image_shape=None, **kw) -> nn.Module:
 
 
 def cnn(input_dim: int, num_classes: int, image_shape=None, **kw) -> nn.Module:
-    if image_shape is None:
-        side = int(math.isqrt(input_dim))
-        if side * side != input_dim:
-            raise ModelFactoryError(
-                f"model 'cnn' needs an image shape, and {input_dim} features are not a square image",
-                "use model 'mlp', or a dataset whose metadata has image_shape (sample://digits does)")
-        image_shape = (1, side, side)
+    if image_shape is None:  # a table of features: convolving would treat neighbouring columns as neighbouring pixels
+        raise ModelFactoryError(
+            f"model 'cnn' needs an image, and the table's {input_dim} feature columns are not named as the pixels "
+            "of one",
+            "use model 'mlp' for a table of features; for an image, name its columns as its pixels in row-major "
+            "order, with every pixel in the features: pixel_ROW_COL (pixel_0_0, pixel_0_1, ...), or "
+            + (f"pixel0 ... pixel{input_dim - 1} for a square image" if math.isqrt(input_dim) ** 2 == input_dim
+               else f"for a square image pixel0 ... pixelN (a square number of them; {input_dim} is not)"))
+    if math.prod(image_shape) != input_dim:
+        raise ModelFactoryError(f"model 'cnn': image shape {list(image_shape)} does not hold {input_dim} features",
+                                "the image shape must be (channels, height, width) of the features, in order")
     return CNN(num_classes, tuple(image_shape), **kw)
 
 

@@ -172,7 +172,7 @@ def inert_params(given: set[str], p: dict) -> list[str]:
 PARAM_DOCS = {
     "dataset_uri": "CSV, Parquet, JSON Lines or Feather table (or a folder of Parquet files): local path, s3://bucket/key, minio://bucket/key, or sample://digits",
     "model_name": "registered model and endpoint name (DNS-1123 label)",
-    "model_arch": "mlp, cnn, or a factory package.module:function",
+    "model_arch": "mlp, cnn (for an image table: columns named as its pixels, pixel0... or pixel_ROW_COL), or a factory package.module:function",
     "epochs": "training epochs",
     "batch_size": "per-worker batch size",
     "lr": "AdamW learning rate",

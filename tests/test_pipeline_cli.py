@@ -442,7 +442,7 @@ def test_failed_task_is_read_from_kfp_locals_coloured_message():
      "serve_min_replicas: must be in [1, serve_max_replicas=2], got 4"),
     # found by the workers, after the data was prepared
     (["run", "train_and_serve", "--local", "--param", "model_arch=cnn", "--param",
-      "feature_columns=pixel_0_0,pixel_0_1,pixel_0_2"], "model 'cnn' needs an image shape, and 3 features are not a square"),
+      "feature_columns=pixel_0_0,pixel_0_1,pixel_0_2"], "model 'cnn' needs an image, and the table's 3 feature columns"),
     (["run", "train_and_serve", "--local", "--param", "weight_decay=1.5"],
      "weight_decay: must be a number in [0, 1) (0: none; 0.01 is AdamW's usual), got 1.5"),
     (["run", "train_and_serve", "--local", "--param", "lr_schedule=step"],

@@ -253,6 +253,29 @@ def test_a_subset_of_an_images_pixels_is_no_longer_an_image(tmp_path):
     assert meta["num_features"] == 32 and meta["image_shape"] is None
 
 
+@pytest.mark.parametrize("names,shape", [
+    ([f"pixel{i}" for i in range(784)], [1, 28, 28]),                      # Kaggle's MNIST CSV
+    ([f"pixel{i}" for i in range(1, 785)], [1, 28, 28]),                   # Fashion-MNIST's, from 1
+    ([str(i) for i in range(64)], [1, 8, 8]),                              # a numpy array's to_csv
+    ([f"{r}x{c}" for r in range(1, 29) for c in range(1, 29)], [1, 28, 28]),
+    ([f"px_{r}_{c}" for r in range(3) for c in range(5)], [1, 3, 5]),       # a grid need not be square
+    (["f 1", "f,2", 'f"3', "é4"], None),                                   # features, 4 of them: no 2x2 image
+    ([f"f{i}" for i in range(10)], None),                                  # numbered, but not a square
+    ([f"pixel{i}" for i in range(2, 66)], None),                           # a pixel missing from the start
+    ([f"pixel{i}" for i in (0, 1, 3, 2)], None),                           # out of order
+    ([f"pixel_{r}_{c}" for c in range(8) for r in range(8)], None),        # column-major
+    ([f"a{i}" for i in range(8)] + [f"b{i}" for i in range(8)], None),     # two prefixes
+])
+def test_an_images_pixels_are_known_by_their_names(tmp_path, names, shape):
+    from kfp_pytorch.components.prepare_data import pixel_grid
+
+    assert pixel_grid(names) == shape
+    rng = np.random.default_rng(0)
+    table = pd.DataFrame(rng.integers(0, 255, (40, len(names))), columns=names).assign(label=np.arange(40) % 2)
+    table.to_csv(tmp_path / "t.csv", index=False)
+    assert prepare_data(PrepareSpec(str(tmp_path / "t.csv"), str(tmp_path / "o")))["image_shape"] == shape
+
+
 def test_a_parquet_table_is_read_and_its_features_chosen_by_name(tmp_path):
     d = _table().rename(columns={"label": "kind"})
     d.to_parquet(tmp_path / "t.parquet")

@@ -377,8 +377,12 @@ def test_unimportable_factory_fails_before_any_worker(name, msg):
 def test_factory_results_are_checked():
     with pytest.raises(ModelFactoryError, match="always fails"):
         build_model("factories:broken", 4, 2)
-    with pytest.raises(ModelFactoryError, match="not a square image"):
-        build_model("cnn", 10, 2)
+    with pytest.raises(ModelFactoryError, match="model 'cnn' needs an image, and the table's 16 feature columns are "
+                                                "not named as the pixels of one") as e:
+        build_model("cnn", 16, 2)  # a square number of features is no image by itself
+    assert "pixel0 ... pixel15" in e.value.hint and "'mlp'" in e.value.hint
+    with pytest.raises(ModelFactoryError, match=r"image shape \[1, 8, 8\] does not hold 10 features"):
+        build_model("cnn", 10, 2, (1, 8, 8))
     # what training feeds it, tried once: wrong output width, or a forward that cannot take the rows
     with pytest.raises(ModelFactoryError, match=r"answers \[2, 3\] for a batch of 2, not logits \[2, 10\]"):
         build_model("factories:three_outputs", 64, 10)
@@ -387,7 +391,7 @@ def test_factory_results_are_checked():
         build_model("factories:wrong_width", 64, 10)
     bn = build_model("factories:with_batchnorm", 64, 10)
     assert bn.training and int(bn[1].num_batches_tracked) == 0  # the probe left no trace
-    assert build_model("mlp", 64, 10).training and build_model("cnn", 64, 10).training
+    assert build_model("mlp", 64, 10).training and build_model("cnn", 64, 10, (1, 8, 8)).training
 
 
 def test_invalid_settings_listed_together(tmp_path):
