@@ -1339,7 +1339,8 @@ def _config_and_half_life(config: str | None, half_life: str | None, problems: l
               help="Exponent of the Zipf law users are drawn by: higher puts more of the jobs on the few heaviest users.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the users' draw (the protocol's).")
 @click.option("--load", default=0.9, show_default=True, type=float,
-              help="Offered load: the cluster is sized so the trace's mean GPU demand is this share of it.")
+              help="Offered load: the cluster is sized so the trace's mean GPU demand is this share of it "
+                   "(and never below the largest job, whatever the load).")
 @click.option("--half-life", "half_life", default=None,
               help="Usage half-life: 7d, 12h, seconds. Overrides the config's (default 7d).")
 @click.option("--config", "config", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -1423,7 +1424,8 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
 @click.option("--zipf", default=1.1, show_default=True, type=float,
               help="Exponent of the Zipf law users are drawn by: higher puts more of the jobs on the few heaviest users.")
 @click.option("--load", default=0.9, show_default=True, type=float,
-              help="Offered load: the cluster is sized so the trace's mean GPU demand is this share of it.")
+              help="Offered load: the cluster is sized so the trace's mean GPU demand is this share of it "
+                   "(and never below the largest job, whatever the load).")
 @click.option("--half-life", "half_life", default=None,
               help="Usage half-life of every policy: 7d, 12h, seconds. Overrides the config's (default 7d).")
 @click.option("--cache", "cache_dir", type=click.Path(file_okay=False), default=None,
