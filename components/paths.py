@@ -6,6 +6,7 @@ pipeline root and the pid files of local model servers.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -25,3 +26,17 @@ def home() -> Path:
         raise ConfigError([f"{source} {why}"], title="no folder for this machine's runs, models and servers",
                           hint="point KFP_PYTORCH_HOME at a writable folder (it is made when missing)") from None
     return p
+
+
+@contextmanager
+def locked(path: Path):
+    """This machine's processes one at a time through the block: an advisory lock (flock) on
+    ``path``, made when missing, which the OS releases when the process ends, however it ends."""
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

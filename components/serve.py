@@ -107,14 +107,10 @@ def _deploying(name: str):
     server it replaces and writes its own record; interleaved, the first one's server was left
     running with no record, out of `serve list`'s and `serve stop`'s reach. An advisory lock on
     ``servers/NAME.lock`` (flock: released when the process ends, however it ends)."""
-    import fcntl
+    from .paths import locked
 
-    with open(_servers_dir() / f"{name}.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    with locked(_servers_dir() / f"{name}.lock"):
+        yield
 
 
 def port_is_free(host: str, port: int) -> bool:

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import RegistryError, untrusted_certificate
-from .paths import home
+from .paths import home, locked
 
 CHAMPION = "champion"
 EXPERIMENT = "kfp-pytorch"
@@ -131,6 +131,20 @@ def _no_bars_in_a_log():
 
 
 @contextmanager
+def _store_lock(uri: str):
+    """An embedded sqlite store is made (and migrated) by the first process that opens it, and its
+    experiment by the first that finds none: two runs at once on a fresh KFP_PYTORCH_HOME both
+    found no tables, both made them, and one failed ("table experiments already exists"). One
+    process at a time opens it, through a lock beside the database. A server does this itself."""
+    db = Path(uri[len("sqlite:///"):].split("?", 1)[0]) if uri.startswith("sqlite:///") else None
+    if db is None or not db.name or db.name == ":memory:" or not db.parent.is_dir():
+        yield  # no file to share, or a folder that is not there: MLflow's own error says so
+        return
+    with locked(db.with_name(db.name + ".lock")):
+        yield
+
+
+@contextmanager
 def _mapped(action: str, uri: str):
     try:
         yield
@@ -199,21 +213,33 @@ class Tracker:
                                 "give the PEM file of the CA that signed the MLflow server's certificate")
         self.mlflow = mlflow
         mlflow.set_tracking_uri(self.uri)
-        with _mapped("open the tracking store", self.uri):
-            self.client = mlflow.MlflowClient(self.uri)
         self.experiment_id = None
-        if experiment is None:
-            return
-        with _mapped("open experiment", self.uri):
-            exp = self.client.get_experiment_by_name(experiment)
-            if exp is None:
-                location = None
-                if self.uri.startswith("sqlite:") or self.uri.startswith("file:"):
-                    location = (home() / "mlartifacts").as_uri()
-                exp_id = self.client.create_experiment(experiment, artifact_location=location)
-            else:
-                exp_id = exp.experiment_id
-        self.experiment_id = exp_id
+        with _mapped("open the tracking store", self.uri), _store_lock(self.uri):
+            self.client = mlflow.MlflowClient(self.uri)
+            if self.uri.startswith("sqlite:"):  # made or migrated now, in the lock (MLflow does it on first use)
+                self.client.search_experiments(max_results=1)
+                self.client.search_registered_models(max_results=1)
+            if experiment is not None:
+                with _mapped("open experiment", self.uri):
+                    self.experiment_id = self._experiment(experiment)
+
+    def _experiment(self, name: str) -> str:
+        """The experiment's id, made when missing. Two runs that make it at once on a server: the
+        one that loses finds the other's."""
+        from mlflow.exceptions import MlflowException
+
+        exp = self.client.get_experiment_by_name(name)
+        if exp is not None:
+            return exp.experiment_id
+        location = None
+        if self.uri.startswith("sqlite:") or self.uri.startswith("file:"):
+            location = (home() / "mlartifacts").as_uri()
+        try:
+            return self.client.create_experiment(name, artifact_location=location)
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_ALREADY_EXISTS" or (exp := self.client.get_experiment_by_name(name)) is None:
+                raise
+            return exp.experiment_id
 
     def log_training(self, run_name: str, params: dict, history: list[dict], summary: dict | None = None,
                      data: dict | None = None) -> str:

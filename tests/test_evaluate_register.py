@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import mlflow
 import numpy as np
@@ -355,6 +356,23 @@ def test_embedded_sqlite_store_is_the_default(trained_model, tmp_path, capfd):
     import os
 
     assert os.path.exists(os.path.join(os.environ["KFP_PYTORCH_HOME"], "mlflow.db"))
+
+
+def test_runs_that_open_a_new_embedded_store_at_once_all_open_it(tmp_path):
+    # Two runs at once on a fresh KFP_PYTORCH_HOME (two notebooks, a scheduled and a manual run):
+    # each found no tables in the sqlite store and created them, and one failed its train step
+    # with "table experiments already exists". Four processes, released together.
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    code = ("import sys, time; from kfp_pytorch.components.tracking import Tracker\n"
+            "import mlflow  # imported before the start line, so that the four open the store together\n"
+            "time.sleep(max(0, float(sys.argv[2]) - time.time()))\n"
+            "t = Tracker(sys.argv[1]); print(t.experiment_id)")
+    start = time.time() + 8
+    procs = [subprocess.Popen([sys.executable, "-c", code, uri, str(start)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [err[-600:] for _, err in outs]
+    assert len({out.strip() for out, _ in outs}) == 1  # one experiment, found by all four
 
 
 def test_unreachable_tracking_server_is_reported(trained_model):
