@@ -305,16 +305,19 @@ class Tracker:
             key = hashlib.sha256(f"{self.uri}\n{mv.source}\n{mv.run_id}".encode()).hexdigest()[:10]
             dst_root = Path(dst_root) if dst_root is not None else home() / "registry_models"
             dst = dst_root / f"{name}-v{mv.version}-{key}"
-            if not (dst / "MLmodel").is_file():
-                dst_root.mkdir(parents=True, exist_ok=True)
-                tmp = Path(tempfile.mkdtemp(dir=dst_root, prefix=f".{name}-v{mv.version}-"))
-                try:  # whole or not at all: a download cut short is not served later as if complete
-                    self.mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{mv.version}",
-                                                             dst_path=str(tmp), tracking_uri=self.uri)
-                    shutil.rmtree(dst, ignore_errors=True)
-                    os.replace(tmp, dst)
-                finally:
-                    shutil.rmtree(tmp, ignore_errors=True)
+            dst_root.mkdir(parents=True, exist_ok=True)
+            # one download of a version at a time: two at once (serve start and serve predict) each
+            # replaced the folder, the one a server had just started from among them
+            with locked(dst_root / f".{dst.name}.lock"):
+                if not (dst / "MLmodel").is_file():
+                    tmp = Path(tempfile.mkdtemp(dir=dst_root, prefix=f".{name}-v{mv.version}-"))
+                    try:  # whole or not at all: a download cut short is not served later as if complete
+                        self.mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{mv.version}",
+                                                                 dst_path=str(tmp), tracking_uri=self.uri)
+                        shutil.rmtree(dst, ignore_errors=True)
+                        os.replace(tmp, dst)
+                    finally:
+                        shutil.rmtree(tmp, ignore_errors=True)
         flavor = (yaml.safe_load((dst / "MLmodel").read_text()) or {}).get("flavors", {}).get("python_function", {})
         rel = ((flavor.get("artifacts") or {}).get("model_dir") or {}).get("path")
         if not rel or not (dst / rel / "metadata.json").is_file():

@@ -375,6 +375,27 @@ def test_runs_that_open_a_new_embedded_store_at_once_all_open_it(tmp_path):
     assert len({out.strip() for out, _ in outs}) == 1  # one experiment, found by all four
 
 
+def test_a_version_fetched_by_several_processes_at_once_is_downloaded_once(mlflow_server, trained_model, tmp_path):
+    # serve start and serve predict of one version at once: each downloaded it and replaced the
+    # folder, the one that another had just returned (and a server started from) among them
+    v = register(RegisterSpec(trained_model.model_uri, "fetched-at-once", _metrics(0.95), True,
+                              tracking_uri=mlflow_server.url))["version"]
+    code = ("import os, sys, time; from kfp_pytorch.components.tracking import Tracker\n"
+            "t = Tracker(sys.argv[1], experiment=None)\n"
+            "time.sleep(max(0, float(sys.argv[2]) - time.time()))\n"
+            "d = t.fetch_model(sys.argv[3], sys.argv[4])['model_dir']; print(d, os.stat(d.parent).st_ino)")
+    start = time.time() + 10
+    procs = [subprocess.Popen([sys.executable, "-c", code, mlflow_server.url, str(start), f"models:/fetched-at-once/{v}",
+                               str(tmp_path / "models")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [err[-600:] for _, err in outs]
+    assert len({out for out, _ in outs}) == 1, outs  # one folder, never replaced under another's feet
+    [folder] = [p for p in (tmp_path / "models").iterdir() if not p.name.startswith(".")]
+    assert outs[0][0].startswith(f"{folder}/") and (folder / "MLmodel").is_file()
+    assert not [p for p in (tmp_path / "models").iterdir() if p.is_dir() and p.name.startswith(".")]  # no download left
+
+
 def test_unreachable_tracking_server_is_reported(trained_model):
     with pytest.raises(RegistryError) as e:
         register(RegisterSpec(trained_model.model_uri, "x", _metrics(0.9), True,
