@@ -39,6 +39,9 @@ class Target:
     """The InferenceService's host, when ``url`` is the ingress gateway's address."""
     token: str | None = field(default=None, repr=False)
     """A bearer token for a gateway that authenticates (never shown)."""
+    pid: int | None = None
+    """A local server's process, from its record: one that another serves in its place (a run that
+    redeployed the name) is said to be replaced, not unreachable."""
 
 
 def server_base_url(url: str, name: str) -> str:
@@ -72,7 +75,7 @@ def resolve_target(name: str, url: str | None = None, model_uri: str | None = No
     if not info["alive"]:  # told before the table is read, and by what starts it again
         raise ServingError(f"the local model server {name!r} is down (its process {info.get('pid')} is gone: a reboot, "
                            "a crash or a kill)", f"`kfp-pytorch serve start {name}` starts it again with its model")
-    return Target(info["url"], name, model_uri or info.get("model_uri"))
+    return Target(info["url"], name, model_uri or info.get("model_uri"), pid=info.get("pid"))
 
 
 def model_features(model_uri: str, storage: Storage | None = None) -> dict:
@@ -140,6 +143,11 @@ def predict_rows(target: Target, x: np.ndarray, batch_size: int = 256,
             resp = infer(target.url, target.name, rows.tolist(), timeout=60.0, host_header=target.host_header,
                          token=target.token)
         except ServingError as e:
+            if start and (now := _replaced(target)):
+                raise ServingError(f"rows {start + 1}-{start + len(rows)}: the local model server {target.name!r} was "
+                                   f"replaced while the table was predicted ({now}); the rows before came from the "
+                                   "model it served before, so nothing is written",
+                                   "run serve predict again: every row from one model") from e
             raise ServingError(f"rows {start + 1}-{start + len(rows)}: {e.message}", e.hint) from e
         out = {o["name"]: o for o in resp.get("outputs", [])}
         if "label" not in out or "probabilities" not in out:
@@ -156,6 +164,17 @@ def predict_rows(target: Target, x: np.ndarray, batch_size: int = 256,
             on_batch(k)
     return {"label": labels, "class": names or None, "confidence": conf,
             "probabilities": np.concatenate(all_probs) if all_probs else np.zeros((0, 0))}
+
+
+def _replaced(target: Target) -> str | None:
+    """What serves a local target's name now, when another process than the one the predictions
+    began with: a redeploy stops the old server once the new one is up."""
+    if target.pid is None:
+        return None
+    info = server_status(target.name)
+    if info is None or info.get("pid") in (None, target.pid):
+        return None
+    return f"now pid {info['pid']} at {info.get('url')}, model {info.get('model_uri')}"
 
 
 class Predictions(NamedTuple):

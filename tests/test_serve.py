@@ -888,3 +888,29 @@ def test_a_registered_version_or_an_older_runs_model_is_served_by_name(mlflow_se
         stop_server("rollback")
         stop_server("embedded")
         stop_server("from-run")
+
+
+def test_a_server_replaced_while_a_table_is_predicted_writes_nothing_from_two_models(endpoint, trained_model):
+    # A run that redeploys the name stops the old server once the new one is up: the batches
+    # after that could only fail, and the rows before came from the old model. Said so, not
+    # "cannot reach the server".
+    from kfp_pytorch.components.batch_predict import predict_rows, resolve_target
+
+    target = resolve_target("digits")
+    x = np.zeros((6, 64), dtype=np.float32)
+    seen = []
+
+    def redeploy_after_the_first_batch(k):
+        seen.append(k)
+        if len(seen) == 1:
+            serve(ServeSpec(trained_model.model_uri, "digits"))  # a new server; the old one stops
+
+    with pytest.raises(ServingError) as e:
+        predict_rows(target, x, batch_size=2, on_batch=redeploy_after_the_first_batch)
+    [now] = [s for s in list_servers() if s["name"] == "digits"]
+    assert now["pid"] != endpoint.pid and seen == [2]
+    assert e.value.message == (f"rows 3-4: the local model server 'digits' was replaced while the table was predicted "
+                               f"(now pid {now['pid']} at {now['url']}, model {trained_model.model_uri}); the rows "
+                               "before came from the model it served before, so nothing is written")
+    assert e.value.hint == "run serve predict again: every row from one model"
+    assert predict_rows(resolve_target("digits"), x, batch_size=2)["label"]  # the new server answers
