@@ -81,7 +81,8 @@ def lacking(features: list[str], present) -> str | None:
         return None
     said = (f"{len(missing)} of the model's {len(features)} feature columns: "
             f"{missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    near = _near_names(missing[:8], [p for p in present if isinstance(p, str) and p not in set(features)])
+    known = set(features)
+    near = _near_names(missing[:8], [p for p in present if isinstance(p, str) and p not in known])
     return said + (f"; did you mean {', '.join(f'{h!r} for {m!r}' for m, h in near)}?" if near else "")
 
 

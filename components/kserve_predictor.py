@@ -103,7 +103,8 @@ def _columns(inputs, features: list[str]) -> np.ndarray:
     """Rows from one input per feature column (``[n]`` or ``[n, 1]``), by name, in training order."""
     by_name = {i.name: i for i in inputs}
     if missing := lacking(features, by_name):
-        unknown = [name for name in by_name if name not in set(features)]
+        known = set(features)
+        unknown = [name for name in by_name if name not in known]
         raise InvalidInput(f"the request has one input per column, but lacks {missing}"
                            + (f"; inputs the model does not take: {unknown[:8]}" if unknown else ""))
     cols = []
