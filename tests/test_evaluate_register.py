@@ -358,21 +358,25 @@ def test_embedded_sqlite_store_is_the_default(trained_model, tmp_path, capfd):
     assert os.path.exists(os.path.join(os.environ["KFP_PYTORCH_HOME"], "mlflow.db"))
 
 
+def _at_once(ready: str, go: str, *args: str, n: int = 4) -> list[str]:
+    """Each of ``n`` processes runs ``ready`` (imports, a connection), waits for one start time,
+    then runs ``go``; their outputs, once all have succeeded. sys.argv[1] is the start time."""
+    code = ("import os, sys, time; from kfp_pytorch.components.tracking import Tracker\n" + ready
+            + "time.sleep(max(0, float(sys.argv[1]) - time.time()))\n" + go)
+    start = str(time.time() + 10)  # time enough for every process to be ready: they race from there
+    procs = [subprocess.Popen([sys.executable, "-c", code, start, *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(n)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * n, [err[-600:] for _, err in outs]
+    return [out.strip() for out, _ in outs]
+
+
 def test_runs_that_open_a_new_embedded_store_at_once_all_open_it(tmp_path):
     # Two runs at once on a fresh KFP_PYTORCH_HOME (two notebooks, a scheduled and a manual run):
     # each found no tables in the sqlite store and created them, and one failed its train step
     # with "table experiments already exists". Four processes, released together.
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    code = ("import sys, time; from kfp_pytorch.components.tracking import Tracker\n"
-            "import mlflow  # imported before the start line, so that the four open the store together\n"
-            "time.sleep(max(0, float(sys.argv[2]) - time.time()))\n"
-            "t = Tracker(sys.argv[1]); print(t.experiment_id)")
-    start = time.time() + 8
-    procs = [subprocess.Popen([sys.executable, "-c", code, uri, str(start)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0] * 4, [err[-600:] for _, err in outs]
-    assert len({out.strip() for out, _ in outs}) == 1  # one experiment, found by all four
+    outs = _at_once("import mlflow\n", "print(Tracker(sys.argv[2]).experiment_id)", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert len(set(outs)) == 1  # one experiment, found by all four
 
 
 def test_a_version_fetched_by_several_processes_at_once_is_downloaded_once(mlflow_server, trained_model, tmp_path):
@@ -380,19 +384,12 @@ def test_a_version_fetched_by_several_processes_at_once_is_downloaded_once(mlflo
     # folder, the one that another had just returned (and a server started from) among them
     v = register(RegisterSpec(trained_model.model_uri, "fetched-at-once", _metrics(0.95), True,
                               tracking_uri=mlflow_server.url))["version"]
-    code = ("import os, sys, time; from kfp_pytorch.components.tracking import Tracker\n"
-            "t = Tracker(sys.argv[1], experiment=None)\n"
-            "time.sleep(max(0, float(sys.argv[2]) - time.time()))\n"
-            "d = t.fetch_model(sys.argv[3], sys.argv[4])['model_dir']; print(d, os.stat(d.parent).st_ino)")
-    start = time.time() + 10
-    procs = [subprocess.Popen([sys.executable, "-c", code, mlflow_server.url, str(start), f"models:/fetched-at-once/{v}",
-                               str(tmp_path / "models")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(4)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0] * 4, [err[-600:] for _, err in outs]
-    assert len({out for out, _ in outs}) == 1, outs  # one folder, never replaced under another's feet
+    outs = _at_once("t = Tracker(sys.argv[2], experiment=None)\n",
+                    "d = t.fetch_model(sys.argv[3], sys.argv[4])['model_dir']; print(d, os.stat(d.parent).st_ino)",
+                    mlflow_server.url, f"models:/fetched-at-once/{v}", str(tmp_path / "models"))
+    assert len(set(outs)) == 1, outs  # one folder, never replaced under another's feet
     [folder] = [p for p in (tmp_path / "models").iterdir() if not p.name.startswith(".")]
-    assert outs[0][0].startswith(f"{folder}/") and (folder / "MLmodel").is_file()
+    assert outs[0].startswith(f"{folder}/") and (folder / "MLmodel").is_file()
     assert not [p for p in (tmp_path / "models").iterdir() if p.is_dir() and p.name.startswith(".")]  # no download left
 
 
