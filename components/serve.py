@@ -10,7 +10,6 @@ Backends (one seam, like train):
 """
 
 import collections
-import contextlib
 import http.client
 import json
 import os
@@ -99,18 +98,6 @@ def _servers_dir() -> Path:
     d = home() / "servers"
     d.mkdir(parents=True, exist_ok=True)
     return d
-
-
-@contextlib.contextmanager
-def _deploying(name: str):
-    """One deploy of ``name`` at a time on this machine (two runs, two notebooks): each reads the
-    server it replaces and writes its own record; interleaved, the first one's server was left
-    running with no record, out of `serve list`'s and `serve stop`'s reach. An advisory lock on
-    ``servers/NAME.lock`` (flock: released when the process ends, however it ends)."""
-    from .paths import locked
-
-    with locked(_servers_dir() / f"{name}.lock"):
-        yield
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -299,9 +286,14 @@ class LocalServeBackend:
         Serving a name again replaces the running server (a redeploy, as KServe rolls out an
         update): the new one starts beside it and the old one is stopped only once the new one
         is ready and ``check`` passed, so a model that fails to load or to answer leaves the old
-        one serving. Only a redeploy on the old one's own fixed port stops it first. Deploys of one
-        name wait for each other (:func:`_deploying`)."""
-        with _deploying(spec.model_name):
+        one serving. Only a redeploy on the old one's own fixed port stops it first.
+
+        Deploys of one name take turns on this machine (two runs, two notebooks): each reads the
+        server it replaces and writes its own record; interleaved, the first one's server was left
+        running with no record, out of `serve list`'s and `serve stop`'s reach."""
+        from .paths import locked
+
+        with locked(_servers_dir() / f"{spec.model_name}.lock"):
             return self._start(spec, check)
 
     def _start(self, spec: ServeSpec, check: Callable[[Endpoint], None] | None) -> Endpoint:

@@ -106,7 +106,7 @@ def run_jobs(jobs: list[TraceJob], policies: list[str], users: int = 20, zipf: f
     else:
         info_users = {"users": users, "zipf": zipf, "seed": seed}
     info = {"trace": trace, "jobs": len(jobs), "capacity_gpus": c, "nodes": c // 8,
-            "capacity_by": "load" if by_load >= biggest else "largest_job", "load_gpus": by_load, **info_users, "load": load,
+            "load_gpus": by_load, **info_users, "load": load,
             "half_life_s": half_life, "placement": placement, "user_names": [u.name for u in people]}
     workloads = protocol_workloads(jobs, users, zipf, seed)  # read-only to the simulator: one set for all
     # The protocol's light users are the 10 of its 20 with the least submitted GPU-time: the lighter
@@ -231,7 +231,7 @@ _AGAINST_FIFO = ("wait_p95", "wait_max", "jct_mean", "utilization", "light_wait_
 def _sized_by(info: dict) -> str:
     """Where the largest job sizes the cluster, say so: else two --load values that give one table
     look like a --load that does nothing."""
-    if info.get("capacity_by") != "largest_job":
+    if info.get("load_gpus", info["capacity_gpus"]) >= info["capacity_gpus"]:
         return ""
     return f"; the largest job's size: at load {info['load']} the mean demand needs {info['load_gpus']}"
 
