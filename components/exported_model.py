@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import json
+import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -81,14 +83,46 @@ def lacking(features: list[str], present) -> str | None:
         return None
     said = (f"{len(missing)} of the model's {len(features)} feature columns: "
             f"{missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if image := _image_named_otherwise(features, present):
+        return f"{said}; {image}"
     known = set(features)
     near = _near_names(missing[:8], [p for p in present if isinstance(p, str) and p not in known])
     return said + (f"; did you mean {', '.join(f'{h!r} for {m!r}' for m, h in near)}?" if near else "")
 
 
+def _image_named_otherwise(features: list[str], present) -> str | None:
+    """What a table's columns are when the model's features are an image's pixels and the table's
+    are an image's pixels too, in another naming (``pixel0`` ... ``pixel63`` for the model's
+    ``pixel_0_0`` ... ``pixel_7_7``, or numbered from 1 rather than 0) or of another size. Letter by
+    letter, ``pixel10`` looks like ``pixel_1_0``: in row-major order it is ``pixel_1_2``, so a
+    "did you mean" name by name would be wrong, and the image is named as a whole instead."""
+    want = pixel_grid(features)
+    if want is None:
+        return None
+    alike: dict[str, list[str]] = {}  # the table's names by their shape: the pixels are the largest set
+    for p in present:
+        if isinstance(p, str):
+            alike.setdefault(re.sub(r"\d+", "#", p), []).append(p)
+    if not alike:
+        return None
+    names = sorted(max(alike.values(), key=len), key=lambda n: [int(d) for d in re.findall(r"\d+", n)])
+    got = pixel_grid(names)
+    if got is None or names == list(features):
+        return None
+    (h, w), (gh, gw) = want[1:], got[1:]
+    theirs, ours = f"{names[0]} ... {names[-1]}", f"{features[0]} ... {features[-1]}"
+    if got == want:
+        i = w + 1 if h > 1 else 1  # row 1, column 1: where the two namings part
+        return (f"the table's columns {theirs} are the {h}x{w} image's pixels named otherwise (the model's: "
+                f"{ours}); rename them in row-major order ({names[i]!r} is the model's {features[i]!r})")
+    return (f"the table's columns {theirs} are the pixels of {gh}x{gw} images; the model takes {h}x{w} images "
+            f"({ours}): resize the images to {h}x{w}, or train a model on {gh}x{gw} ones")
+
+
 def _near_names(missing: list[str], others: list[str]) -> list[tuple[str, str]]:
     """``(missing, present)`` pairs where a present name that the model does not know is the missing
-    one in another case or spacing, or with a slip of a letter or two (``Age`` for ``age``), so that
+    one in another case or spacing, or with a slip of a letter or two and the same numbers (``Age``
+    for ``age``, never ``sensor_11`` for ``sensor_10``), so that
     the error names the rename rather than leaving the reader to compare two lists (prepare_data's
     "did you mean" for a column setting; this module may not import it)."""
     import difflib
@@ -100,13 +134,50 @@ def _near_names(missing: list[str], others: list[str]) -> list[tuple[str, str]]:
     pairs, used = [], set()
     for m in missing:
         hit = by_key.get(key(m))
-        if hit is None:
-            close = difflib.get_close_matches(key(m), [k for k, o in by_key.items() if o not in used], n=1, cutoff=0.8)
+        if hit is None:  # a slip of letters keeps the numbers: 'sensor_11' is another column than 'sensor_10'
+            close = difflib.get_close_matches(key(m), [k for k, o in by_key.items() if o not in used
+                                                       and re.findall(r"\d+", o) == re.findall(r"\d+", m)],
+                                              n=1, cutoff=0.8)
             hit = by_key[close[0]] if close else None
         if hit is not None and hit not in used:
             used.add(hit)
             pairs.append((m, hit))
     return pairs
+
+
+_NUMBERED = re.compile(r"(\D*?)(\d+)")
+_GRID = re.compile(r"(\D*?)(\d+)(\D+)(\d+)")
+
+
+def pixel_grid(names: list[str]) -> list[int] | None:
+    """``[1, H, W]`` when the columns are named as one image's pixels in row-major order, else None.
+
+    Two namings are read, as image tables come: numbered pixels (``pixel0`` ... ``pixel783``, or
+    from 1 as Fashion-MNIST's CSVs have them, or bare ``0`` ... ``783``) of a square image, and a
+    grid of rows and columns (``pixel_0_0`` ... ``pixel_7_7``, ``1x1`` ... ``28x28``), of any
+    height and width. One prefix throughout. Anything else is no image: a table of features in
+    another naming is not convolved over as if its neighbouring columns were neighbouring pixels."""
+    names = [str(n) for n in names]
+    if len(names) < 4:
+        return None
+    numbered = [_NUMBERED.fullmatch(n) for n in names]
+    if all(numbered) and len({m.group(1) for m in numbered}) == 1:
+        side = math.isqrt(len(names))
+        first = int(numbered[0].group(2))
+        if side * side == len(names) and first in (0, 1) and \
+                [int(m.group(2)) for m in numbered] == list(range(first, first + len(names))):
+            return [1, side, side]
+        return None
+    grid = [_GRID.fullmatch(n) for n in names]
+    if not all(grid) or len({(m.group(1), m.group(3)) for m in grid}) != 1:
+        return None
+    cells = [(int(m.group(2)), int(m.group(4))) for m in grid]
+    first = cells[0]
+    if first not in ((0, 0), (1, 1)):
+        return None
+    h, w = cells[-1][0] - first[0] + 1, cells[-1][1] - first[1] + 1
+    expected = [(first[0] + r, first[1] + c) for r in range(h) for c in range(w)]
+    return [1, h, w] if cells == expected else None
 
 
 def probability_columns(num_classes: int, class_names: list[str] | None) -> list[str]:

@@ -25,7 +25,6 @@ import itertools
 import json
 import math
 import os
-import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -33,6 +32,7 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 from .errors import ConfigError, DatasetError, StorageNotFound
+from .exported_model import pixel_grid
 from .storage import Storage, join, parse_uri
 
 SAMPLE_SCHEME = "sample://"
@@ -135,41 +135,6 @@ def image_shape(df, label_column: str, feature_columns=()):
     if feature_names(df, label_column, feature_columns) != every:
         return None
     return df.attrs.get("image_shape") or pixel_grid(every)
-
-
-_NUMBERED = re.compile(r"(\D*?)(\d+)")
-_GRID = re.compile(r"(\D*?)(\d+)(\D+)(\d+)")
-
-
-def pixel_grid(names: list[str]) -> list[int] | None:
-    """``[1, H, W]`` when the columns are named as one image's pixels in row-major order, else None.
-
-    Two namings are read, as image tables come: numbered pixels (``pixel0`` ... ``pixel783``, or
-    from 1 as Fashion-MNIST's CSVs have them, or bare ``0`` ... ``783``) of a square image, and a
-    grid of rows and columns (``pixel_0_0`` ... ``pixel_7_7``, ``1x1`` ... ``28x28``), of any
-    height and width. One prefix throughout. Anything else is no image: a table of features in
-    another naming is not convolved over as if its neighbouring columns were neighbouring pixels."""
-    names = [str(n) for n in names]
-    if len(names) < 4:
-        return None
-    numbered = [_NUMBERED.fullmatch(n) for n in names]
-    if all(numbered) and len({m.group(1) for m in numbered}) == 1:
-        side = math.isqrt(len(names))
-        first = int(numbered[0].group(2))
-        if side * side == len(names) and first in (0, 1) and \
-                [int(m.group(2)) for m in numbered] == list(range(first, first + len(names))):
-            return [1, side, side]
-        return None
-    grid = [_GRID.fullmatch(n) for n in names]
-    if not all(grid) or len({(m.group(1), m.group(3)) for m in grid}) != 1:
-        return None
-    cells = [(int(m.group(2)), int(m.group(4))) for m in grid]
-    first = cells[0]
-    if first not in ((0, 0), (1, 1)):
-        return None
-    h, w = cells[-1][0] - first[0] + 1, cells[-1][1] - first[1] + 1
-    expected = [(first[0] + r, first[1] + c) for r in range(h) for c in range(w)]
-    return [1, h, w] if cells == expected else None
 
 
 def load_table(uri: str, storage: Storage | None = None, label_column: str = "label", what: str = "dataset_uri"):

@@ -52,6 +52,38 @@ def test_a_batch_larger_than_the_exported_program_takes_is_served_in_chunks(trai
     assert np.allclose(probs[-10:], tail_probs, atol=1e-6) and (labels[-10:] == tail_labels).all()
 
 
+_GRID = [f"pixel_{r}_{c}" for r in range(8) for c in range(8)]
+
+
+@pytest.mark.parametrize("features, present, says", [
+    # an image's pixels in another naming, or numbered from 1: named as a whole, with one pixel's rename
+    (_GRID, {*(f"pixel{i}" for i in range(64)), "label"}, "; the table's columns pixel0 ... pixel63 are the 8x8 "
+     "image's pixels named otherwise (the model's: pixel_0_0 ... pixel_7_7); rename them in row-major order "
+     "('pixel9' is the model's 'pixel_1_1')"),
+    ([f"pixel{i}" for i in range(64)], {f"pixel{i}" for i in range(1, 65)}, "1 of the model's 64 feature columns: "
+     "['pixel0']; the table's columns pixel1 ... pixel64 are the 8x8 image's pixels named otherwise (the model's: "
+     "pixel0 ... pixel63); rename them in row-major order ('pixel10' is the model's 'pixel9')"),
+    (_GRID, {*(f"pixel{i}" for i in range(784)), "id"}, "; the table's columns pixel0 ... pixel783 are the pixels of "
+     "28x28 images; the model takes 8x8 images (pixel_0_0 ... pixel_7_7): resize the images to 8x8, or train a "
+     "model on 28x28 ones"),
+    # not a whole image: no pixel is offered for another ('pixel10' is not 'pixel_1_0')
+    (_GRID, {f"pixel{i}" for i in range(63)}, "['pixel_0_0', 'pixel_0_1', 'pixel_0_2', 'pixel_0_3', 'pixel_0_4', "
+     "'pixel_0_5', 'pixel_0_6', 'pixel_0_7'] ...$"),
+    # a slip of letters keeps the numbers: another sensor is no rename
+    (["sensor_10", "sensor_2"], {"sensor_11", "sensor_2"}, "1 of the model's 2 feature columns: ['sensor_10']$"),
+    (["sensor_10", "sensor_2"], {"Sensor 10", "sensr_2"}, "did you mean 'Sensor 10' for 'sensor_10', 'sensr_2' for "
+     "'sensor_2'?$"),
+    (_GRID, {*_GRID} - {"pixel_0_3"} | {"Pixel_0_3"}, "['pixel_0_3']; did you mean 'Pixel_0_3' for 'pixel_0_3'?$"),
+])
+def test_a_missing_column_is_named_with_what_the_table_has_instead(features, present, says):
+    import re
+
+    from kfp_pytorch.components.exported_model import lacking
+
+    said = lacking(features, present)
+    assert re.search(re.escape(says.rstrip("$")) + ("$" if says.endswith("$") else ""), said), said
+
+
 def test_bad_request_gets_a_400_not_a_crash(endpoint):
     body = {"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}
     r = requests.post(endpoint.infer_url, json=body)
@@ -319,6 +351,17 @@ def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_mod
     r = cli("digits", str(tmp_path / "renamed.csv"))
     assert r.returncode == 2 and ("lacks 2 of the model's 64 feature columns: ['pixel_0_3', 'pixel_7_7']; did you mean "
                                   "'Pixel_0_3' for 'pixel_0_3', 'pixel 7 7' for 'pixel_7_7'?") in r.stderr, r.stderr
+    # the same image's pixels numbered as Kaggle's CSVs have them: named as an image, not column by
+    # column ('pixel10' looks like 'pixel_1_0' but is the model's 'pixel_1_2')
+    kaggle = table[features].set_axis([f"pixel{i}" for i in range(64)], axis=1).assign(label=table["label"])
+    kaggle.to_csv(tmp_path / "kaggle.csv", index=False)
+    r = cli("digits", str(tmp_path / "kaggle.csv"))
+    assert r.returncode == 2 and ("lacks 64 of the model's 64 feature columns: ['pixel_0_0', 'pixel_0_1', 'pixel_0_2', "
+                                  "'pixel_0_3', 'pixel_0_4', 'pixel_0_5', 'pixel_0_6', 'pixel_0_7'] ...; the table's "
+                                  "columns pixel0 ... pixel63 are the 8x8 image's pixels named otherwise (the model's: "
+                                  "pixel_0_0 ... pixel_7_7); rename them in row-major order ('pixel9' is the model's "
+                                  "'pixel_1_1')") in r.stderr, r.stderr
+    assert "did you mean" not in r.stderr and "Traceback" not in r.stderr
     bad = table.astype({"pixel_2_2": object, "pixel_1_1": object})
     bad.loc[4, "pixel_2_2"] = "n/a"  # pandas reads it as NaN
     bad.to_csv(tmp_path / "bad.csv", index=False)
