@@ -122,22 +122,23 @@ def _image_named_otherwise(features: list[str], present) -> str | None:
 def _near_names(missing: list[str], others: list[str]) -> list[tuple[str, str]]:
     """``(missing, present)`` pairs where a present name that the model does not know is the missing
     one in another case or spacing, or with a slip of a letter or two and the same numbers (``Age``
-    for ``age``, never ``sensor_11`` for ``sensor_10``), so that
-    the error names the rename rather than leaving the reader to compare two lists (prepare_data's
-    "did you mean" for a column setting; this module may not import it)."""
+    for ``age``, never ``sensor_11`` for ``sensor_10``), so that the error names the rename rather
+    than leaving the reader to compare two lists (prepare_data's "did you mean" for a column
+    setting; this module may not import it)."""
     import difflib
 
     def key(name: str) -> str:
         return "".join(name.split()).casefold()
 
     by_key = {key(o): o for o in reversed(others)}  # the first of names alike wins
+    numbers = {k: re.findall(r"\d+", o) for k, o in by_key.items()}
     pairs, used = [], set()
     for m in missing:
         hit = by_key.get(key(m))
         if hit is None:  # a slip of letters keeps the numbers: 'sensor_11' is another column than 'sensor_10'
+            same = re.findall(r"\d+", m)
             close = difflib.get_close_matches(key(m), [k for k, o in by_key.items() if o not in used
-                                                       and re.findall(r"\d+", o) == re.findall(r"\d+", m)],
-                                              n=1, cutoff=0.8)
+                                                       and numbers[k] == same], n=1, cutoff=0.8)
             hit = by_key[close[0]] if close else None
         if hit is not None and hit not in used:
             used.add(hit)
