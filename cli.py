@@ -401,7 +401,7 @@ def serve_stop(names, stop_all):
               help="Serve this model as NAME instead: a version from the MLflow registry (models:/MODEL/VERSION, "
                    "models:/MODEL@champion), or a model directory (a path or s3://, as a run's train-op.model). "
                    "A server already up under NAME keeps serving until the new one has passed its smoke test "
-                   "(a rollback); --port 0 picks a free port.")
+                   "(a rollback), which then takes over its URL (unless --port names another port).")
 @click.option("--tracking-uri", envvar="MLFLOW_TRACKING_URI", default=None,
               help="With a models:/ URI: the MLflow registry (or MLFLOW_TRACKING_URI; default: the embedded "
                    "sqlite store that run --local registers into).")

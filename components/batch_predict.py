@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple, NoReturn
 
 import numpy as np
 
@@ -149,6 +149,11 @@ def predict_rows(target: Target, x: np.ndarray, batch_size: int = 256,
                                    "model it served before, so nothing is written",
                                    "run serve predict again: every row from one model") from e
             raise ServingError(f"rows {start + 1}-{start + len(rows)}: {e.message}", e.hint) from e
+        version = resp.get("model_version")  # our servers' content fingerprint of the model
+        if start == 0:
+            first = version
+        elif version != first and None not in (version, first):
+            _another_model(target, start, len(rows), first, version)
         out = {o["name"]: o for o in resp.get("outputs", [])}
         if "label" not in out or "probabilities" not in out:
             raise ServingError(f"the server at {target.url} answered without 'label' and 'probabilities' outputs "
@@ -164,6 +169,21 @@ def predict_rows(target: Target, x: np.ndarray, batch_size: int = 256,
             on_batch(k)
     return {"label": labels, "class": names or None, "confidence": conf,
             "probabilities": np.concatenate(all_probs) if all_probs else np.zeros((0, 0))}
+
+
+def _another_model(target: Target, start: int, k: int, first: str, now: str) -> NoReturn:
+    """Batches answered by two models: one table's predictions are never a mix of them."""
+    rows = f"rows {start + 1}-{start + k}"
+    if target.pid is not None:  # a local server: the endpoint kept its URL through a redeploy
+        where = _replaced(target) or f"model version {now}"
+        raise ServingError(f"{rows}: the local model server {target.name!r} was replaced while the table was "
+                           f"predicted ({where}); the rows before came from the model it served before, so "
+                           "nothing is written", "run serve predict again: every row from one model")
+    raise ServingError(f"{rows}: the server at {target.url} answered with another model (model_version {now}) than "
+                       f"the rows before ({first}): it was redeployed, or a canary splits its traffic between two "
+                       "models, while the table was predicted; nothing is written",
+                       "run serve predict again once one model serves (a KServe canary: once it is promoted, or "
+                       "rolled back)")
 
 
 def _replaced(target: Target) -> str | None:

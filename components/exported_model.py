@@ -7,6 +7,7 @@ normalisation recorded by prepare_data is applied here, so clients send raw feat
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -31,8 +32,13 @@ class ExportedModel:
         import torch
 
         root = Path(root)
-        self.meta = json.loads((root / "metadata.json").read_text())
-        program = torch.export.load(io.BytesIO((root / self.meta.get("program", "model.pt2")).read_bytes()))
+        meta_bytes = (root / "metadata.json").read_bytes()
+        self.meta = json.loads(meta_bytes)
+        program_bytes = (root / self.meta.get("program", "model.pt2")).read_bytes()
+        program = torch.export.load(io.BytesIO(program_bytes))
+        self.fingerprint = hashlib.sha256(hashlib.sha256(meta_bytes).digest() + program_bytes).hexdigest()[:12]
+        """The model's identity, by content: a server answers with it as the response's
+        ``model_version``, so a client sees when another model answers (a redeploy, a canary)."""
         self.module = program.module()
         self.num_features = int(self.meta["input_shape"][0])
         norm = self.meta["normalization"]

@@ -14,8 +14,8 @@ named by it (the columnar form of KServe's tabular servers, flagged ``parameters
 "pd"}``: matched by name, in any order, other columns ignored); v1: ``instances`` as rows, or as
 records ``{"column": value, ...}``, read by name. Response: ``probabilities`` FP32
 ``[n, classes]``, ``label`` INT64 ``[n]`` and, for a model trained on a text label column, ``class``
-BYTES ``[n]`` (the class names; the v1 protocol's ``predictions`` are then names too). A request
-that names ``outputs`` gets those only.
+BYTES ``[n]`` (the class names; the v1 protocol's ``predictions`` are then names too), and the
+model's content fingerprint as ``model_version``. A request that names ``outputs`` gets those only.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from kserve.errors import InvalidInput
 from .errors import KfpPytorchError
 from .exported_model import lacking
 from .predictor import ModelRunner, names_of
+from .serve import WAITING_FOR_PORT
 
 
 class TorchPredictor(kserve.Model):
@@ -80,8 +81,10 @@ class TorchPredictor(kserve.Model):
             out_c = InferOutput(name="class", shape=[len(names)], datatype="BYTES")
             out_c.set_data_from_numpy(np.asarray(names, dtype=np.object_), binary_data=False)
             outputs.append(out_c)
-        return InferResponse(model_name=self.name, infer_outputs=_requested(payload, outputs),
-                             response_id=request_id or str(uuid.uuid4()))
+        # model_version: the model's content fingerprint, so a client reading a table in batches
+        # sees when another model answers (a local redeploy on the same URL, a KServe canary)
+        return InferResponse(model_name=self.name, model_version=self.runner.fingerprint,
+                             infer_outputs=_requested(payload, outputs), response_id=request_id or str(uuid.uuid4()))
 
 
 def _requested(payload: InferRequest, outputs: list[InferOutput]) -> list[InferOutput]:
@@ -168,10 +171,34 @@ def _rows(payload, features: list[str] | None = None) -> np.ndarray:
         raise InvalidInput(f"instances: must be rows of numbers of equal length ({e})")
 
 
+def _wait_for_port(port: int, timeout: float) -> bool:
+    """Wait, model loaded, until ``port`` can be bound as uvicorn binds it (all interfaces,
+    SO_REUSEADDR), so a redeploy's gap is the server's start, not the model's load. The line
+    printed first tells the deployer the model is loaded (serve.LocalServeBackend reads it)."""
+    import socket
+    import time
+
+    print(f"{WAITING_FOR_PORT} {port}", flush=True)
+    deadline = time.monotonic() + timeout
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("0.0.0.0", port))
+                return True
+            except OSError:
+                if time.monotonic() > deadline:
+                    return False
+        time.sleep(0.01)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(parents=[kserve.model_server.parser])
     parser.add_argument("--model_uri", default=os.environ.get("STORAGE_URI", "/mnt/models"),
                         help="model directory: local path (KServe's storage initializer mounts /mnt/models) or s3://")
+    parser.add_argument("--wait_for_port_s", type=float, default=0.0,
+                        help="a redeploy's successor: load the model, print 'waiting for port', then take "
+                             "--http_port as soon as the server serving on it lets it go (within this many seconds)")
     args, _ = parser.parse_known_args()
     import torch
 
@@ -189,6 +216,9 @@ def main() -> None:
                       "(kubectl logs POD -c storage-initializer)")
         print(f"Error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
+    if args.wait_for_port_s > 0 and not _wait_for_port(args.http_port, args.wait_for_port_s):
+        print(f"Error: port {args.http_port} was not let go within {args.wait_for_port_s:g}s", file=sys.stderr)
+        sys.exit(1)
     kserve.ModelServer(http_port=args.http_port, grpc_port=args.grpc_port, enable_grpc=args.enable_grpc,
                        workers=args.workers).start([model])
 

@@ -32,6 +32,8 @@ from .errors import ConfigError, KfpPytorchError, PortInUseError, ServingError
 from .paths import home
 
 PREDICTOR_MODULE = "kfp_pytorch.components.kserve_predictor"
+WAITING_FOR_PORT = "kfp-pytorch: model loaded, waiting for port"
+"""The line a redeploy's successor prints once its model is loaded (``--wait_for_port_s``)."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class ServeSpec:
     backend: str = "local"
     host: str = "127.0.0.1"
     port: int = 0
-    """0 picks a free port."""
+    """0: the port of the server already serving this name (a redeploy keeps its URL), else a free one."""
     startup_timeout_s: float = 120.0
     canary_traffic_percent: int = -1
     """Cluster backend: share of traffic for the new version (-1: all of it)."""
@@ -86,6 +88,8 @@ class Endpoint:
     """Cluster backend: the InferenceService's in-cluster address (status.address.url)."""
     replaced: dict | None = None
     """Local backend: the record of the live server this one replaced (None: none was up)."""
+    note: str | None = None
+    """Local backend: what the user must know of this deploy (its URL changed after all)."""
 
 
 def server_log(name: str, previous: bool = False) -> Path:
@@ -284,9 +288,11 @@ class LocalServeBackend:
         """Start a server for ``spec`` and, once it is ready, run ``check`` (the smoke test) on it.
 
         Serving a name again replaces the running server (a redeploy, as KServe rolls out an
-        update): the new one starts beside it and the old one is stopped only once the new one
-        is ready and ``check`` passed, so a model that fails to load or to answer leaves the old
-        one serving. Only a redeploy on the old one's own fixed port stops it first.
+        update) and keeps its URL, unless ``spec.port`` names another port: clients of the
+        endpoint, a notebook's or a script's, go on working after a retraining. The new model is
+        first started and smoke-tested on a free port beside the old server, so a model that fails
+        to load or to answer leaves the old one serving; then a successor, its model already
+        loaded, takes the port over the moment the old server lets it go (see ``_take_over``).
 
         Deploys of one name take turns on this machine (two runs, two notebooks): each reads the
         server it replaces and writes its own record; interleaved, the first one's server was left
@@ -299,11 +305,11 @@ class LocalServeBackend:
     def _start(self, spec: ServeSpec, check: Callable[[Endpoint], None] | None) -> Endpoint:
         old = read_server(spec.model_name)
         live = old if old is not None and _ours(old) else None
-        port = spec.port or _pick_port(spec.host)
-        if old is not None and (live is None or _port_of(live) == port):
-            stop_server(spec.model_name)  # a dead record, or the port the new server needs
-            live = None
-        if not port_is_free(spec.host, port):
+        if old is not None and live is None:
+            stop_server(spec.model_name)  # a dead record
+        port = spec.port or (live and _port_of(live)) or _pick_port(spec.host)
+        take_over = live is not None and _port_of(live) == port
+        if not take_over and not port_is_free(spec.host, port):
             raise PortInUseError(f"port {port} on {spec.host} is already in use",
                                  "choose another port (or port=0 for a free one), or stop the process using it")
         log = server_log(spec.model_name)
@@ -312,24 +318,17 @@ class LocalServeBackend:
         new_log = log.with_suffix(".new.log") if live else log
         if not live and log.exists():
             os.replace(log, server_log(spec.model_name, previous=True))
-        cmd = [sys.executable, "-m", PREDICTOR_MODULE, "--model_name", spec.model_name, "--model_uri",
-               spec.model_uri, "--http_port", str(port), "--enable_grpc", "false", "--workers", "1",
-               # No log line per request: KServe's /metrics histograms keep the latencies, and the
-               # line costs about a tenth of a request's server time here.
-               "--enable_latency_logging", "false"]
-        with open(new_log, "wb") as out:
-            # A new session: the server must outlive this step (kfp.local runs each step as a child).
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
-        url = f"http://{spec.host}:{port}"
-        ep = Endpoint(spec.model_name, url, f"{url}/v2/models/{spec.model_name}/infer", proc.pid, spec.model_uri)
+        # taking over the live server's port: the new model is tried on a free port first
+        proc, ep = self._launch(spec, _pick_port(spec.host) if take_over else port, new_log)
         try:
             self._wait_ready(proc, ep, spec.startup_timeout_s, new_log)
             if check is not None:
                 _smoke_test(check, ep, f"its log {new_log}")
+            if take_over:
+                proc, ep, new_log = self._take_over(spec, check, live, proc, ep, new_log)
         except KfpPytorchError as e:  # the error keeps its type (a StorageError stays one) and gains a note
             _terminate(proc.pid)
-            if live:
+            if live and _alive(live["pid"]):
                 e.message += f"\n  the server already serving {spec.model_name} keeps serving: {live['infer_url']}"
                 e.args = (e.message,)
             raise
@@ -338,14 +337,76 @@ class LocalServeBackend:
             raise
         if live is not None:
             ep.replaced = live
-            stop_server(spec.model_name)  # the old one goes only now
+            stop_server(spec.model_name)  # the old one goes only now (taken over: it is gone already)
             if log.exists():
                 os.replace(log, server_log(spec.model_name, previous=True))
             os.replace(new_log, log)  # the file stays open in the new server: it logs on, under the usual name
-        record = {k: v for k, v in asdict(ep).items() if k != "replaced"}
+        record = {k: v for k, v in asdict(ep).items() if k not in ("replaced", "note")}
         _write_record(spec.model_name, {**record, "create_time": _create_time(proc.pid),
                                         "start_ticks": _start_ticks(proc.pid)})
         return ep
+
+    @staticmethod
+    def _launch(spec: ServeSpec, port: int, log: Path, wait_for_port: bool = False
+                ) -> tuple[subprocess.Popen, Endpoint]:
+        cmd = [sys.executable, "-m", PREDICTOR_MODULE, "--model_name", spec.model_name, "--model_uri",
+               spec.model_uri, "--http_port", str(port), "--enable_grpc", "false", "--workers", "1",
+               # No log line per request: KServe's /metrics histograms keep the latencies, and the
+               # line costs about a tenth of a request's server time here.
+               "--enable_latency_logging", "false"]
+        if wait_for_port:
+            cmd += ["--wait_for_port_s", str(spec.startup_timeout_s)]
+        with open(log, "wb") as out:
+            # A new session: the server must outlive this step (kfp.local runs each step as a child).
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        url = f"http://{spec.host}:{port}"
+        return proc, Endpoint(spec.model_name, url, f"{url}/v2/models/{spec.model_name}/infer", proc.pid,
+                              spec.model_uri)
+
+    def _take_over(self, spec: ServeSpec, check: Callable[[Endpoint], None] | None, live: dict,
+                   trial: subprocess.Popen, trial_ep: Endpoint, trial_log: Path
+                   ) -> tuple[subprocess.Popen, Endpoint, Path]:
+        """The live server's port, for the model ``trial`` serves (smoke-tested) on another one.
+
+        KServe's server binds one port, named when it starts, so the trial cannot move. A successor
+        loads the model and waits; the old server is stopped once it is ready to bind, and it
+        binds as the old one closes its socket: requests are refused for the successor's start (about
+        0.05 s here), not for a model's load. (Both servers on the port with SO_REUSEPORT would close
+        even that gap, but KServe's server does not set it, and the kernel would send part of the
+        traffic to a server not yet smoke-tested.) Should the
+        successor fail once the old server is gone, the trial keeps serving on its port, said in
+        the endpoint's ``note``. Returns the server that serves: process, endpoint and log."""
+        port = _port_of(live)
+        succ_log = trial_log.with_name(trial_log.name.replace(".new.log", ".next.log"))
+        succ, ep = self._launch(spec, port, succ_log, wait_for_port=True)
+        try:
+            deadline = time.monotonic() + spec.startup_timeout_s
+            while WAITING_FOR_PORT not in succ_log.read_text(errors="replace"):
+                if succ.poll() is not None or time.monotonic() > deadline:
+                    raise ServingError(f"the server to take over port {port} did not load the model (it passed "
+                                       f"on port {_port_of(asdict(trial_ep))}); last lines of {succ_log}:\n"
+                                       f"{_tail(succ_log)}", "read the log above")
+                time.sleep(0.05)
+            stop_server(spec.model_name)  # the successor binds the moment the port is free
+            self._wait_ready(succ, ep, spec.startup_timeout_s, succ_log)
+            if check is not None:
+                _smoke_test(check, ep, f"its log {succ_log}")
+        except KfpPytorchError as e:
+            _terminate(succ.pid)
+            if _alive(live["pid"]):
+                raise
+            # the old server is gone: the trial, which passed, serves on
+            trial_ep.note = (f"port {port} could not be taken over ({e.message.splitlines()[0]}): "
+                             f"{spec.model_name} is served at {trial_ep.url}, clients of the old URL must change")
+            succ_log.unlink(missing_ok=True)
+            return trial, trial_ep, trial_log
+        except BaseException:
+            _terminate(succ.pid)
+            raise
+        _terminate(trial.pid)
+        trial_log.unlink(missing_ok=True)
+        return succ, ep, succ_log
 
     @staticmethod
     def _wait_ready(proc: subprocess.Popen, ep: Endpoint, timeout: float, log: Path) -> None:
@@ -363,7 +424,6 @@ class LocalServeBackend:
             time.sleep(0.2)
         raise ServingError(f"the model server did not become ready within {timeout:g}s; log: {log}",
                            "raise startup_timeout_s or read the log")
-
 
 class ClusterServeBackend:
     """A KServe InferenceService running the same TorchPredictor; see :mod:`.cluster_run`. KServe
@@ -582,4 +642,7 @@ def serve(spec: ServeSpec, sample_row: list[float] | None = None) -> Endpoint:
         resp = infer(ep.url, ep.name, [row])
         ep.smoke_test = {"label": resp["outputs"][1]["data"][0] if len(resp["outputs"]) > 1 else None}
 
-    return BACKENDS[spec.backend]().start(spec, check=smoke)
+    ep = BACKENDS[spec.backend]().start(spec, check=smoke)
+    if ep.note:
+        print(f"warning: {ep.note}", file=sys.stderr)
+    return ep

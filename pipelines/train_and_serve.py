@@ -183,7 +183,7 @@ PARAM_DOCS = {
     "tracking_uri": "MLflow tracking URI (empty: embedded sqlite under KFP_PYTORCH_HOME)",
     "train_backend": "local (torchrun here) or cluster (PyTorchJob)",
     "serve_backend": "local (model server here) or cluster (KServe InferenceService)",
-    "serve_port": "local model server port (0: a free one)",
+    "serve_port": "local model server port (0: the port of the server already serving model_name, so its URL stays; else a free one)",
     "nodes": "pods of the PyTorchJob (cluster backend); workers are spread over them",
     "gpus_per_node": "GPUs per pod (cluster backend)",
     "canary_traffic_percent": "KServe canary share for the new version (-1: all traffic)",

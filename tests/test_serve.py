@@ -10,7 +10,7 @@ import requests
 from kfp_pytorch.components.errors import ConfigError, PortInUseError, ServingError
 from kfp_pytorch.components.predictor import ModelRunner
 from kfp_pytorch.components.prepare_data import load_split, read_metadata
-from kfp_pytorch.components.serve import ServeSpec, infer, list_servers, serve, stop_server
+from kfp_pytorch.components.serve import ServeSpec, infer, list_servers, serve, server_log, stop_server
 
 
 @pytest.fixture
@@ -228,8 +228,8 @@ def test_a_failed_redeploy_leaves_the_running_server_serving(trained_model, tmp_
         assert infer(old.url, "swap", row)["model_name"] == "swap"
         [info] = [s for s in list_servers() if s["name"] == "swap"]
         assert info["pid"] == old.pid and info["alive"]
-        new = serve(ServeSpec(trained_model.model_uri, "swap"))  # a good model takes over
-        assert new.pid != old.pid and new.url != old.url and new.smoke_test is not None
+        new = serve(ServeSpec(trained_model.model_uri, "swap"))  # a good model takes over, and its URL
+        assert new.pid != old.pid and new.url == old.url and new.smoke_test is not None and new.note is None
         assert not psutil.pid_exists(old.pid) or psutil.Process(old.pid).status() == psutil.STATUS_ZOMBIE
         assert infer(new.url, "swap", row)["model_name"] == "swap"
         [info] = [s for s in list_servers() if s["name"] == "swap"]
@@ -240,6 +240,82 @@ def test_a_failed_redeploy_leaves_the_running_server_serving(trained_model, tmp_
         assert str(old.pid) in (home() / "servers" / "swap.previous.log").read_text()
     finally:
         stop_server("swap")
+
+
+def _another_model(model_uri: str, to) -> str:
+    """A copy of the model at ``model_uri`` that is another model by content (its fingerprint,
+    the responses' model_version), as a retraining's would be."""
+    import shutil
+
+    shutil.copytree(model_uri, to)
+    meta = json.loads((to / "metadata.json").read_text())
+    (to / "metadata.json").write_text(json.dumps({**meta, "retrained": True}))
+    return str(to)
+
+
+def _predictors(name: str) -> list[int]:
+    return sorted(p.pid for p in psutil.process_iter(["cmdline"])
+                  if "kfp_pytorch.components.kserve_predictor" in (p.info["cmdline"] or [])
+                  and name in (p.info["cmdline"] or []))
+
+
+def test_a_redeploy_keeps_the_url_and_the_old_model_serves_until_the_new_one_passed(trained_model, tmp_path):
+    # A redeploy moved the endpoint to a new free port, so a notebook's or a script's URL broke
+    # at every retraining; and on a pinned port the old server was stopped before the new one
+    # loaded, so a model that failed left nothing serving.
+    row = [[0.0] * 64]
+    pinned = _pick_free_port()
+    old = serve(ServeSpec(trained_model.model_uri, "keep", port=pinned))
+    try:
+        before = infer(old.url, "keep", row)["model_version"]
+        assert before and len(before) == 12
+        with pytest.raises(ServingError) as e:
+            serve(ServeSpec(str(tmp_path / "nothing"), "keep", port=pinned))
+        assert f"the server already serving keep keeps serving: {old.infer_url}" in str(e.value)
+        assert infer(old.url, "keep", row)["model_version"] == before and _predictors("keep") == [old.pid]
+
+        retrained = _another_model(trained_model.model_uri, tmp_path / "retrained")
+        new = serve(ServeSpec(retrained, "keep"))  # port 0: the name's URL
+        assert new.url == old.url and new.pid != old.pid and new.replaced["pid"] == old.pid
+        after = infer(old.url, "keep", row)
+        assert after["model_version"] == ModelRunner(retrained).fingerprint != before  # the new model answers
+        assert _predictors("keep") == [new.pid]  # the old server and the trial are gone
+        [info] = [s for s in list_servers() if s["name"] == "keep"]
+        assert info["pid"] == new.pid and info["url"] == old.url and info["model_uri"] == retrained
+        assert sorted(p.name for p in server_log("keep").parent.glob("keep*.log")) == ["keep.log", "keep.previous.log"]
+        assert str(new.pid) in server_log("keep").read_text()  # the successor's log, under the usual name
+    finally:
+        stop_server("keep")
+
+
+def test_a_successor_that_cannot_take_the_port_leaves_the_tried_server_serving_and_says_the_url_changed(
+        trained_model):
+    from kfp_pytorch.components.serve import LocalServeBackend
+
+    old = serve(ServeSpec(trained_model.model_uri, "moved"))
+    old_port = int(old.url.rsplit(":", 1)[1])
+
+    def fails_on_the_old_port(ep):
+        if int(ep.url.rsplit(":", 1)[1]) == old_port:
+            raise ServingError("answered nonsense")
+        infer(ep.url, ep.name, [[0.0] * 64])
+
+    try:
+        new = LocalServeBackend().start(ServeSpec(trained_model.model_uri, "moved"), check=fails_on_the_old_port)
+        assert new.url != old.url and new.note == (f"port {old_port} could not be taken over (answered nonsense): "
+                                                   f"moved is served at {new.url}, clients of the old URL must change")
+        assert infer(new.url, "moved", [[0.0] * 64])["model_name"] == "moved"
+        assert _predictors("moved") == [new.pid]  # neither the old server nor the successor is left
+        [info] = [s for s in list_servers() if s["name"] == "moved"]
+        assert info["pid"] == new.pid and info["url"] == new.url and info["alive"]
+    finally:
+        stop_server("moved")
+
+
+def _pick_free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_a_smoke_test_that_fails_otherwise_also_leaves_the_running_server_serving(trained_model):
@@ -933,27 +1009,47 @@ def test_a_registered_version_or_an_older_runs_model_is_served_by_name(mlflow_se
         stop_server("from-run")
 
 
-def test_a_server_replaced_while_a_table_is_predicted_writes_nothing_from_two_models(endpoint, trained_model):
-    # A run that redeploys the name stops the old server once the new one is up: the batches
-    # after that could only fail, and the rows before came from the old model. Said so, not
-    # "cannot reach the server".
+def test_a_server_replaced_while_a_table_is_predicted_writes_nothing_from_two_models(endpoint, trained_model,
+                                                                                     tmp_path):
+    # A run that redeploys the name while a table is predicted: the rows before came from the old
+    # model. A redeploy keeps the URL, so the batches after it are answered, by the new model:
+    # the responses' model_version (the model's fingerprint) says so, and nothing is written.
+    import dataclasses
+
     from kfp_pytorch.components.batch_predict import predict_rows, resolve_target
 
     target = resolve_target("digits")
     x = np.zeros((6, 64), dtype=np.float32)
+    retrained = _another_model(trained_model.model_uri, tmp_path / "retrained")
     seen = []
 
     def redeploy_after_the_first_batch(k):
         seen.append(k)
         if len(seen) == 1:
-            serve(ServeSpec(trained_model.model_uri, "digits"))  # a new server; the old one stops
+            serve(ServeSpec(retrained, "digits"))  # a new server on the same URL; the old one stops
 
     with pytest.raises(ServingError) as e:
         predict_rows(target, x, batch_size=2, on_batch=redeploy_after_the_first_batch)
     [now] = [s for s in list_servers() if s["name"] == "digits"]
-    assert now["pid"] != endpoint.pid and seen == [2]
+    assert now["pid"] != endpoint.pid and now["url"] == endpoint.url and seen == [2]
     assert e.value.message == (f"rows 3-4: the local model server 'digits' was replaced while the table was predicted "
-                               f"(now pid {now['pid']} at {now['url']}, model {trained_model.model_uri}); the rows "
+                               f"(now pid {now['pid']} at {now['url']}, model {retrained}); the rows "
                                "before came from the model it served before, so nothing is written")
     assert e.value.hint == "run serve predict again: every row from one model"
     assert predict_rows(resolve_target("digits"), x, batch_size=2)["label"]  # the new server answers
+
+    # by URL (a KServe endpoint, no local record): a redeploy or a canary is told by the same sign
+    seen.clear()
+    by_url = dataclasses.replace(resolve_target("digits"), pid=None)
+    with pytest.raises(ServingError) as e:
+        predict_rows(by_url, x, batch_size=2,
+                     on_batch=lambda k: seen.append(k) or (len(seen) == 1 and serve(ServeSpec(trained_model.model_uri,
+                                                                                              "digits"))))
+    first, then = ModelRunner(retrained).fingerprint, ModelRunner(trained_model.model_uri).fingerprint
+    assert e.value.message == (f"rows 3-4: the server at {endpoint.url} answered with another model (model_version "
+                               f"{then}) than the rows before ({first}): it was redeployed, or a canary splits its "
+                               "traffic between two models, while the table was predicted; nothing is written")
+    assert "once it is promoted, or rolled back" in e.value.hint
+    # the same model served again (a restart, a redeploy of the same files) is no change of model
+    assert len(predict_rows(by_url, x, batch_size=2, on_batch=lambda k: serve(ServeSpec(trained_model.model_uri,
+                                                                                       "digits")))["label"]) == 6
