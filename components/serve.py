@@ -370,13 +370,13 @@ class LocalServeBackend:
         """The live server's port, for the model ``trial`` serves (smoke-tested) on another one.
 
         KServe's server binds one port, named when it starts, so the trial cannot move. A successor
-        loads the model and waits; the old server is stopped once it is ready to bind, and it
-        binds as the old one closes its socket: requests are refused for the successor's start (about
-        0.05 s here), not for a model's load. (Both servers on the port with SO_REUSEPORT would close
-        even that gap, but KServe's server does not set it, and the kernel would send part of the
-        traffic to a server not yet smoke-tested.) Should the
-        successor fail once the old server is gone, the trial keeps serving on its port, said in
-        the endpoint's ``note``. Returns the server that serves: process, endpoint and log."""
+        loads the model and waits; the old server is stopped once it is ready to bind, and it binds
+        as the old one closes its socket: requests are refused for the successor's start (about
+        0.05 s here), not for a model's load. (Both servers on the port with SO_REUSEPORT would
+        close even that gap, but KServe's server does not set it, and the kernel would send part of
+        the traffic to a server not yet smoke-tested.) Should the successor fail once the old server
+        is gone, the trial keeps serving on its port, said in the endpoint's ``note``. Returns the
+        server that serves: process, endpoint and log."""
         port = _port_of(live)
         succ_log = trial_log.with_name(trial_log.name.replace(".new.log", ".next.log"))
         succ, ep = self._launch(spec, port, succ_log, wait_for_port=True)
@@ -385,7 +385,7 @@ class LocalServeBackend:
             while WAITING_FOR_PORT not in succ_log.read_text(errors="replace"):
                 if succ.poll() is not None or time.monotonic() > deadline:
                     raise ServingError(f"the server to take over port {port} did not load the model (it passed "
-                                       f"on port {_port_of(asdict(trial_ep))}); last lines of {succ_log}:\n"
+                                       f"at {trial_ep.url}); last lines of {succ_log}:\n"
                                        f"{_tail(succ_log)}", "read the log above")
                 time.sleep(0.05)
             stop_server(spec.model_name)  # the successor binds the moment the port is free
@@ -424,6 +424,7 @@ class LocalServeBackend:
             time.sleep(0.2)
         raise ServingError(f"the model server did not become ready within {timeout:g}s; log: {log}",
                            "raise startup_timeout_s or read the log")
+
 
 class ClusterServeBackend:
     """A KServe InferenceService running the same TorchPredictor; see :mod:`.cluster_run`. KServe
