@@ -11,6 +11,7 @@ from kfp_pytorch.components.errors import ConfigError, PortInUseError, ServingEr
 from kfp_pytorch.components.predictor import ModelRunner
 from kfp_pytorch.components.prepare_data import load_split, read_metadata
 from kfp_pytorch.components.serve import ServeSpec, infer, list_servers, serve, server_log, stop_server
+from servers import free_port
 
 
 @pytest.fixture
@@ -264,7 +265,7 @@ def test_a_redeploy_keeps_the_url_and_the_old_model_serves_until_the_new_one_pas
     # at every retraining; and on a pinned port the old server was stopped before the new one
     # loaded, so a model that failed left nothing serving.
     row = [[0.0] * 64]
-    pinned = _pick_free_port()
+    pinned = free_port()
     old = serve(ServeSpec(trained_model.model_uri, "keep", port=pinned))
     try:
         before = infer(old.url, "keep", row)["model_version"]
@@ -310,12 +311,6 @@ def test_a_successor_that_cannot_take_the_port_leaves_the_tried_server_serving_a
         assert info["pid"] == new.pid and info["url"] == new.url and info["alive"]
     finally:
         stop_server("moved")
-
-
-def _pick_free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_smoke_test_that_fails_otherwise_also_leaves_the_running_server_serving(trained_model):
