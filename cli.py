@@ -827,6 +827,21 @@ def _host(ctx, param, value):
     return value
 
 
+class _KfpHost(click.ParamType):
+    """--host's type: only so that a missing --host says what to pass, as every other error here does."""
+    name = "URL"
+
+    def __init__(self, local: str = "`run --local` needs no server"):
+        self.local = local
+
+    def convert(self, value, param, ctx):
+        return value
+
+    def get_missing_message(self, param, ctx):
+        return ("Pass the KFP API's URL, or export KFP_HOST: e.g. http://127.0.0.1:8080 after kubectl -n kubeflow "
+                f"port-forward svc/ml-pipeline-ui 8080:80 ({self.local})")
+
+
 def _kfp_options(f=None, *, host_required: bool = True, experiment: bool = True):
     """--host, --namespace, --token, --ca-cert and, where the command reads or writes an experiment's
     runs, --experiment (a run id or a run names no experiment: an option there would do nothing)."""
@@ -842,7 +857,7 @@ def _kfp_options(f=None, *, host_required: bool = True, experiment: bool = True)
                              help="KFP experiment the runs and recurring runs belong to.")(f)
         f = click.option("--namespace", default=None, callback=_namespace,
                          help="Kubeflow profile namespace (multi-user).")(f)
-        return click.option("--host", required=host_required, envvar="KFP_HOST",
+        return click.option("--host", required=host_required, envvar="KFP_HOST", type=_KfpHost() if host_required else _KfpHost("--local lists this machine's runs"),
                             callback=_host if host_required else lambda c, p, v: v if v is None else _host(c, p, v),
                             help="KFP API URL (or KFP_HOST)." + ("" if host_required else " Not with --local."))(f)
 
@@ -1114,8 +1129,8 @@ def runs_cmd(host, namespace, experiment, token, ca_cert, limit, as_json, local,
         raise click.UsageError("--keep and --dry-run prune local runs: add --local (a KFP server keeps its runs; "
                                "archive them in the KFP UI)")
     if not host:
-        raise click.UsageError("Missing option '--host' (or KFP_HOST): the KFP API's URL; --local lists this "
-                               "machine's runs")
+        ctx = click.get_current_context()
+        raise click.MissingParameter(ctx=ctx, param=next(p for p in ctx.command.params if p.name == "host"))
     from kfp_pytorch.pipelines.kfp_api import KfpApi
 
     api = KfpApi(host, namespace, token, ca_cert=ca_cert)

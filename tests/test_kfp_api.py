@@ -491,6 +491,12 @@ def test_options_kfp_would_refuse_are_refused_before_any_call(kfp_server):
     for port in ("99999", "ui"):  # requests' InvalidURL, "cannot reach the KFP API", once
         r = cli("runs", "--host", f"http://127.0.0.1:{port}")
         assert r.returncode == 2 and "is not a URL of the KFP API" in r.stderr and "cannot reach" not in r.stderr
+    no_host = {"KFP_HOST": ""}  # a missing --host says what to pass, on every command that needs one
+    for args, hint in ((("follow", "run-1"), "`run --local` needs no server"), (("schedules",), "needs no server"),
+                       (("runs",), "--local lists this machine's runs")):
+        r = cli(*args, env=no_host)
+        assert r.returncode == 2 and "Missing option '--host'. Pass the KFP API's URL, or export KFP_HOST" in r.stderr
+        assert hint in r.stderr and "port-forward svc/ml-pipeline-ui" in r.stderr
     assert len(fake.requests) == before and not fake.recurring
 
 
