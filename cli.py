@@ -360,6 +360,8 @@ def serve_list(as_json):
     for s in servers:
         state = "?" if s.get("unreadable") else "up" if s["alive"] else "down"
         model = f"  model: {s['model_uri']}" if s.get("model_uri") else ""
+        if s.get("registered_model"):  # which registered version serves, and where its files are
+            model = f"  model: {s['registered_model']} ({s['model_uri']})"
         click.echo(f"{s['name']:<16} pid={str(s['pid'] or '-'):<8} {state:<5} {s['infer_url']}{model}")
     if down := [s["name"] for s in servers if not s.get("alive") and not s.get("unreadable")]:
         click.echo(f"{len(down)} down: `kfp-pytorch serve start {' '.join(down)}` starts "
@@ -466,10 +468,11 @@ def _serve_model_as(names, start_all, port, model_uri, tracking_uri) -> None:
             raise ServingError(f"{model_uri} is not a model directory (it has no metadata.json)",
                                "give a run's train-op.model directory (`kfp-pytorch runs --local` lists the runs), "
                                "or a registered version: models:/MODEL/VERSION")
-    ep = serve(ServeSpec(model_dir, name, port=port))
+    ep = serve(ServeSpec(model_dir, name, port=port, registered_model=(
+        f"models:/{got['name']}/{got['version']}" if model_uri.startswith("models:") else "")))
     before = ep.replaced  # read under the deploy's lock: a deploy of NAME beside this one came first
-    replaced = (f"; it replaced the server of {before['model_uri']} at {before['infer_url']}"
-                if before and before.get("model_uri") else "")
+    replaced = (f"; it replaced the server of {before.get('registered_model') or before['model_uri']} at "
+                f"{before['infer_url']}" if before and before.get("model_uri") else "")
     click.echo(f"{name}: serving {what} at {ep.infer_url} (pid {ep.pid}){replaced}")
 
 

@@ -19,6 +19,8 @@ from .train import WORKER_MODULE, TrainSpec, gpu_share_problem, worker_args
 FAIRNESS_GATE = "fairness.kfp-pytorch.io/admission"
 """Scheduling gate the fairness scheduler removes when it admits a gang."""
 LABEL_PREFIX = "kfp-pytorch.io"
+REGISTERED_MODEL = f"{LABEL_PREFIX}/registered-model"
+"""The InferenceService's annotation: the registered version it serves, models:/NAME/VERSION."""
 QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -507,6 +509,9 @@ class ClusterServeSpec:
     restricted: bool = True
     """As :attr:`ClusterTrainSpec.restricted`, for the predictor's pods."""
     image_pull_secrets: tuple = ()
+    registered_model: str = ""
+    """``models:/NAME/VERSION``: the InferenceService's annotation :data:`REGISTERED_MODEL` (which
+    registered version it serves, for `kubectl get -o yaml` and tools that map the two)."""
 
     def validate(self) -> dict:
         problems = []
@@ -623,6 +628,8 @@ def to_inference_service(spec: ClusterServeSpec) -> dict:
                   "labels": {**spec.labels, "app.kubernetes.io/managed-by": "kfp-pytorch"}}
     # said either way, so the InferenceService does not depend on the cluster's default mode
     meta["annotations"] = {"serving.kserve.io/deploymentMode": SERVING_MODES[0 if spec.raw_deployment else 1]}
+    if spec.registered_model:
+        meta["annotations"][REGISTERED_MODEL] = spec.registered_model
     return {"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService", "metadata": meta,
             "spec": {"predictor": predictor}}
 
@@ -804,13 +811,13 @@ class ClusterConfig:
                                 tolerations=self.gpu_tolerations if gpu else [])
 
     def serve_spec(self, model_uri: str, model_name: str, canary_traffic_percent: int | None = None,
-                   min_replicas: int = 1, max_replicas: int = 1) -> ClusterServeSpec:
+                   min_replicas: int = 1, max_replicas: int = 1, registered_model: str = "") -> ClusterServeSpec:
         return ClusterServeSpec(model_uri, model_name, self.image, self.namespace, self.service_account,
                                 resources=dict(self.serve_resources), min_replicas=min_replicas,
                                 max_replicas=max_replicas, image_pull_secrets=self.image_pull_secrets,
                                 raw_deployment=self.serving_mode == "RawDeployment",
                                 canary_traffic_percent=canary_traffic_percent, labels=self.pod_labels,
-                                restricted=self.restricted)
+                                restricted=self.restricted, registered_model=registered_model)
 
 
 _S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")

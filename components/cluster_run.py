@@ -11,8 +11,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .cluster import (FAIRNESS_GATE, KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL, LABEL_PREFIX, ClusterServeSpec,
-                      ClusterTrainSpec, to_inference_service, to_pytorchjob, to_trainjob)
+from .cluster import (FAIRNESS_GATE, KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL, LABEL_PREFIX, REGISTERED_MODEL,
+                      ClusterServeSpec, ClusterTrainSpec, to_inference_service, to_pytorchjob, to_trainjob)
 from .errors import ConfigError, KubernetesError, KubernetesUnavailable, ServingError, TrainingError
 from .k8s import Expired, Kube
 from .train import WORKER_MODULE
@@ -725,7 +725,10 @@ class ClusterServer:
         ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
         current, existed = kube.create_or_adopt(obj, {"app.kubernetes.io/managed-by": "kfp-pytorch"})
         if existed:  # a new model version: update in place; canaryTrafficPercent splits traffic
-            current = kube.patch(group, version, plural, ns, name, {"spec": _update(current["spec"], obj["spec"])})
+            # the annotation names the version now served (removed for a model not registered)
+            current = kube.patch(group, version, plural, ns, name,
+                                 {"metadata": {"annotations": {REGISTERED_MODEL: spec.registered_model or None}},
+                                  "spec": _update(current["spec"], obj["spec"])})
         rv = current["metadata"]["resourceVersion"]
         deadline = time.monotonic() + timeout_s
         said: list[str] = []

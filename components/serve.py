@@ -52,6 +52,9 @@ class ServeSpec:
     min_replicas: int = 1
     max_replicas: int = 1
     """Cluster backend: KServe scales the predictor between these (on CPU use); one server locally."""
+    registered_model: str = ""
+    """The registry's name for this model, ``models:/NAME/VERSION`` (empty: not registered, or not
+    known): `serve list` and the InferenceService's annotation say which version serves."""
 
     def validate(self) -> None:
         import re
@@ -67,6 +70,9 @@ class ServeSpec:
             problems.append(f"backend: must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if not self.model_uri:
             problems.append("model_uri: must be set")
+        if self.registered_model and not re.fullmatch(r"models:/[^/@]+/[1-9][0-9]*", self.registered_model):
+            problems.append(f"registered_model: must be a registered version, models:/NAME/VERSION, got "
+                            f"{self.registered_model!r}")
         problems += replicas_problems(self.min_replicas, self.max_replicas)
         if self.backend == "cluster" and not self.model_uri.startswith(("s3://", "minio://")):
             problems.append(f"model_uri: the cluster backend needs s3:// or minio://, got {self.model_uri!r}; "
@@ -90,6 +96,8 @@ class Endpoint:
     """Local backend: the record of the live server this one replaced (None: none was up)."""
     note: str | None = None
     """Local backend: what the user must know of this deploy (its URL changed after all)."""
+    registered_model: str = ""
+    """:attr:`ServeSpec.registered_model`: the registered version served, when known."""
 
 
 def server_log(name: str, previous: bool = False) -> Path:
@@ -362,7 +370,7 @@ class LocalServeBackend:
                                     start_new_session=True)
         url = f"http://{spec.host}:{port}"
         return proc, Endpoint(spec.model_name, url, f"{url}/v2/models/{spec.model_name}/infer", proc.pid,
-                              spec.model_uri)
+                              spec.model_uri, registered_model=spec.registered_model)
 
     def _take_over(self, spec: ServeSpec, check: Callable[[Endpoint], None] | None, live: dict,
                    trial: subprocess.Popen, trial_ep: Endpoint, trial_log: Path
@@ -438,10 +446,10 @@ class ClusterServeBackend:
         cfg = ClusterConfig.from_env()
         canary = spec.canary_traffic_percent if spec.canary_traffic_percent >= 0 else None
         res = ClusterServer(Kube()).run(cfg.serve_spec(spec.model_uri, spec.model_name, canary, spec.min_replicas,
-                                                       spec.max_replicas),
+                                                       spec.max_replicas, spec.registered_model),
                                         timeout_s=spec.startup_timeout_s)
         ep = Endpoint(spec.model_name, res["url"], res["infer_url"], None, spec.model_uri,
-                      cluster_url=res.get("cluster_url"))
+                      cluster_url=res.get("cluster_url"), registered_model=spec.registered_model)
         if check is not None:
             # In a pod (the pipeline's serve step) the external host often does not resolve (the
             # default domain is example.com): the smoke test goes to the in-cluster address.
@@ -601,7 +609,8 @@ def revive(name: str, port: int = 0) -> tuple[Endpoint, bool]:
                            f"serve a model as {name!r} with `kfp-pytorch serve start {name} --model-uri "
                            f"models:/{name}@champion` (its registered champion) or --model-uri a run's train-op.model")
     if info["alive"]:
-        return Endpoint(**{k: info.get(k) for k in ("name", "url", "infer_url", "pid", "model_uri")}), False
+        return Endpoint(**{k: info.get(k) for k in ("name", "url", "infer_url", "pid", "model_uri")},
+                        registered_model=info.get("registered_model") or ""), False
     if not Storage().exists(join(info["model_uri"], "metadata.json")):
         raise ServingError(f"the model that {name!r} served is gone: {info['model_uri']}",
                            "serve a model again with a pipeline run (`runs --local --keep` keeps a served "
@@ -609,7 +618,8 @@ def revive(name: str, port: int = 0) -> tuple[Endpoint, bool]:
     old = _port_of(info)
     host = urllib.parse.urlsplit(info.get("url") or "").hostname or "127.0.0.1"
     keep = port == 0 and old is not None and port_is_free(host, old)
-    return serve(ServeSpec(model_uri=info["model_uri"], model_name=name, host=host, port=old if keep else port)), True
+    return serve(ServeSpec(model_uri=info["model_uri"], model_name=name, host=host, port=old if keep else port,
+                           registered_model=info.get("registered_model") or "")), True
 
 
 def keep_champion_served(name: str) -> str:

@@ -74,7 +74,8 @@ def build(platform: Platform | None = None):
             # a condition nested in another, so a dsl.If here never served locally.
             sv = serve_op(model=tr.outputs["model"], model_name=model_name, port=serve_port, backend=serve_backend,
                           canary_traffic_percent=canary_traffic_percent, min_replicas=serve_min_replicas,
-                          max_replicas=serve_max_replicas, champion=reg.outputs["champion"])
+                          max_replicas=serve_max_replicas, champion=reg.outputs["champion"],
+                          registered_model=reg.outputs["registry_uri"])
             sv.set_display_name("serve (KServe v2)")
             sv.set_caching_options(False)  # acts on the cluster: a cached step would report a server it did not check
             apply_platform(sv, platform)

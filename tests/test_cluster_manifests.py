@@ -85,9 +85,10 @@ def test_trainjob_is_valid():
 
 def test_inference_service_is_valid():
     isvc = to_inference_service(ClusterServeSpec("minio://models/run1/model", "digits", IMAGE, canary_traffic_percent=10,
-                                                 raw_deployment=False))
+                                                 raw_deployment=False, registered_model="models:/digits/3"))
     validate_manifest(isvc)
-    assert isvc["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "Serverless"
+    assert isvc["metadata"]["annotations"] == {"serving.kserve.io/deploymentMode": "Serverless",
+                                               "kfp-pytorch.io/registered-model": "models:/digits/3"}
     p = isvc["spec"]["predictor"]
     assert p["canaryTrafficPercent"] == 10 and p["serviceAccountName"] == "kfp-pytorch-s3"
     c = p["containers"][0]

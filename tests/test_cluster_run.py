@@ -898,12 +898,18 @@ def test_inference_service_ready_and_canary_update(k8s):
     server = ClusterServer(Kube(api), out=io.StringIO())
     # Serverless: KServe's canary rollouts are Knative's
     first = server.run(ClusterServeSpec("s3://models/run1/model", "digits", "reg/kfp-pytorch:0.1.0", namespace=NS,
-                                        raw_deployment=False), 10)
+                                        raw_deployment=False, registered_model="models:/digits/1"), 10)
     assert first["url"] == f"http://digits.{NS}.example.com" and not first["updated"]
     assert first["cluster_url"] == f"http://digits.{NS}.svc.cluster.local"
+    annotations = fake.get("inferenceservices", NS, "digits")["metadata"]["annotations"]
+    assert annotations["kfp-pytorch.io/registered-model"] == "models:/digits/1"
     second = server.run(ClusterServeSpec("s3://models/run2/model", "digits", "reg/kfp-pytorch:0.1.0", namespace=NS,
-                                         canary_traffic_percent=20, raw_deployment=False), 10)
+                                         canary_traffic_percent=20, raw_deployment=False,
+                                         registered_model="models:/digits/2"), 10)
     isvc = fake.get("inferenceservices", NS, "digits")
+    # the annotation names the version rolled out now; KServe's own annotations stay
+    assert isvc["metadata"]["annotations"] == {"serving.kserve.io/deploymentMode": "Serverless",
+                                               "kfp-pytorch.io/registered-model": "models:/digits/2"}
     # ready means the new version is rolled out, not the old one's Ready still standing in the status
     assert isvc["metadata"]["generation"] == isvc["status"]["observedGeneration"] == 2
     assert second["updated"] and isvc["spec"]["predictor"]["canaryTrafficPercent"] == 20
@@ -920,13 +926,16 @@ def test_an_update_drops_what_the_new_version_no_longer_sets(k8s):
     fake, api = k8s
     server = ClusterServer(Kube(api), out=io.StringIO())
     server.run(ClusterServeSpec("s3://models/run1/model", "digits", "reg/kfp-pytorch:0.1.0", namespace=NS,
-                                canary_traffic_percent=20, raw_deployment=False), 10)
+                                canary_traffic_percent=20, raw_deployment=False, registered_model="models:/digits/1"),
+               10)
     custom = client.CustomObjectsApi(api)
     custom.patch_namespaced_custom_object("serving.kserve.io", "v1beta1", NS, "inferenceservices", "digits", {
         "spec": {"predictor": {"storageUris": [{"uri": "s3://models/run1/model", "mountPath": "/mnt/models"}]}}})
     server.run(ClusterServeSpec("s3://models/run2/model", "digits", "reg/kfp-pytorch:0.1.0", namespace=NS,
                                 raw_deployment=False), 10)
-    predictor = fake.get("inferenceservices", NS, "digits")["spec"]["predictor"]
+    isvc = fake.get("inferenceservices", NS, "digits")
+    assert "kfp-pytorch.io/registered-model" not in isvc["metadata"]["annotations"]  # no version claimed for it
+    predictor = isvc["spec"]["predictor"]
     assert "canaryTrafficPercent" not in predictor and "storageUris" not in predictor, predictor
     env = {e["name"]: e["value"] for e in predictor["containers"][0]["env"]}
     assert env["STORAGE_URI"] == "s3://models/run2/model"

@@ -164,6 +164,7 @@ def test_end_to_end_on_s3_and_mlflow_server(s3, bucket, mlflow_server):
         # A nightly retraining that passes the gate but does not beat the champion: registered, not
         # served; the champion's server goes on answering, started again as it was, had it died (a reboot)
         [first] = [x for x in json.loads(run_cli("serve", "list", "--json").stdout) if x["name"] == "digits-e2e"]
+        assert first["registered_model"] == "models:/digits-e2e/1"  # register's version, handed to the serve step
         psutil.Process(first["pid"]).kill()
         psutil.Process(first["pid"]).wait(10)
         r = run_cli("run", "train_and_serve", "--local", "--json", "--param", "epochs=1", "--param", "threshold=0.5",
@@ -179,8 +180,9 @@ def test_end_to_end_on_s3_and_mlflow_server(s3, bucket, mlflow_server):
                                        f"champion) (only a new champion is served); the champion serves at {s['endpoint']}")
         assert "whose local server was down; it serves again at " + s["endpoint"] in r.stdout  # the serve step's log
         listed = json.loads(run_cli("serve", "list", "--json").stdout)
-        assert [(x["name"], x["model_uri"], x["alive"]) for x in listed if x["name"] == "digits-e2e"] == [
-            ("digits-e2e", s["artifacts"]["train-op.model"], True)], listed  # the first run's model
+        assert [(x["name"], x["model_uri"], x["registered_model"], x["alive"]) for x in listed
+                if x["name"] == "digits-e2e"] == [("digits-e2e", s["artifacts"]["train-op.model"],
+                                                   "models:/digits-e2e/1", True)], listed  # the first run's model
     finally:
         run_cli("serve", "stop", "digits-e2e")
 

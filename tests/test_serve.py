@@ -661,8 +661,10 @@ def test_serving_from_s3(s3, bucket, trained_model):
 
 def test_serve_validates_settings(trained_model):
     with pytest.raises(ConfigError) as e:
-        serve(ServeSpec(trained_model.model_uri, "Bad_Name", port=70000))
+        serve(ServeSpec(trained_model.model_uri, "Bad_Name", port=70000, registered_model="models:/digits@champion"))
     assert "model_name" in str(e.value) and "port" in str(e.value)
+    assert "registered_model: must be a registered version, models:/NAME/VERSION, got 'models:/digits@champion'" in str(
+        e.value)
 
 
 def test_a_bad_thread_count_stops_the_predictor_with_its_name(trained_model):
@@ -956,11 +958,16 @@ def test_a_registered_version_or_an_older_runs_model_is_served_by_name(mlflow_se
         [up] = [s for s in list_servers() if s["name"] == "rollback"]
         assert r.stdout == f"rollback: serving models:/rollback-digits/{v1} at {up['infer_url']} (pid {up['pid']})\n"
         assert f"rollback-digits-v{v1}" in up["model_uri"] and infer(up["url"], "rollback", row)["outputs"]
+        assert up["registered_model"] == f"models:/rollback-digits/{v1}"  # which version serves, not only its files
         r = start("rollback", "--model-uri", "models:/rollback-digits@champion")  # moved to the second version
         [now] = [s for s in list_servers() if s["name"] == "rollback"]
         assert r.returncode == 0 and now["alive"] and now["pid"] != up["pid"], r.stderr
         assert r.stdout.startswith(f"rollback: serving models:/rollback-digits/{v2} (@champion) at {now['infer_url']} ")
-        assert f"it replaced the server of {up['model_uri']} at {up['infer_url']}" in r.stdout
+        assert f"it replaced the server of models:/rollback-digits/{v1} at {up['infer_url']}" in r.stdout
+        assert now["registered_model"] == f"models:/rollback-digits/{v2}"  # the alias resolved: the version
+        listed = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "serve", "list"], capture_output=True,
+                                text=True, check=True).stdout
+        assert f"model: models:/rollback-digits/{v2} ({now['model_uri']})" in listed, listed
         assert not psutil.pid_exists(up["pid"]) or psutil.Process(up["pid"]).status() == psutil.STATUS_ZOMBIE
         # the embedded store's version of the same name and number is another model: not the
         # server registry's download, served from a folder of its own
@@ -975,6 +982,8 @@ def test_a_registered_version_or_an_older_runs_model_is_served_by_name(mlflow_se
         # a run's model directory, as `runs --local` shows it
         r = start("from-run", "--model-uri", trained_model.model_uri)
         assert r.returncode == 0 and r.stdout.startswith(f"from-run: serving {trained_model.model_uri} at "), r.stderr
+        [run_dir] = [s for s in list_servers() if s["name"] == "from-run"]
+        assert run_dir["registered_model"] == ""  # a directory: no registered version is claimed
         # what is not there says what is; nothing is started, and the server up stays up
         r = start("rollback", "--model-uri", f"models:/rollback-digits/{v2 + 5}")
         assert r.returncode == 1 and f"models:/rollback-digits/{v2 + 5}: not in the MLflow registry at {uri}" in r.stderr
@@ -998,6 +1007,11 @@ def test_a_registered_version_or_an_older_runs_model_is_served_by_name(mlflow_se
                            capture_output=True, text=True, env={**os.environ, "MLFLOW_TRACKING_URI": uri})
         assert r.returncode == 0 and r.stdout.startswith("row,prediction,confidence\n1,"), r.stderr
         assert "1 rows predicted by rollback" in r.stderr
+        psutil.Process(now["pid"]).kill()  # a crash: started again, it still says which version it serves
+        psutil.Process(now["pid"]).wait(10)
+        assert start("rollback", registry=None).returncode == 0
+        [again] = [s for s in list_servers() if s["name"] == "rollback"]
+        assert again["alive"] and again["registered_model"] == f"models:/rollback-digits/{v2}"
     finally:
         stop_server("rollback")
         stop_server("embedded")
