@@ -29,11 +29,13 @@ from pathlib import Path
 from typing import Protocol
 
 from .errors import ConfigError, TrainingError
-from .models import ZOO, resolve_factory
 from .prepare_data import seed_problem
 from .storage import Storage, join
 
 WORKER_MODULE = "kfp_pytorch.components.train_worker"
+BUILTIN_MODELS = ("mlp", "cnn")
+"""The names of :data:`.models.ZOO`, known here without importing torch, so that checking settings
+(run, compile, submit, manifest) does not take torch's 1.5 s import (a test keeps the two equal)."""
 RESUME_STATE = "checkpoints/last.json"
 """Beside each checkpoint: its epoch and the settings it was trained with (read without torch)."""
 RESUME_KEYS = ("dataset_uri", "model", "batch_size", "lr", "seed")
@@ -195,8 +197,9 @@ class TrainSpec:
         if self.backend == "cluster" and not self.output_uri.startswith(("s3://", "minio://")):
             problems.append("output_uri: the cluster backend needs s3:// or minio:// (pods cannot see this "
                             f"machine's disk), got {self.output_uri!r}; set storage_root")
-        if self.model not in ZOO and ":" not in self.model:
-            problems.append(f"model: must be one of {', '.join(ZOO)} or 'package.module:function', got {self.model!r}")
+        if self.model not in BUILTIN_MODELS and ":" not in self.model:
+            problems.append(f"model: must be one of {', '.join(BUILTIN_MODELS)} or 'package.module:function', got "
+                            f"{self.model!r}")
         if problems:
             raise ConfigError(problems, title="invalid train settings")
 
@@ -471,6 +474,8 @@ def _check_resumable(spec: TrainSpec, storage: Storage) -> None:
 
 def train(spec: TrainSpec, storage: Storage | None = None) -> TrainResult:
     """Validate, resolve the model factory here (fail fast), run the backend, read the history."""
+    from .models import resolve_factory
+
     spec.validate()
     resolve_factory(spec.model)
     storage = storage or Storage()

@@ -12,11 +12,10 @@ from kfp import dsl
 from kfp_pytorch.components.cluster import replicas_problems
 from kfp_pytorch.components.evaluate import GATE_METRICS
 from kfp_pytorch.components.ops.evaluate import evaluate_op
-from kfp_pytorch.components.models import ZOO
 from kfp_pytorch.components.prepare_data import columns_problems, parse_columns, seed_problem
 from kfp_pytorch.components.storage import StorageError, parse_uri
 from kfp_pytorch.components.tracking import tracking_uri_problem
-from kfp_pytorch.components.train import gpu_share_problem, training_settings_problems
+from kfp_pytorch.components.train import BUILTIN_MODELS, gpu_share_problem, training_settings_problems
 from kfp_pytorch.components.ops.prepare_data import prepare_data_op
 from kfp_pytorch.components.ops.register import register_op
 from kfp_pytorch.components.ops.serve import serve_op
@@ -103,8 +102,9 @@ def validate_params(p: dict) -> list[str]:
         problems.append("dataset_uri: must be set (a path, s3://bucket/key.csv or sample://digits)")
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", p["model_name"]):
         problems.append(f"model_name: must be a DNS-1123 label (lower-case letters, digits, '-'), got {p['model_name']!r}")
-    if p["model_arch"] not in ZOO and ":" not in p["model_arch"]:
-        problems.append(f"model_arch: must be one of {', '.join(ZOO)} or 'package.module:function', got {p['model_arch']!r}")
+    if p["model_arch"] not in BUILTIN_MODELS and ":" not in p["model_arch"]:
+        problems.append(f"model_arch: must be one of {', '.join(BUILTIN_MODELS)} or 'package.module:function', "
+                        f"got {p['model_arch']!r}")
     for k in ("epochs", "batch_size", "workers"):
         if p[k] < 1:
             problems.append(f"{k}: must be >= 1, got {p[k]}")
