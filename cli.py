@@ -72,6 +72,51 @@ def _parse_params(pairs: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+# Shell completion is click's: eval "$(_KFP_PYTORCH_COMPLETE=bash_source kfp-pytorch)" (or zsh_source,
+# fish_source). The completers below read what they name when TAB is pressed, and never fail: a
+# record they cannot read completes nothing rather than print a traceback into the shell.
+
+_LOCAL_OR_URI = click.Path()
+"""A local path or an s3://, minio://, sample:// URI: a plain string, completed as a file name."""
+
+
+def _complete_pipeline(ctx, param, incomplete):
+    from click.shell_completion import CompletionItem
+
+    from kfp_pytorch.pipelines.registry import PIPELINES
+
+    return [CompletionItem(name, help=entry.summary) for name, entry in PIPELINES.items()
+            if name.startswith(incomplete)]
+
+
+def _complete_server(ctx, param, incomplete):
+    """The local model servers' names (``serve start``: those that are down first), each with its state."""
+    from click.shell_completion import CompletionItem
+
+    from kfp_pytorch.components.serve import list_servers
+
+    try:
+        servers = [s for s in list_servers() if not s.get("unreadable") and s["name"].startswith(incomplete)]
+    except Exception:  # noqa: BLE001 (a TAB press must not print a traceback)
+        return []
+    given = set(ctx.params.get("names") or ())
+    servers = sorted((s for s in servers if s["name"] not in given),
+                     key=lambda s: (ctx.command.name == "start" and bool(s["alive"]), s["name"]))
+    return [CompletionItem(s["name"], help=f"{'up' if s['alive'] else 'down'} {s['infer_url']}") for s in servers]
+
+
+def _complete_policies(ctx, param, incomplete):
+    """``--policies a,b,<TAB>``: the policies not named yet, after those that are."""
+    from click.shell_completion import CompletionItem
+
+    from kfp_pytorch.fairness_scheduler.policy import POLICIES
+
+    head, _, last = incomplete.rpartition(",")
+    named = set(head.split(",")) if head else set()
+    return [CompletionItem(f"{head},{p}" if head else p) for p in ["all", *POLICIES]
+            if p.startswith(last) and p not in named and not (head and p == "all")]
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 @click.version_option(package_name="kfp-pytorch")
@@ -126,7 +171,7 @@ def _with_platform(entry, platform_file: str | None):
 
 
 @cli.command("compile")
-@click.argument("pipeline")
+@click.argument("pipeline", shell_complete=_complete_pipeline)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="KFP IR YAML file to write.")
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
               help="A parameter's default in the compiled pipeline, as the KFP UI's run form shows it "
@@ -194,7 +239,7 @@ def _before_submit(values: dict, platform, notes: bool = True) -> None:
 
 
 @cli.command("run")
-@click.argument("pipeline")
+@click.argument("pipeline", shell_complete=_complete_pipeline)
 @click.option("--local", "local", is_flag=True, required=True, help="Run on this machine with kfp.local.")
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE", help="Pipeline parameter (repeatable).")
 @click.option("--predict/--no-predict", default=True, help="Send one test row to the endpoint at the end.")
@@ -370,7 +415,7 @@ def serve_list(as_json):
 
 
 @serve_grp.command("stop")
-@click.argument("names", nargs=-1)
+@click.argument("names", nargs=-1, shell_complete=_complete_server)
 @click.option("--all", "stop_all", is_flag=True, help="Stop every local model server.")
 def serve_stop(names, stop_all):
     """Stop the local model servers NAMES (see serve list), or --all; a server that is down has its
@@ -395,7 +440,7 @@ def serve_stop(names, stop_all):
 
 
 @serve_grp.command("start")
-@click.argument("names", nargs=-1)
+@click.argument("names", nargs=-1, shell_complete=_complete_server)
 @click.option("--all", "start_all", is_flag=True, help="Every local model server that is down.")
 @click.option("--port", type=click.IntRange(0, 65535), default=0,
               help="Port for a server whose old port is taken (0: a free one).  [default: its old port]")
@@ -477,7 +522,7 @@ def _serve_model_as(names, start_all, port, model_uri, tracking_uri) -> None:
 
 
 @serve_grp.command("logs")
-@click.argument("name")
+@click.argument("name", shell_complete=_complete_server)
 @click.option("--tail", type=click.IntRange(0), default=None, help="Only the last N lines.")
 @click.option("-p", "--previous", is_flag=True,
               help="The log of the server it replaced: the one that died, or the model served before.")
@@ -502,8 +547,8 @@ def serve_logs(name, tail, previous):
 
 
 @serve_grp.command("predict")
-@click.argument("name")
-@click.argument("table")
+@click.argument("name", shell_complete=_complete_server)
+@click.argument("table", type=_LOCAL_OR_URI)
 @click.option("--url", default=None,
               help="The server's base URL, for one not started here (a KServe InferenceService's status.url; a model's .../v2/models/NAME/infer endpoint is taken too).")
 @click.option("--model-uri", default=None,
@@ -523,7 +568,7 @@ def serve_logs(name, tail, previous):
 @click.option("--probabilities", is_flag=True,
               help="Add each class's probability as a column p_<class> (its name where the model's metadata is "
                    "known: a local server, or --model-uri; else its id).")
-@click.option("-o", "--output", metavar="FILE|URI", default=None,
+@click.option("-o", "--output", metavar="FILE|URI", default=None, type=_LOCAL_OR_URI,
               help="Write the predictions here: a file, or s3://BUCKET/KEY, as CSV or, by the name's suffix, "
                    "Parquet, JSON Lines (.jsonl), JSON or Feather (default, or '-': CSV on stdout).")
 def serve_predict(name, table, url, model_uri, host_header, token, label_column, batch_size, probabilities, output):
@@ -652,8 +697,8 @@ def _bytes_bar(total: int, label: str):
 
 
 @storage_grp.command("cp")
-@click.argument("source")
-@click.argument("dest")
+@click.argument("source", type=_LOCAL_OR_URI)
+@click.argument("dest", type=_LOCAL_OR_URI)
 def storage_cp(source, dest):
     """Copy a file or a directory to S3 (SOURCE a local path, DEST s3://BUCKET/KEY or minio://), or
     from S3 (SOURCE an object or a prefix, DEST a local path): a table for a KFP run's dataset_uri,
@@ -868,7 +913,7 @@ def _kfp_options(f=None, *, host_required: bool = True, experiment: bool = True)
 
 
 @cli.command("submit")
-@click.argument("pipeline")
+@click.argument("pipeline", shell_complete=_complete_pipeline)
 @_kfp_options
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE", help="Pipeline parameter (repeatable).")
 @click.option("--run-name", default=None, help="The run's display name in the KFP UI (default: PIPELINE-YYYYMMDD-HHMMSS).")
@@ -945,7 +990,7 @@ def cancel_cmd(run_id, host, namespace, token, ca_cert):
 
 
 @cli.command("schedule")
-@click.argument("pipeline")
+@click.argument("pipeline", shell_complete=_complete_pipeline)
 @_kfp_options
 @click.option("--cron", required=True, help='6 fields, seconds first: "0 0 3 * * *" is 03:00 daily; or a descriptor: "@daily", "@every 6h".')
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
@@ -1349,7 +1394,8 @@ def _config_and_half_life(config: str | None, half_life: str | None, problems: l
 
 @cli.command("simulate")
 @click.option("--trace", "trace", required=True, type=click.Path(dir_okay=False), help="Trace CSV (itp-2021 format), plain or gzip-compressed.")
-@click.option("--policies", default="all", show_default=True, help="all, or a comma-separated list.")
+@click.option("--policies", default="all", show_default=True, shell_complete=_complete_policies,
+              help="all, or a comma-separated list.")
 @click.option("--users", default=20, show_default=True, type=int,
               help="Users drawn by the Zipf law; the lighter half are the light users. A trace with a user "
                    "column keeps its own users (--users, --zipf and --seed then do not apply).")

@@ -134,6 +134,28 @@ def test_commands_that_only_check_and_write_settings_do_not_import_torch():
     assert tuple(ZOO) == BUILTIN_MODELS
 
 
+def test_tab_completes_pipelines_and_policies():
+    def complete(line):
+        r = run_cli(env={"_KFP_PYTORCH_COMPLETE": "bash_complete", "COMP_WORDS": line,
+                         "COMP_CWORD": str(len(line.split(" ")) - 1)})
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+        return [line for line in r.stdout.splitlines() if line]  # nothing to complete: one empty line
+
+    for command in ("run", "compile", "submit", "schedule"):
+        assert complete(f"kfp-pytorch {command} tr") == ["plain,train_and_serve"]
+    assert complete("kfp-pytorch run x") == []
+    assert complete("kfp-pytorch simulate --policies ") == [
+        "plain,all", "plain,fifo", "plain,static-priority", "plain,drf", "plain,slurm-fairshare", "plain,kueue-afs",
+        "plain,fairshare"]
+    # the comma-separated list goes on with the policies not named yet
+    assert complete("kfp-pytorch simulate --policies fifo,fairshare,") == [
+        "plain,fifo,fairshare,static-priority", "plain,fifo,fairshare,drf", "plain,fifo,fairshare,slurm-fairshare",
+        "plain,fifo,fairshare,kueue-afs"]
+    assert complete("kfp-pytorch simulate --policies fifo,k") == ["plain,fifo,kueue-afs"]
+    assert complete("kfp-pytorch simulate --trace shared/tr") == ["file,shared/tr"]
+    assert complete("kfp-pytorch ser") == ["plain,serve"]
+
+
 def test_pipelines_lists_parameters():
     r = run_cli("pipelines", "--json")
     params = json.loads(r.stdout)["train_and_serve"]

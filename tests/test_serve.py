@@ -510,9 +510,36 @@ def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_mod
     assert r.returncode == 1 and "--host-header goes with --url" in r.stderr
 
 
+def complete(line: str, shell: str = "bash_complete") -> list[str]:
+    """What the shell's TAB completes at the end of ``line`` (click's protocol, as its script asks)."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli"], capture_output=True, text=True, env={
+        **os.environ, "_KFP_PYTORCH_COMPLETE": shell, "COMP_WORDS": line, "COMP_CWORD": str(len(line.split(" ")) - 1)})
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    return r.stdout.splitlines()
+
+
 def test_server_is_listed_and_stopped(endpoint):
+    from kfp_pytorch.components.serve import _write_record
+
     [info] = [s for s in list_servers() if s["name"] == "digits"]
     assert info["alive"] and info["pid"] == endpoint.pid
+    # TAB completes the servers' names, the ones that are down first where they are started
+    _write_record("digits-old", {"name": "digits-old", "url": "http://127.0.0.1:1", "pid": None,
+                                 "infer_url": "http://127.0.0.1:1/v2/models/digits-old/infer", "model_uri": "/gone"})
+    try:
+        assert complete("kfp-pytorch serve stop dig") == ["plain,digits", "plain,digits-old"]
+        assert complete("kfp-pytorch serve start dig") == ["plain,digits-old", "plain,digits"]
+        assert complete("kfp-pytorch serve stop digits ") == ["plain,digits-old"]  # not one named already
+        assert complete("kfp-pytorch serve logs digits-") == ["plain,digits-old"]
+        assert complete("kfp-pytorch serve predict digits rows.c") == ["file,rows.c"]  # the table: a file name
+        assert "plain\ndigits\nup " + endpoint.infer_url in "\n".join(
+            complete("kfp-pytorch serve logs d", "zsh_complete"))  # zsh shows each one's state
+    finally:
+        stop_server("digits-old")
     assert stop_server("digits")
     assert not psutil.pid_exists(endpoint.pid) or psutil.Process(endpoint.pid).status() == psutil.STATUS_ZOMBIE
     with pytest.raises(requests.ConnectionError):
