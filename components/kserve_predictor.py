@@ -171,9 +171,9 @@ def _rows(payload, features: list[str] | None = None) -> np.ndarray:
         raise InvalidInput(f"instances: must be rows of numbers of equal length ({e})")
 
 
-def _wait_for_port(port: int, timeout: float) -> bool:
-    """Wait, model loaded, until ``port`` can be bound as uvicorn binds it (all interfaces,
-    SO_REUSEADDR), so a redeploy's gap is the server's start, not the model's load. The line
+def _wait_for_port(host: str, port: int, timeout: float) -> bool:
+    """Wait, model loaded, until ``port`` can be bound on ``host`` as uvicorn binds it
+    (SO_REUSEADDR), so a redeploy's gap is the server's start, not the model's load. The line
     printed first tells the deployer the model is loaded (serve.LocalServeBackend reads it)."""
     import socket
     import time
@@ -184,7 +184,7 @@ def _wait_for_port(port: int, timeout: float) -> bool:
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                s.bind(("0.0.0.0", port))
+                s.bind((host, port))
                 return True
             except OSError:
                 if time.monotonic() > deadline:
@@ -192,10 +192,32 @@ def _wait_for_port(port: int, timeout: float) -> bool:
         time.sleep(0.01)
 
 
+class _ModelServer(kserve.ModelServer):
+    """KServe's ModelServer, its HTTP server bound to ``bind_host``.
+
+    KServe's RESTServer binds 0.0.0.0 whatever it is given (its uvicorn.Config names the host, and
+    no argument reaches it): right in a pod, but a local server on a workstation would answer
+    every network the machine is on. The config is built in ``start`` and read when the server
+    binds, in ``_serve``: the host is set in between. Should a KServe release rename these, the
+    server binds 0.0.0.0 again, which the suite's test of a local server's address finds."""
+
+    def __init__(self, bind_host: str, **kw):
+        super().__init__(**kw)
+        self.bind_host = bind_host
+
+    async def _serve(self):
+        if getattr(self, "_rest_server", None) is not None:
+            self._rest_server.config.host = self.bind_host
+        await super()._serve()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(parents=[kserve.model_server.parser])
     parser.add_argument("--model_uri", default=os.environ.get("STORAGE_URI", "/mnt/models"),
                         help="model directory: local path (KServe's storage initializer mounts /mnt/models) or s3://")
+    parser.add_argument("--bind_host", default="0.0.0.0",
+                        help="the address the HTTP server binds: every interface in a pod (KServe's); a local "
+                             "server binds 127.0.0.1, reachable from this machine only")
     parser.add_argument("--wait_for_port_s", type=float, default=0.0,
                         help="a redeploy's successor: load the model, print 'waiting for port', then take "
                              "--http_port as soon as the server serving on it lets it go (within this many seconds)")
@@ -216,11 +238,11 @@ def main() -> None:
                       "(kubectl logs POD -c storage-initializer)")
         print(f"Error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    if args.wait_for_port_s > 0 and not _wait_for_port(args.http_port, args.wait_for_port_s):
+    if args.wait_for_port_s > 0 and not _wait_for_port(args.bind_host, args.http_port, args.wait_for_port_s):
         print(f"Error: port {args.http_port} was not let go within {args.wait_for_port_s:g}s", file=sys.stderr)
         sys.exit(1)
-    kserve.ModelServer(http_port=args.http_port, grpc_port=args.grpc_port, enable_grpc=args.enable_grpc,
-                       workers=args.workers).start([model])
+    _ModelServer(args.bind_host, http_port=args.http_port, grpc_port=args.grpc_port, enable_grpc=args.enable_grpc,
+                 workers=args.workers).start([model])
 
 
 if __name__ == "__main__":

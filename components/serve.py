@@ -358,7 +358,8 @@ class LocalServeBackend:
     def _launch(spec: ServeSpec, port: int, log: Path, wait_for_port: bool = False
                 ) -> tuple[subprocess.Popen, Endpoint]:
         cmd = [sys.executable, "-m", PREDICTOR_MODULE, "--model_name", spec.model_name, "--model_uri",
-               spec.model_uri, "--http_port", str(port), "--enable_grpc", "false", "--workers", "1",
+               spec.model_uri, "--http_port", str(port), "--bind_host", spec.host, "--enable_grpc", "false",
+               "--workers", "1",
                # No log line per request: KServe's /metrics histograms keep the latencies, and the
                # line costs about a tenth of a request's server time here.
                "--enable_latency_logging", "false"]

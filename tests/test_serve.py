@@ -42,6 +42,14 @@ def test_open_inference_protocol_v2(endpoint, digits_data, trained_model):
     assert (labels == local).all()
 
 
+def test_a_local_server_listens_on_loopback_only(endpoint):
+    # KServe's server binds every interface whatever it is told: a model served on a workstation
+    # answered its whole network. A local server binds the host of its URL, 127.0.0.1.
+    listening = {(c.laddr.ip, c.laddr.port) for c in psutil.Process(endpoint.pid).connections("inet")
+                 if c.status == psutil.CONN_LISTEN}
+    assert listening == {("127.0.0.1", int(endpoint.url.rsplit(":", 1)[1]))}, listening
+
+
 def test_a_batch_larger_than_the_exported_program_takes_is_served_in_chunks(trained_model):
     from kfp_pytorch.components.exported_model import EXPORT_MAX_BATCH
 
