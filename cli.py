@@ -905,7 +905,8 @@ def _kfp_options(f=None, *, host_required: bool = True, experiment: bool = True)
                              help="KFP experiment the runs and recurring runs belong to.")(f)
         f = click.option("--namespace", default=None, callback=_namespace,
                          help="Kubeflow profile namespace (multi-user).")(f)
-        return click.option("--host", required=host_required, envvar="KFP_HOST", type=_KfpHost() if host_required else _KfpHost("--local lists this machine's runs"),
+        host_type = _KfpHost() if host_required else _KfpHost("--local lists this machine's runs")
+        return click.option("--host", required=host_required, envvar="KFP_HOST", type=host_type,
                             callback=_host if host_required else lambda c, p, v: v if v is None else _host(c, p, v),
                             help="KFP API URL (or KFP_HOST)." + ("" if host_required else " Not with --local."))(f)
 

@@ -70,7 +70,7 @@ class ServeSpec:
             problems.append(f"backend: must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if not self.model_uri:
             problems.append("model_uri: must be set")
-        if self.registered_model and not re.fullmatch(r"models:/[^/@]+/[1-9][0-9]*", self.registered_model):
+        if self.registered_model and not _is_version_uri(self.registered_model):
             problems.append(f"registered_model: must be a registered version, models:/NAME/VERSION, got "
                             f"{self.registered_model!r}")
         problems += replicas_problems(self.min_replicas, self.max_replicas)
@@ -79,6 +79,17 @@ class ServeSpec:
                             "set storage_root")
         if problems:
             raise ConfigError(problems, title="invalid serve settings")
+
+
+def _is_version_uri(uri: str) -> bool:
+    """``models:/NAME/VERSION``, as the registry's own parser reads it (an alias is no version)."""
+    from .errors import ConfigError
+    from .tracking import parse_registry_uri
+
+    try:
+        return parse_registry_uri(uri)[1] is not None
+    except ConfigError:
+        return False
 
 
 @dataclass
