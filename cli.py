@@ -1233,7 +1233,7 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
     import time
 
     from kfp_pytorch.components.paths import home
-    from kfp_pytorch.pipelines.local import local_runs, prune_local_runs, result_line
+    from kfp_pytorch.pipelines.local import later_champions, local_runs, prune_local_runs, result_line
 
     root = home() / "local_outputs"
     if keep is not None:
@@ -1256,10 +1256,12 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
         return
     runs = local_runs(root)
     shown = runs[:limit] if limit else runs
+    until = later_champions(runs)
     if as_json:
         click.echo(json.dumps([{"name": r.name, "path": str(r.path), "status": r.status, "size_bytes": r.size,
                                 "modified": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r.modified)),
-                                "steps": r.steps, "served_by": r.served_by, "params": r.params, "result": r.result}
+                                "steps": r.steps, "served_by": r.served_by, "params": r.params, "result": r.result,
+                                "champion_until": until.get(r.name)}
                                for r in shown], indent=1))
         return
     if not runs:
@@ -1267,7 +1269,7 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
     for r in shown:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.modified))
         served = f"  serving: {', '.join(r.served_by)}" if r.served_by else ""
-        result = f"  {line}" if (line := result_line(r.result, r.params)) else ""
+        result = f"  {line}" if (line := result_line(r.result, r.params, until.get(r.name))) else ""
         click.echo(f"{r.name:<44} {r.status:<10} {when}  {_size(r.size):>9}  {len(r.steps)} steps{result}{served}")
     if len(shown) < len(runs):
         click.echo(f"the newest {len(shown)} of {len(runs)} local runs; --limit 0 lists all")

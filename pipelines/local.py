@@ -227,10 +227,11 @@ def run_result(summary: dict) -> dict:
     return out
 
 
-def result_line(result: dict, params: dict | None = None) -> str:
+def result_line(result: dict, params: dict | None = None, champion_until: int | None = None) -> str:
     """``accuracy 0.9333, models:/digits/3 (champion)``: a run's result on one line ('' for none);
     a failed gate with what it read, where the run's ``params`` say (``gate failed: min_recall
-    0.8500 < 0.9000``)."""
+    0.8500 < 0.9000``); ``champion_until``: the version of a later run that took the alias over
+    (``(champion until version 5)``, see :func:`later_champions`)."""
     parts, metrics, params = [], result.get("metrics", {}), params or {}
     if "accuracy" in metrics:
         parts.append(f"accuracy {metrics['accuracy']:.4f}")
@@ -240,8 +241,35 @@ def result_line(result: dict, params: dict | None = None) -> str:
                      if metric in metrics and isinstance(threshold, (int, float)) else "gate failed")
     if result.get("model"):
         m = result["model"]
-        parts.append(m["registry_uri"] + (" (champion)" if m.get("champion") else ""))
+        parts.append(m["registry_uri"] + ("" if not m.get("champion") else " (champion)" if champion_until is None
+                                          else f" (champion until version {champion_until})"))
     return ", ".join(parts)
+
+
+def later_champions(runs: list) -> dict[str, int]:
+    """Run name -> the version that took the ``champion`` alias from its model later, among these
+    local runs (each run's record says only that its version became champion when it ran: without
+    this, every run that ever promoted one was listed as the champion). Versions of one registry
+    and name only grow, so the next higher champion version is the one that followed. Pure."""
+    from kfp_pytorch.components.errors import ConfigError
+    from kfp_pytorch.components.tracking import parse_registry_uri
+
+    lines: dict[tuple, list[tuple[int, str]]] = {}
+    for r in runs:
+        model = (r.result or {}).get("model") or {}
+        if not model.get("champion"):
+            continue
+        try:
+            name, version, _ = parse_registry_uri(model.get("registry_uri") or "")
+        except ConfigError:  # a damaged record: no claim either way
+            continue
+        if version is not None:  # one registry: the run's tracking_uri ('' is this home's embedded store)
+            lines.setdefault(((r.params or {}).get("tracking_uri") or "", name), []).append((version, r.name))
+    out = {}
+    for promoted in lines.values():
+        promoted.sort()
+        out.update({run: later for (_, run), (later, _) in zip(promoted, promoted[1:])})
+    return out
 
 
 @dataclass

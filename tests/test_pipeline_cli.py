@@ -314,7 +314,7 @@ def test_local_runs_are_listed_and_pruned_but_a_served_model_and_a_running_run_a
             shutil.copytree(trained_model.model_uri, d / "train-op" / "model")
         if status:
             result = ({"metrics": {"accuracy": 0.97124, "macro_f1": 0.97}, "gate_passed": True,
-                       "model": {"registry_uri": f"models:/digits/{age_h}", "champion": age_h == 20}}
+                       "model": {"registry_uri": f"models:/digits/{age_h}", "champion": age_h in (20, 50)}}
                       if status == "SUCCEEDED" else {})
             (d / "run.json").write_text(json.dumps({"status": status, "params": {"epochs": 3}, "result": result}))
         for f in [d, *d.rglob("*")]:
@@ -340,7 +340,8 @@ def test_local_runs_are_listed_and_pruned_but_a_served_model_and_a_running_run_a
         assert [ln.split()[1] for ln in lines[:7]] == ["SUCCEEDED", "RUNNING?", "UNKNOWN", "SUCCEEDED", "UNKNOWN",
                                                        "FAILED", "SUCCEEDED"]
         assert lines[6].endswith("serving: kept-model") and "7 local run(s)" in lines[-1]
-        assert lines[3].endswith("1 steps  accuracy 0.9712, models:/digits/20 (champion)")  # d
+        assert lines[3].endswith("1 steps  accuracy 0.9712, models:/digits/20 (champion until version 50)")  # d
+        assert "accuracy 0.9712, models:/digits/50 (champion)  serving: kept-model" in lines[6]  # a: the latest one
         assert lines[5].endswith("1 steps")  # b: it failed, and came to nothing
         dry = run_cli("runs", "--local", "--keep", "1", "--dry-run")
         assert dry.returncode == 0 and "would remove 4 local run(s), 39.3 KB" in dry.stdout, dry.stdout
@@ -986,3 +987,24 @@ def test_a_runs_result_line_says_what_a_failed_gate_read_where_the_record_says()
     assert result_line({"metrics": {"accuracy": 0.97}, "gate_passed": True,
                         "model": {"registry_uri": "models:/d/2", "champion": False}}, {}) == "accuracy 0.9700, models:/d/2"
     assert result_line({}) == ""
+    champion = {"metrics": {"accuracy": 0.97}, "gate_passed": True, "model": {"registry_uri": "models:/d/2", "champion": True}}
+    assert result_line(champion, {}) == "accuracy 0.9700, models:/d/2 (champion)"
+    assert result_line(champion, {}, champion_until=5) == "accuracy 0.9700, models:/d/2 (champion until version 5)"
+
+
+def test_only_the_latest_champion_of_a_registry_and_name_is_listed_as_the_champion():
+    # each run's record says its version became champion when it ran: every run that ever promoted
+    # one was listed as "(champion)"
+    from kfp_pytorch.pipelines.local import LocalRunInfo, later_champions
+
+    def run(name, uri, champion=True, tracking=""):
+        return LocalRunInfo(name, Path(name), "SUCCEEDED", 0.0, 0, [], [], {"tracking_uri": tracking},
+                            {"model": {"registry_uri": uri, "champion": champion}})
+
+    runs = [run("a", "models:/digits/1"), run("b", "models:/digits/2", champion=False), run("c", "models:/digits/3"),
+            run("d", "models:/digits/10"), run("e", "models:/iris/1"),
+            run("f", "models:/digits/2", tracking="http://mlflow:5000"),  # another registry: its own line
+            run("g", "models:/digits/4", tracking="http://mlflow:5000"), run("h", "not a uri"), run("i", "models:/x@champion")]
+    assert later_champions(runs) == {"a": 3, "c": 10, "f": 4}  # by version, not by the order listed
+    assert later_champions(runs[::-1]) == {"a": 3, "c": 10, "f": 4}
+    assert later_champions([]) == {}
