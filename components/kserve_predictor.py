@@ -32,7 +32,7 @@ from kserve.errors import InvalidInput
 from .errors import KfpPytorchError
 from .exported_model import lacking
 from .predictor import ModelRunner, names_of
-from .serve import WAITING_FOR_PORT
+from .serve import WAITING_FOR_PORT, port_is_free
 
 
 class TorchPredictor(kserve.Model):
@@ -175,21 +175,15 @@ def _wait_for_port(host: str, port: int, timeout: float) -> bool:
     """Wait, model loaded, until ``port`` can be bound on ``host`` as uvicorn binds it
     (SO_REUSEADDR), so a redeploy's gap is the server's start, not the model's load. The line
     printed first tells the deployer the model is loaded (serve.LocalServeBackend reads it)."""
-    import socket
     import time
 
     print(f"{WAITING_FOR_PORT} {port}", flush=True)
     deadline = time.monotonic() + timeout
-    while True:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, port))
-                return True
-            except OSError:
-                if time.monotonic() > deadline:
-                    return False
+    while not port_is_free(host, port):
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.01)
+    return True
 
 
 class _ModelServer(kserve.ModelServer):
