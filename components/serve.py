@@ -60,6 +60,7 @@ class ServeSpec:
         import re
 
         from .cluster import replicas_problems
+        from .tracking import registered_version
 
         problems = []
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", self.model_name or ""):
@@ -70,7 +71,7 @@ class ServeSpec:
             problems.append(f"backend: must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if not self.model_uri:
             problems.append("model_uri: must be set")
-        if self.registered_model and not _is_version_uri(self.registered_model):
+        if self.registered_model and registered_version(self.registered_model) is None:
             problems.append(f"registered_model: must be a registered version, models:/NAME/VERSION, got "
                             f"{self.registered_model!r}")
         problems += replicas_problems(self.min_replicas, self.max_replicas)
@@ -79,17 +80,6 @@ class ServeSpec:
                             "set storage_root")
         if problems:
             raise ConfigError(problems, title="invalid serve settings")
-
-
-def _is_version_uri(uri: str) -> bool:
-    """``models:/NAME/VERSION``, as the registry's own parser reads it (an alias is no version)."""
-    from .errors import ConfigError
-    from .tracking import parse_registry_uri
-
-    try:
-        return parse_registry_uri(uri)[1] is not None
-    except ConfigError:
-        return False
 
 
 @dataclass

@@ -196,6 +196,13 @@ def parse_registry_uri(uri: str) -> tuple[str, int | None, str | None]:
     return m.group(1), int(m.group(2)) if m.group(2) else None, m.group(3)
 
 
+def registered_version(uri: str) -> tuple[str, int] | None:
+    """``models:/NAME/VERSION`` as (name, version); None for an alias or what is no model URI
+    (a record's field, where a bad value makes no claim rather than an error). Pure."""
+    m = _REGISTRY_URI.fullmatch(uri or "")
+    return (m.group(1), int(m.group(2))) if m and m.group(2) else None
+
+
 class Tracker:
     """Thin facade over ``mlflow``; one instance per tracking URI."""
 

@@ -241,8 +241,8 @@ def result_line(result: dict, params: dict | None = None, champion_until: int | 
                      if metric in metrics and isinstance(threshold, (int, float)) else "gate failed")
     if result.get("model"):
         m = result["model"]
-        parts.append(m["registry_uri"] + ("" if not m.get("champion") else " (champion)" if champion_until is None
-                                          else f" (champion until version {champion_until})"))
+        until = "" if champion_until is None else f" until version {champion_until}"
+        parts.append(m["registry_uri"] + (f" (champion{until})" if m.get("champion") else ""))
     return ", ".join(parts)
 
 
@@ -251,19 +251,14 @@ def later_champions(runs: list) -> dict[str, int]:
     local runs (each run's record says only that its version became champion when it ran: without
     this, every run that ever promoted one was listed as the champion). Versions of one registry
     and name only grow, so the next higher champion version is the one that followed. Pure."""
-    from kfp_pytorch.components.errors import ConfigError
-    from kfp_pytorch.components.tracking import parse_registry_uri
+    from kfp_pytorch.components.tracking import registered_version
 
     lines: dict[tuple, list[tuple[int, str]]] = {}
     for r in runs:
         model = (r.result or {}).get("model") or {}
-        if not model.get("champion"):
-            continue
-        try:
-            name, version, _ = parse_registry_uri(model.get("registry_uri") or "")
-        except ConfigError:  # a damaged record: no claim either way
-            continue
-        if version is not None:  # one registry: the run's tracking_uri ('' is this home's embedded store)
+        # a damaged record makes no claim either way
+        if model.get("champion") and (got := registered_version(model.get("registry_uri"))):
+            name, version = got  # one registry: the run's tracking_uri ('' is this home's embedded store)
             lines.setdefault(((r.params or {}).get("tracking_uri") or "", name), []).append((version, r.name))
     out = {}
     for promoted in lines.values():
