@@ -240,12 +240,16 @@ def _before_submit(values: dict, platform, notes: bool = True) -> None:
 
 @cli.command("run")
 @click.argument("pipeline", shell_complete=_complete_pipeline)
-@click.option("--local", "local", is_flag=True, required=True, help="Run on this machine with kfp.local.")
+@click.option("--local", "local", is_flag=True, help="Run on this machine with kfp.local (required: a KFP server "
+                                                     "runs PIPELINE through `submit --host URL`).")
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE", help="Pipeline parameter (repeatable).")
 @click.option("--predict/--no-predict", default=True, help="Send one test row to the endpoint at the end.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def run_cmd(pipeline, local, params, predict, as_json):
     """Run PIPELINE end-to-end (--local: kfp.local, local DDP workers, local model server)."""
+    if not local:  # spelled out, so that nobody reads `run` as the way to a cluster and looks for its --host
+        raise click.UsageError(f"run runs a pipeline on this machine: add --local. To run it on a KFP server: "
+                               f"kfp-pytorch submit {pipeline} --host URL (or export KFP_HOST)")
     from kfp_pytorch.pipelines import get_pipeline
     from kfp_pytorch.components.evaluate import gate_note
     from kfp_pytorch.pipelines.local import pile_note, preflight, run_local, summarize

@@ -507,6 +507,14 @@ def test_bad_input_is_a_clear_error(args, needle):
     assert not (Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").exists()  # nothing ran
 
 
+def test_run_without_local_says_that_a_server_run_is_submit():
+    # it was click's "Missing option '--local'.": a flag that must be given, with no word of why
+    r = run_cli("run", "train_and_serve")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "add --local" in r.stderr and "kfp-pytorch submit train_and_serve --host URL" in r.stderr
+    assert not (Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").exists()
+
+
 @pytest.mark.parametrize("command", [["run", "train_and_serve", "--local"], ["serve", "list"], ["runs", "--local"]])
 def test_a_home_that_cannot_be_a_folder_is_named_by_its_variable(tmp_path, command):
     # it was "Error: File exists: /path": no word of KFP_PYTORCH_HOME, where the path came from
