@@ -1170,7 +1170,8 @@ def resume_schedule_cmd(name, host, namespace, experiment, token, ca_cert):
 @click.option("--json", "as_json", is_flag=True, help="Print the runs as JSON.")
 @click.option("--local", is_flag=True, help="The runs of `run --local` on this machine (KFP_PYTORCH_HOME).")
 @click.option("--keep", default=None, type=click.IntRange(min=1), metavar="N",
-              help="With --local: remove all but the newest N runs' outputs (a served model's run is kept).")
+              help="With --local: remove all but the newest N runs' outputs (a served model's run is kept), "
+                   "and the registered versions downloaded to serve that no server uses.")
 @click.option("--dry-run", is_flag=True, help="With --keep: say what would be removed, remove nothing.")
 def runs_cmd(host, namespace, experiment, token, ca_cert, limit, as_json, local, keep, dry_run):
     """List runs and their status, newest first (--local: this machine's, and prune them)."""
@@ -1237,7 +1238,8 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
     import time
 
     from kfp_pytorch.components.paths import home
-    from kfp_pytorch.pipelines.local import later_champions, local_runs, prune_local_runs, result_line
+    from kfp_pytorch.pipelines.local import (later_champions, local_runs, prune_local_runs, registry_downloads,
+                                             result_line)
 
     root = home() / "local_outputs"
     if keep is not None:
@@ -1257,6 +1259,7 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
                    f"kept the newest {keep}" + (f" and {len(spared)} more" if spared else "")
                    + ("" if not removed or dry_run else
                       "; the MLflow registry keeps its own copy of each registered model"))
+        _prune_downloads(verb, dry_run)
         return
     runs = local_runs(root)
     shown = runs[:limit] if limit else runs
@@ -1280,6 +1283,28 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
     if runs:
         click.echo(f"{len(runs)} local run(s), {_size(sum(r.size for r in runs))} under {root}; "
                    "`runs --local --keep N` removes all but the newest N")
+    if downloads := registry_downloads():
+        unused = [d for d in downloads if not d.served_by]
+        click.echo(f"{len(downloads)} registered version(s) downloaded to serve, {_size(sum(d.size for d in downloads))} "
+                   f"under {downloads[0].path.parent}" + (f"; --keep also removes the {len(unused)} that no server uses"
+                                                          if unused else ""))
+
+
+def _prune_downloads(verb: str, dry_run: bool) -> None:
+    """`runs --local --keep`'s second half: the registered versions downloaded to serve that no server uses."""
+    from kfp_pytorch.pipelines.local import prune_registry_downloads
+
+    removed, spared = prune_registry_downloads(dry_run=dry_run)
+    for d in removed:
+        click.echo(f"{verb} {d.name}  (downloaded from the registry) {_size(d.size)}")
+    for d in spared:
+        why = (f"served by {', '.join(d.served_by)}" if d.served_by
+               else "wanted within the hour: a `serve start` or `serve predict` may be using it")
+        click.echo(f"kept {d.name}: {why}")
+    if removed:
+        click.echo(f"{verb} {len(removed)} registered version(s) downloaded to serve, "
+                   f"{_size(sum(d.size for d in removed))}; the registry keeps them (`serve start --model-uri` "
+                   "downloads one again)")
 
 
 @cli.command("manifest")

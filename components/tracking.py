@@ -203,6 +203,12 @@ def registered_version(uri: str) -> tuple[str, int] | None:
     return (m.group(1), int(m.group(2))) if m and m.group(2) else None
 
 
+def registry_cache() -> Path:
+    """Where registered versions are downloaded to be served on this machine (:meth:`Tracker.fetch_model`):
+    a cache, since the registry keeps every version (`runs --local --keep` removes what no server uses)."""
+    return home() / "registry_models"
+
+
 class Tracker:
     """Thin facade over ``mlflow``; one instance per tracking URI."""
 
@@ -310,7 +316,7 @@ class Tracker:
             # named by the registry and the version's own artifacts too: another registry's (or a
             # recreated store's) version 1 of the same name is another model
             key = hashlib.sha256(f"{self.uri}\n{mv.source}\n{mv.run_id}".encode()).hexdigest()[:10]
-            dst_root = Path(dst_root) if dst_root is not None else home() / "registry_models"
+            dst_root = Path(dst_root) if dst_root is not None else registry_cache()
             dst = dst_root / f"{name}-v{mv.version}-{key}"
             dst_root.mkdir(parents=True, exist_ok=True)
             # one download of a version at a time: two at once (serve start and serve predict) each
@@ -325,6 +331,7 @@ class Tracker:
                         os.replace(tmp, dst)
                     finally:
                         shutil.rmtree(tmp, ignore_errors=True)
+                os.utime(dst)  # when it was last wanted: `runs --local --keep` spares a download in use
         flavor = (yaml.safe_load((dst / "MLmodel").read_text()) or {}).get("flavors", {}).get("python_function", {})
         rel = ((flavor.get("artifacts") or {}).get("model_dir") or {}).get("path")
         if not rel or not (dst / rel / "metadata.json").is_file():

@@ -289,29 +289,45 @@ class LocalRunInfo:
     """:func:`run_result` of its record: metrics, the gate's verdict, the registered version."""
 
 
+def _served_models() -> list[tuple[str, Path]]:
+    """(server, model directory) of every local server record; ``NAME (down)`` for one that is down:
+    it keeps its model too, since `serve start` starts it again with that model."""
+    from kfp_pytorch.components.serve import list_servers
+
+    return [(s["name"] if s.get("alive") else f"{s['name']} (down)", Path(s["model_uri"]).resolve())
+            for s in list_servers() if s.get("model_uri") and "://" not in s["model_uri"]]
+
+
+def _tree_stat(d: Path) -> tuple[int, float]:
+    """The bytes of the files under ``d``, and its newest write (seconds since the epoch)."""
+    size, modified = 0, d.stat().st_mtime
+    for f in d.rglob("*"):
+        try:
+            st = f.lstat()
+        except FileNotFoundError:  # removed while listed
+            continue
+        modified = max(modified, st.st_mtime)
+        size += st.st_size if f.is_file() else 0
+    return size, modified
+
+
+def _served_by(served: list[tuple[str, Path]], d: Path) -> list[str]:
+    resolved = d.resolve()
+    return [n for n, m in served if m == resolved or resolved in m.parents]
+
+
 def local_runs(root: Path | None = None, now: float | None = None) -> list[LocalRunInfo]:
     """The local runs under ``root`` (default ``KFP_PYTORCH_HOME/local_outputs``), newest first."""
     import time
 
-    from kfp_pytorch.components.serve import list_servers
-
     root = Path(root or home() / "local_outputs")
     now = time.time() if now is None else now
-    # a server that is down keeps its run too: `serve start` starts it again with that model
-    served = [(s["name"] if s.get("alive") else f"{s['name']} (down)", Path(s["model_uri"]).resolve())
-              for s in list_servers() if s.get("model_uri") and "://" not in s["model_uri"]]
+    served = _served_models()
     out = []
     for d in (root.iterdir() if root.is_dir() else []):
         if not d.is_dir():
             continue
-        size, modified = 0, d.stat().st_mtime
-        for f in d.rglob("*"):
-            try:
-                st = f.lstat()
-            except FileNotFoundError:  # removed while listed
-                continue
-            modified = max(modified, st.st_mtime)
-            size += st.st_size if f.is_file() else 0
+        size, modified = _tree_stat(d)
         ended = (d / RUN_RECORD).exists()  # the record is written when the run ends
         try:
             record = json.loads((d / RUN_RECORD).read_text())
@@ -321,12 +337,69 @@ def local_runs(root: Path | None = None, now: float | None = None) -> list[Local
             record = None
         status = (record.get("status", "UNKNOWN") if record is not None
                   else "RUNNING?" if not ended and now - modified < ACTIVE_WINDOW_S else "UNKNOWN")
-        resolved = d.resolve()
         out.append(LocalRunInfo(d.name, d, status, modified, size,
-                                sorted(f.parent.name for f in d.glob("*/executor_output.json")),
-                                [n for n, m in served if m == resolved or resolved in m.parents],
+                                sorted(f.parent.name for f in d.glob("*/executor_output.json")), _served_by(served, d),
                                 (record or {}).get("params", {}), (record or {}).get("result", {})))
     return sorted(out, key=lambda r: (r.modified, r.name), reverse=True)
+
+
+@dataclass
+class RegistryDownload:
+    """A registered version downloaded to be served here (``serve start --model-uri models:/...``)."""
+
+    name: str
+    """``NAME-vVERSION-KEY``, as :meth:`~kfp_pytorch.components.tracking.Tracker.fetch_model` names it."""
+    path: Path
+    size: int
+    used: float
+    """When it was last downloaded or wanted (seconds since the epoch)."""
+    served_by: list[str] = field(default_factory=list)
+
+
+def registry_downloads(root: Path | None = None) -> list[RegistryDownload]:
+    """The registered versions downloaded under ``root`` (default :func:`registry_cache`), most recently
+    used first. Dot entries are left out: a download in progress and the locks."""
+    from kfp_pytorch.components.tracking import registry_cache
+
+    root = Path(root or registry_cache())
+    served = _served_models()
+    out = []
+    for d in (root.iterdir() if root.is_dir() else []):
+        if d.name.startswith(".") or not d.is_dir():
+            continue
+        out.append(RegistryDownload(d.name, d, _tree_stat(d)[0], d.stat().st_mtime, _served_by(served, d)))
+    return sorted(out, key=lambda r: (r.used, r.name), reverse=True)
+
+
+def prune_registry_downloads(root: Path | None = None, now: float | None = None,
+                             dry_run: bool = False) -> tuple[list[RegistryDownload], list[RegistryDownload]]:
+    """Remove the downloaded versions no local server record uses (the registry keeps them: `serve
+    start --model-uri` downloads one again); returns (removed, spared). Spared: one a server serves (or
+    served, and is down), and one wanted within the hour (a `serve start` or `serve predict` may be
+    about to use it). Each is removed under its download lock, so none goes while it downloads."""
+    import time
+
+    from kfp_pytorch.components.paths import locked
+    from kfp_pytorch.components.tracking import registry_cache
+
+    root = Path(root or registry_cache())
+    now = time.time() if now is None else now
+    removed, spared = [], []
+    for r in registry_downloads(root):
+        if r.served_by or now - r.used < ACTIVE_WINDOW_S:
+            spared.append(r)
+            continue
+        if not dry_run:
+            with locked(root / f".{r.name}.lock"):
+                try:  # wanted again since it was listed: kept
+                    if r.path.stat().st_mtime > r.used:
+                        spared.append(r)
+                        continue
+                except FileNotFoundError:  # another prune took it
+                    continue
+                shutil.rmtree(r.path)
+        removed.append(r)
+    return removed, spared
 
 
 PILE_RUNS, PILE_BYTES = 20, 5 * 1024**3

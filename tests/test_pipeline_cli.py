@@ -373,6 +373,56 @@ def test_local_runs_are_listed_and_pruned_but_a_served_model_and_a_running_run_a
     assert sorted(d.name for d in root.iterdir()) == ["train-and-serve-e", "train-and-serve-f"]
 
 
+def test_registered_versions_downloaded_to_serve_are_pruned_by_keep_unless_a_server_uses_them(trained_model):
+    # `serve start --model-uri models:/...` downloads each version it serves into the home, where
+    # they piled up unseen: `runs --local` neither counted nor pruned them
+    import shutil
+    import time
+
+    from kfp_pytorch.components.serve import ServeSpec, serve, stop_server
+
+    cache = Path(os.environ["KFP_PYTORCH_HOME"]) / "registry_models"
+    now = time.time()
+
+    def download(name, age_h):
+        d = cache / name
+        shutil.copytree(trained_model.model_uri, d / "artifacts" / "model")
+        (d / "MLmodel").write_text("flavors: {}\n")
+        os.utime(d, (now - age_h * 3600, now - age_h * 3600))
+        return d
+
+    served_dir = download("digits-v1-aaaaaaaaaa", 30)
+    download("digits-v2-bbbbbbbbbb", 20)          # served once, then stopped: nothing uses it
+    download("digits-v3-cccccccccc", 0.2)         # just wanted by a `serve start` or `serve predict`
+    (cache / ".digits-v4-xyz").mkdir()            # a download in progress
+    served = serve(ServeSpec(str(served_dir / "artifacts" / "model"), "from-registry"))
+    try:
+        r = run_cli("runs", "--local")
+        assert r.returncode == 0, r.stderr
+        size = sum(f.stat().st_size for f in served_dir.rglob("*") if f.is_file())
+        assert r.stdout.splitlines()[-1] == (f"3 registered version(s) downloaded to serve, {3 * size / 1024:.1f} KB "
+                                             f"under {cache}; --keep also removes the 2 that no server uses")
+        dry = run_cli("runs", "--local", "--keep", "1", "--dry-run")
+        assert f"would remove digits-v2-bbbbbbbbbb  (downloaded from the registry) {size / 1024:.1f} KB" in dry.stdout
+        assert len(list(cache.iterdir())) == 4
+        r = run_cli("runs", "--local", "--keep", "1")
+        assert r.returncode == 0, r.stderr
+        assert sorted(d.name for d in cache.iterdir() if not d.name.endswith(".lock")) == [
+            ".digits-v4-xyz", "digits-v1-aaaaaaaaaa", "digits-v3-cccccccccc"]
+        assert "kept digits-v1-aaaaaaaaaa: served by from-registry" in r.stdout
+        assert "kept digits-v3-cccccccccc: wanted within the hour" in r.stdout
+        assert (f"removed 1 registered version(s) downloaded to serve, {size / 1024:.1f} KB; the registry keeps them "
+                "(`serve start --model-uri` downloads one again)") in r.stdout
+        # a server that is down keeps its version: `serve start` starts it again from that folder
+        psutil.Process(served.pid).kill()
+        psutil.Process(served.pid).wait(10)
+        r = run_cli("runs", "--local", "--keep", "1")
+        assert "kept digits-v1-aaaaaaaaaa: served by from-registry (down)" in r.stdout and served_dir.is_dir()
+    finally:
+        stop_server("from-registry")
+    assert run_cli("runs", "--local", "--keep", "1").returncode == 0 and not served_dir.exists()
+
+
 def test_the_end_of_a_run_notes_local_runs_that_piled_up(tmp_path):
     from kfp_pytorch.pipelines.local import PILE_RUNS, pile_note
 

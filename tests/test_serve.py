@@ -1037,11 +1037,13 @@ def test_a_registered_version_or_an_older_runs_model_is_served_by_name(mlflow_se
         # before, 'unsupported URI scheme models'
         pd.DataFrame(row, columns=read_metadata(trained_model.model_uri)["features"]).to_csv(tmp_path / "row.csv",
                                                                                           index=False)
+        download = next(p for p in Path(now["model_uri"]).parents if p.parent.name == "registry_models")
+        os.utime(download, (1e9, 1e9))  # each use of a download marks it, so `runs --local --keep` spares it
         r = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "serve", "predict", "rollback",
                             str(tmp_path / "row.csv"), "--model-uri", "models:/rollback-digits@champion"],
                            capture_output=True, text=True, env={**os.environ, "MLFLOW_TRACKING_URI": uri})
         assert r.returncode == 0 and r.stdout.startswith("row,prediction,confidence\n1,"), r.stderr
-        assert "1 rows predicted by rollback" in r.stderr
+        assert "1 rows predicted by rollback" in r.stderr and download.stat().st_mtime > 1e9
         psutil.Process(now["pid"]).kill()  # a crash: started again, it still says which version it serves
         psutil.Process(now["pid"]).wait(10)
         assert start("rollback", registry=None).returncode == 0
