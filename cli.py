@@ -647,12 +647,14 @@ def storage_grp():
 
 
 @storage_grp.command("ls")
-@click.argument("uri", required=False)
+@click.argument("uri", required=False, type=_LOCAL_OR_URI)
 @click.option("-l", "--long", "long_", is_flag=True,
               help="Each object's last-modified time (UTC) and size too, and the count and total size at the end.")
-def storage_ls(uri, long_):
-    """Every object under URI (s3://BUCKET/PREFIX, minio:// or a local path), one per line; without
-    URI (or with s3://), the buckets, as `aws s3 ls` and `mc ls` list them."""
+@click.option("-r", "--recursive", is_flag=True, help="Every object below URI, in its folders too.")
+def storage_ls(uri, long_, recursive):
+    """The objects and folders (ending in /) right under URI (s3://BUCKET/PREFIX, minio:// or a local
+    path), one per line, as `mc ls` and `aws s3 ls` list them; -r: every object below it. Without URI
+    (or with s3://), the buckets."""
     from kfp_pytorch.components.storage import Storage, parse_uri
 
     storage = Storage()
@@ -664,7 +666,8 @@ def storage_ls(uri, long_):
         for b in buckets:  # as `aws s3 ls`: the creation time, then the name
             click.echo(f"{b.modified:%Y-%m-%d %H:%M:%S}  {b.uri}" if long_ else b.uri)
         return
-    found = storage.entries(uri)
+    # one level by default: a pipeline root holds every run's every file, thousands of lines at once
+    found = storage.entries(uri, recursive=recursive)
     loc = parse_uri(uri)
     if not found and (loc.key if loc.is_s3 else loc.path.is_file()) and (entry := storage.stat(uri)):
         found = [entry]  # an object itself, as `aws s3 ls s3://b/file` shows it
@@ -675,11 +678,14 @@ def storage_ls(uri, long_):
         for e in found:
             click.echo(e.uri)
         return
-    sizes = [_size(e.size) for e in found]
+    objects = [e for e in found if not e.is_folder]
+    sizes = ["DIR" if e.is_folder else _size(e.size) for e in found]
     width = max(map(len, sizes))
     for e, size in zip(found, sizes):  # as `aws s3 ls`: time, size, name; the names stay last for a script's cut
-        click.echo(f"{e.modified:%Y-%m-%d %H:%M:%S}  {size:>{width}}  {e.uri}")
-    click.echo(f"{len(found)} object(s), {_size(sum(e.size for e in found))}", err=True)
+        click.echo(f"{'' if e.is_folder else f'{e.modified:%Y-%m-%d %H:%M:%S}':19}  {size:>{width}}  {e.uri}")
+    folders = len(found) - len(objects)
+    click.echo(f"{len(objects)} object(s), {_size(sum(e.size for e in objects))}"
+               + (f"; {folders} folder(s) (-r lists what is in them too)" if folders else ""), err=True)
 
 
 def _ls_hint(uri: str) -> str:
@@ -831,7 +837,7 @@ def storage_cat(uris):
         under = storage.entries(uri)
         if under:  # as `mc cat`: a prefix is not an object
             raise click.UsageError(f"{uri} is a prefix with {len(under)} object(s) under it, not an object: "
-                                   f"`kfp-pytorch storage ls {uri}` lists them")
+                                   f"`kfp-pytorch storage ls {uri}` lists what is in it")
         raise StorageNotFound(f"cat {uri}: nothing stored there", _ls_hint(uri))
     out = sys.stdout.buffer
     for uri in uris:

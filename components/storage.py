@@ -210,11 +210,16 @@ class Location:
 
 @dataclass(frozen=True)
 class Entry:
-    """One stored object (or local file): its URI, its size in bytes, when it was last written (UTC)."""
+    """One stored object (or local file): its URI, its size in bytes, when it was last written (UTC).
+    In a listing of one level, a folder (a common prefix) too: its URI ends in ``/``, size 0, no time."""
 
     uri: str
     size: int
-    modified: datetime
+    modified: datetime | None
+
+    @property
+    def is_folder(self) -> bool:
+        return self.modified is None
 
 
 class _Progress:
@@ -526,18 +531,23 @@ class Storage:
         """URIs of every object below ``uri`` (recursive), sorted."""
         return [e.uri for e in self.entries(uri)]
 
-    def entries(self, uri: str) -> list[Entry]:
-        """Every object below ``uri`` (recursive) with its size and last-modified time, sorted by URI."""
+    def entries(self, uri: str, recursive: bool = True) -> list[Entry]:
+        """Every object below ``uri`` with its size and last-modified time, sorted by URI; not
+        ``recursive``: the objects right below it and its folders (``s3://b/p/sub/``), as ``mc ls``."""
         loc = parse_uri(uri)
         if not loc.is_s3:
-            if not loc.path.exists():
+            if not loc.path.is_dir():
                 return []
-            files = sorted(str(p) for p in loc.path.rglob("*") if p.is_file())
-            return [Entry(f, (st := os.stat(f)).st_size, datetime.fromtimestamp(st.st_mtime, timezone.utc))
-                    for f in files]
+            found = loc.path.rglob("*") if recursive else loc.path.iterdir()
+            return sorted((Entry(str(p), (st := p.stat()).st_size, datetime.fromtimestamp(st.st_mtime, timezone.utc))
+                           if p.is_file() else Entry(f"{p}/", 0, None)
+                           for p in found if p.is_file() or (not recursive and p.is_dir())), key=lambda e: e.uri)
         prefix = loc.key.rstrip("/") + "/" if loc.key else ""
-        objs = self._s3(loc, "list", lambda: list(self.client.list_objects(loc.bucket, prefix=prefix, recursive=True)))
-        return sorted((Entry(f"s3://{loc.bucket}/{o.object_name}", o.size or 0, o.last_modified) for o in objs),
+        objs = self._s3(loc, "list", lambda: list(self.client.list_objects(loc.bucket, prefix=prefix,
+                                                                           recursive=recursive)))
+        return sorted((Entry(f"s3://{loc.bucket}/{o.object_name}", 0, None) if o.is_dir
+                       else Entry(f"s3://{loc.bucket}/{o.object_name}", o.size or 0, o.last_modified) for o in objs
+                       if recursive or o.object_name != prefix),  # an S3 console's marker of the folder listed
                       key=lambda e: e.uri)
 
     def delete(self, uri: str) -> None:

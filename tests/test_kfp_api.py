@@ -670,9 +670,11 @@ def test_storage_check(s3_server, bucket):
     from kfp_pytorch.components.storage import Storage, StorageConfig
 
     Storage(StorageConfig.from_env(s3_server.env)).write_bytes(f"s3://{bucket}/runs/a/model.pt2", b"x")
-    for uri in (f"s3://{bucket}/runs", f"s3://{bucket}/runs/a/model.pt2"):  # a prefix, and an object itself
-        r = cli("storage", "ls", uri, env=s3_server.env)
+    for args in (["-r", f"s3://{bucket}/runs"], [f"s3://{bucket}/runs/a/model.pt2"]):  # a prefix, an object itself
+        r = cli("storage", "ls", *args, env=s3_server.env)
         assert r.returncode == 0 and r.stdout == f"s3://{bucket}/runs/a/model.pt2\n", r.stdout + r.stderr
+    r = cli("storage", "ls", f"s3://{bucket}/runs", env=s3_server.env)  # one level: the folder
+    assert r.returncode == 0 and r.stdout == f"s3://{bucket}/runs/a/\n", r.stdout + r.stderr
 
 
 def test_a_pod_with_fewer_gpus_than_worker_processes_is_refused():

@@ -375,6 +375,37 @@ def test_storage_ls_long_gives_times_sizes_and_a_total(s3, bucket, tmp_path):
     assert r.returncode == 0 and r.stdout.endswith(f"5 B  {tmp_path / 'f.txt'}\n"), r.stdout + r.stderr
 
 
+def test_storage_ls_lists_one_level_with_folders_and_r_every_object(s3, bucket, tmp_path):
+    # a pipeline root holds every run's every file: ls printed them all, thousands of lines, where
+    # `mc ls` and `aws s3 ls` show the level asked for and its folders
+    import subprocess
+    import sys
+
+    for key in ("root/top.json", "root/run-1/train/model.pt2", "root/run-1/train/history.json", "root/run-2/x.npz"):
+        s3.write_bytes(f"s3://{bucket}/{key}", b"x" * 100)
+    s3.write_bytes(f"s3://{bucket}/root/", b"")  # an S3 console's folder marker of the folder listed
+    ls = lambda *a: subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "storage", "ls", *a],  # noqa: E731
+                                   capture_output=True, text=True)
+    r = ls(f"s3://{bucket}/root")
+    assert r.returncode == 0 and r.stdout.splitlines() == [
+        f"s3://{bucket}/root/run-1/", f"s3://{bucket}/root/run-2/", f"s3://{bucket}/root/top.json"], r.stdout + r.stderr
+    r = ls("-l", f"s3://{bucket}/root/")
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"{'':19}    DIR  s3://{bucket}/root/run-1/" and lines[2].endswith(f"100 B  s3://{bucket}/root/top.json")
+    assert r.stderr == "1 object(s), 100 B; 2 folder(s) (-r lists what is in them too)\n"
+    r = ls("-r", f"s3://{bucket}/root")
+    assert r.stdout.splitlines() == [f"s3://{bucket}/root/"] + [
+        f"s3://{bucket}/root/{k}" for k in ("run-1/train/history.json", "run-1/train/model.pt2", "run-2/x.npz", "top.json")]
+    assert ls(f"s3://{bucket}/root/run-1/train").stdout.splitlines() == [
+        f"s3://{bucket}/root/run-1/train/history.json", f"s3://{bucket}/root/run-1/train/model.pt2"]
+    # a folder on this machine, the same way
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "deep.txt").write_text("x")
+    (tmp_path / "f.txt").write_text("hello")
+    assert ls(str(tmp_path)).stdout.splitlines() == [str(tmp_path / "f.txt"), f"{tmp_path / 'sub'}/"]
+    assert ls("-r", str(tmp_path)).stdout.splitlines() == [str(tmp_path / "f.txt"), str(tmp_path / "sub" / "deep.txt")]
+
+
 def test_storage_rm_removes_an_object_or_with_r_a_prefix_and_lists_what_it_removed(s3, bucket, tmp_path):
     import subprocess
     import sys
