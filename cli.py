@@ -530,13 +530,17 @@ def _serve_model_as(names, start_all, port, model_uri, tracking_uri) -> None:
 @click.option("--tail", type=click.IntRange(0), default=None, help="Only the last N lines.")
 @click.option("-p", "--previous", is_flag=True,
               help="The log of the server it replaced: the one that died, or the model served before.")
-def serve_logs(name, tail, previous):
+@click.option("-f", "--follow", is_flag=True,
+              help="Go on printing as the log grows, through a redeploy, until the server stops (or Ctrl-C).")
+def serve_logs(name, tail, previous, follow):
     """Print the log of the local model server NAME (see serve list), as kubectl logs does a pod's."""
     import collections
 
     from kfp_pytorch.components.errors import ServingError
-    from kfp_pytorch.components.serve import server_log, server_status
+    from kfp_pytorch.components.serve import follow_log, server_log, server_status
 
+    if follow and previous:
+        raise click.UsageError("--previous is the log of a server that is gone: it does not grow; leave out --follow")
     path = server_log(name, previous)
     if not path.exists():
         what = "log of an earlier server" if previous else "log"
@@ -544,6 +548,17 @@ def serve_logs(name, tail, previous):
                            "`kfp-pytorch serve list` names the servers" + (
                                "; --previous is kept once a server was started again or replaced" if previous
                                and server_status(name) else ""))
+    if follow:
+        try:
+            for kind, text in follow_log(name, tail):
+                if kind == "log":
+                    click.echo(text, nl=False)
+                    sys.stdout.flush()
+                else:
+                    click.echo(f"kfp-pytorch: {text}", err=True)
+        except KeyboardInterrupt:  # how one stops following: no "Aborted."
+            pass
+        return
     with open(path, errors="replace") as f:
         lines = collections.deque(f, maxlen=tail) if tail is not None else f.readlines()
     text = "".join(lines)

@@ -23,6 +23,7 @@ import argparse
 import os
 import sys
 import uuid
+import warnings
 
 import kserve
 import numpy as np
@@ -235,6 +236,9 @@ def main() -> None:
     if args.wait_for_port_s > 0 and not _wait_for_port(args.bind_host, args.http_port, args.wait_for_port_s):
         print(f"Error: port {args.http_port} was not let go within {args.wait_for_port_s:g}s", file=sys.stderr)
         sys.exit(1)
+    # KServe's own responses use a FastAPI class that FastAPI now deprecates: a warning in every
+    # server's log that no user of the server can act on
+    warnings.filterwarnings("ignore", message="ORJSONResponse is deprecated")
     _ModelServer(args.bind_host, http_port=args.http_port, grpc_port=args.grpc_port, enable_grpc=args.enable_grpc,
                  workers=args.workers).start([model])
 

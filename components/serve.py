@@ -107,6 +107,54 @@ def server_log(name: str, previous: bool = False) -> Path:
     return _servers_dir() / f"{name}{'.previous' if previous else ''}.log"
 
 
+def follow_log(name: str, tail: int | None = None, poll_s: float = 0.2, grace_s: float = 3.0):
+    """``kubectl logs -f`` for local server ``name``: yields ``("log", text)`` as its log grows (the
+    last ``tail`` lines first) and ``("note", text)`` for what happens to the server. A redeploy swaps
+    in the new server's log under the same name (``tail -F``), so it goes on with that one from its
+    first line; it ends once the server has been down or stopped for ``grace_s`` (a redeploy stops
+    the old one and records the new one within it) and its log has nothing more. The log must exist."""
+    path = server_log(name)
+    f = open(path, errors="replace")
+    try:
+        yield "log", "".join(collections.deque(f, maxlen=tail) if tail is not None else f.readlines())
+        info = server_status(name)
+        if not (info and info.get("alive")):
+            yield "note", _ended(name, info)
+            return
+        gone_since = None
+        while True:
+            if chunk := f.read():
+                yield "log", chunk
+                continue
+            try:
+                replaced = os.stat(path).st_ino != os.fstat(f.fileno()).st_ino
+            except FileNotFoundError:  # moved aside by a redeploy, the new one not yet in its place
+                replaced = False
+            if replaced:
+                f.close()
+                f = open(path, errors="replace")
+                yield "note", f"{name} was redeployed: the new server's log follows"
+                continue
+            info = server_status(name)
+            if info and info.get("alive"):
+                gone_since = None
+            elif gone_since is None:
+                gone_since = time.monotonic()
+            elif time.monotonic() - gone_since >= grace_s:
+                yield "note", _ended(name, info)
+                return
+            time.sleep(poll_s)
+    finally:
+        f.close()
+
+
+def _ended(name: str, info: dict | None) -> str:
+    if info is None:
+        return f"{name} was stopped (serve stop): its log ends here"
+    return (f"{name}'s server is down (pid {info.get('pid')} is gone): its log ends here; `kfp-pytorch serve start "
+            f"{name}` starts it again")
+
+
 def _servers_dir() -> Path:
     d = home() / "servers"
     d.mkdir(parents=True, exist_ok=True)

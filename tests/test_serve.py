@@ -657,6 +657,49 @@ def test_a_server_that_died_is_started_again_with_its_model_on_its_port(endpoint
     assert r.returncode == 0 and r.stdout.startswith(f"digits: started at {endpoint.infer_url} ") and "old port" not in r.stdout
 
 
+def test_serve_logs_follow_goes_on_through_a_redeploy_and_ends_when_the_server_stops(endpoint):
+    # as `kubectl logs -f`: a server's requests as they come, the redeployed server's log under the
+    # same name, and an end once the server is stopped (there was only the log as it was)
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    follow = subprocess.Popen([sys.executable, "-m", "kfp_pytorch.cli", "serve", "logs", "digits", "-f", "--tail", "1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: list[str] = []
+    threading.Thread(target=lambda: seen.extend(follow.stdout), daemon=True).start()  # each line as it comes
+
+    def read_until(needle, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while not any(needle in line for line in list(seen)):
+            assert time.monotonic() < deadline, f"{needle!r} not followed: {seen[-5:]}"
+            time.sleep(0.1)
+
+    try:
+        row = [read_metadata(endpoint.model_uri)["normalization"]["mean"]]
+        time.sleep(1.0)  # the follower has printed the tail and is waiting for more
+        infer(endpoint.url, "digits", row)
+        read_until('"POST /v2/models/digits/infer HTTP/1.1" 200')  # a request after it started
+        again = serve(ServeSpec(endpoint.model_uri, "digits"))  # a redeploy: the same name, a new process
+        assert again.pid != endpoint.pid
+        read_until(f"Started server process [{again.pid}]")
+        infer(again.url, "digits", row)
+        read_until(f"{again.pid} - \"POST /v2/models/digits/infer")
+        stop_server("digits")
+        assert follow.wait(timeout=20) == 0
+        err = follow.stderr.read()
+        assert "digits was redeployed: the new server's log follows" in err
+        assert err.rstrip().endswith("digits was stopped (serve stop): its log ends here") and "Traceback" not in err
+        assert not any("ORJSONResponse is deprecated" in line for line in seen)  # KServe's, nothing to act on
+    finally:
+        follow.kill()
+        follow.wait()
+    r = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "serve", "logs", "digits", "-f", "--previous"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "leave out --follow" in r.stderr
+
+
 def test_port_in_use_is_a_clear_error(trained_model):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
