@@ -397,21 +397,28 @@ def serve_grp():
 @serve_grp.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print the servers' records as JSON.")
 def serve_list(as_json):
-    """Each local model server: name, pid, up or down, its inference URL and the model it serves."""
+    """Each local model server: name, pid, up (for how long) or down, its inference URL and the model it serves."""
+    import time
+
     from kfp_pytorch.components.serve import list_servers
+    from kfp_pytorch.fairness_scheduler.usage import format_duration
 
     servers = list_servers()
+    now = time.time()
+    for s in servers:  # how long it has served, as kubectl's AGE (the record keeps its process's start)
+        s["uptime_s"] = round(now - s["create_time"], 1) if s.get("alive") and s.get("create_time") else None
     if as_json:
         click.echo(json.dumps(servers, indent=1, default=str))
         return
     if not servers:
         click.echo("no local model servers")
     for s in servers:
-        state = "?" if s.get("unreadable") else "up" if s["alive"] else "down"
+        state = ("?" if s.get("unreadable") else "down" if not s["alive"]
+                 else f"up {format_duration(s['uptime_s'])}" if s["uptime_s"] is not None else "up")
         model = f"  model: {s['model_uri']}" if s.get("model_uri") else ""
         if s.get("registered_model"):  # which registered version serves, and where its files are
             model = f"  model: {s['registered_model']} ({s['model_uri']})"
-        click.echo(f"{s['name']:<16} pid={str(s['pid'] or '-'):<8} {state:<5} {s['infer_url']}{model}")
+        click.echo(f"{s['name']:<16} pid={str(s['pid'] or '-'):<8} {state:<9} {s['infer_url']}{model}")
     if down := [s["name"] for s in servers if not s.get("alive") and not s.get("unreadable")]:
         click.echo(f"{len(down)} down: `kfp-pytorch serve start {' '.join(down)}` starts "
                    f"{'it' if len(down) == 1 else 'them'} again with {'its' if len(down) == 1 else 'their'} model; "
