@@ -1266,6 +1266,7 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
     import time
 
     from kfp_pytorch.components.paths import home
+    from kfp_pytorch.fairness_scheduler.usage import format_duration
     from kfp_pytorch.pipelines.local import (later_champions, local_runs, prune_local_runs, registry_downloads,
                                              result_line)
 
@@ -1295,7 +1296,8 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
     if as_json:
         click.echo(json.dumps([{"name": r.name, "path": str(r.path), "status": r.status, "size_bytes": r.size,
                                 "modified": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r.modified)),
-                                "steps": r.steps, "served_by": r.served_by, "params": r.params, "result": r.result,
+                                "elapsed_s": r.elapsed_s, "steps": r.steps, "served_by": r.served_by,
+                                "params": r.params, "result": r.result,
                                 "champion_until": until.get(r.name)}
                                for r in shown], indent=1))
         return
@@ -1305,7 +1307,9 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.modified))
         served = f"  serving: {', '.join(r.served_by)}" if r.served_by else ""
         result = f"  {line}" if (line := result_line(r.result, r.params, until.get(r.name))) else ""
-        click.echo(f"{r.name:<44} {r.status:<10} {when}  {_size(r.size):>9}  {len(r.steps)} steps{result}{served}")
+        took = format_duration(r.elapsed_s) if r.elapsed_s is not None else "-"
+        click.echo(f"{r.name:<44} {r.status:<10} {when} {took:>6}  {_size(r.size):>9}  {len(r.steps)} steps"
+                   f"{result}{served}")
     if len(shown) < len(runs):
         click.echo(f"the newest {len(shown)} of {len(runs)} local runs; --limit 0 lists all")
     if runs:

@@ -287,6 +287,13 @@ class LocalRunInfo:
     params: dict = field(default_factory=dict)
     result: dict = field(default_factory=dict)
     """:func:`run_result` of its record: metrics, the gate's verdict, the registered version."""
+    elapsed_s: float | None = None
+    """How long it ran, from its record (None without one)."""
+
+
+def _seconds(value) -> float | None:
+    """A record's duration, or None for what is not one (a record edited by hand)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _served_models() -> list[tuple[str, Path]]:
@@ -339,7 +346,8 @@ def local_runs(root: Path | None = None, now: float | None = None) -> list[Local
                   else "RUNNING?" if not ended and now - modified < ACTIVE_WINDOW_S else "UNKNOWN")
         out.append(LocalRunInfo(d.name, d, status, modified, size,
                                 sorted(f.parent.name for f in d.glob("*/executor_output.json")), _served_by(served, d),
-                                (record or {}).get("params", {}), (record or {}).get("result", {})))
+                                (record or {}).get("params", {}), (record or {}).get("result", {}),
+                                _seconds((record or {}).get("elapsed_s"))))
     return sorted(out, key=lambda r: (r.modified, r.name), reverse=True)
 
 

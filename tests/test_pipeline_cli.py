@@ -1,6 +1,7 @@
 """The pipeline and the CLI as a user runs them: a real subprocess, real servers, real HTTP."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -316,7 +317,8 @@ def test_local_runs_are_listed_and_pruned_but_a_served_model_and_a_running_run_a
             result = ({"metrics": {"accuracy": 0.97124, "macro_f1": 0.97}, "gate_passed": True,
                        "model": {"registry_uri": f"models:/digits/{age_h}", "champion": age_h in (20, 50)}}
                       if status == "SUCCEEDED" else {})
-            (d / "run.json").write_text(json.dumps({"status": status, "params": {"epochs": 3}, "result": result}))
+            (d / "run.json").write_text(json.dumps({"status": status, "params": {"epochs": 3}, "result": result,
+                                                    "elapsed_s": 125.0}))
         for f in [d, *d.rglob("*")]:
             os.utime(f, (now - age_h * 3600, now - age_h * 3600))
         return d
@@ -343,15 +345,18 @@ def test_local_runs_are_listed_and_pruned_but_a_served_model_and_a_running_run_a
         assert lines[3].endswith("1 steps  accuracy 0.9712, models:/digits/20 (champion until version 50)")  # d
         assert "accuracy 0.9712, models:/digits/50 (champion)  serving: kept-model" in lines[6]  # a: the latest one
         assert lines[5].endswith("1 steps")  # b: it failed, and came to nothing
+        assert " 2.1m " in lines[3] and re.search(r"\d\d:\d\d      -  ", lines[4]), lines  # how long it ran; c: no record
+        [d_json] = [r for r in json.loads(run_cli("runs", "--local", "--json").stdout) if r["name"] == "train-and-serve-d"]
+        assert d_json["elapsed_s"] == 125.0
         dry = run_cli("runs", "--local", "--keep", "1", "--dry-run")
-        assert dry.returncode == 0 and "would remove 4 local run(s), 39.3 KB" in dry.stdout, dry.stdout
+        assert dry.returncode == 0 and "would remove 4 local run(s), 39.4 KB" in dry.stdout, dry.stdout
         assert len(list(root.iterdir())) == 7
         r = run_cli("runs", "--local", "--keep", "1")
         assert r.returncode == 0, r.stderr
         assert sorted(d.name for d in root.iterdir()) == [f"train-and-serve-{x}" for x in "aef"]
         assert "kept train-and-serve-a: its model is served by kept-model" in r.stdout
         assert "kept train-and-serve-e: no record and written within the hour: it may still be running" in r.stdout
-        assert "removed 4 local run(s), 39.3 KB; kept the newest 1 and 2 more" in r.stdout
+        assert "removed 4 local run(s), 39.4 KB; kept the newest 1 and 2 more" in r.stdout
         # a server that died (a reboot) still keeps its model's run: `serve start` needs it
         psutil.Process(served.pid).kill()
         psutil.Process(served.pid).wait(10)
