@@ -245,7 +245,10 @@ def _before_submit(values: dict, platform, notes: bool = True) -> None:
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE", help="Pipeline parameter (repeatable).")
 @click.option("--predict/--no-predict", default=True, help="Send one test row to the endpoint at the end.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def run_cmd(pipeline, local, params, predict, as_json):
+@click.option("-v", "--verbose", is_flag=True,
+              help="Show kfp.local's whole log as it runs: each step's executor input and outputs too (the run "
+                   "keeps it as run.log either way).")
+def run_cmd(pipeline, local, params, predict, as_json, verbose):
     """Run PIPELINE end-to-end (--local: kfp.local, local DDP workers, local model server)."""
     if not local:  # spelled out, so that nobody reads `run` as the way to a cluster and looks for its --host
         raise click.UsageError(f"run runs a pipeline on this machine: add --local. To run it on a KFP server: "
@@ -257,7 +260,7 @@ def run_cmd(pipeline, local, params, predict, as_json):
     entry = get_pipeline(pipeline)
     values = _resolve_params(entry, params)
     preflight(values)
-    run = run_local(entry, values)
+    run = run_local(entry, values, verbose=verbose)
     summary = summarize(run)
     if "gate_passed" in summary:  # what the gate read, for the summary's gate line
         summary["gate"] = {"metric": values.get("gate_metric", "accuracy"), "threshold": values["threshold"]}
@@ -334,7 +337,8 @@ def _print_summary(s: dict) -> None:
     click.echo("")
     click.secho(f"== {s['pipeline']}: {s['status']} ==", bold=True, fg="green" if ok else "red")
     if s.get("failed_task"):
-        click.echo(f"failed task: {s['failed_task']} (its log is above; partial outputs removed)")
+        click.echo(f"failed task: {s['failed_task']} (its log is above, whole in the run's log; partial outputs "
+                   "removed)")
         if s.get("error"):
             click.secho("\n".join(f"  {line}" for line in s["error"].splitlines()), fg="red")
     if "data" in s:
@@ -379,6 +383,8 @@ def _print_summary(s: dict) -> None:
     click.echo("artifacts:")
     for k, v in s.get("artifacts", {}).items():
         click.echo(f"  {k:<28} {v}")
+    if s.get("log"):
+        click.echo(f"log:       {s['log']} (every step's whole log; --verbose shows it as it runs)")
     if "prediction" in s:
         p = s["prediction"]
         click.secho(f"prediction served over HTTP: label {p['label']} (true label {p['true_label']}, "

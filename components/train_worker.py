@@ -352,8 +352,10 @@ def run(args: argparse.Namespace) -> dict:
         if show:
             from tqdm import tqdm
 
+            # a terminal redraws one line each second; a log (a pod's, kfp.local's pipe) gets a line
+            # per redraw, so there the bar moves every 30 s: 30 lines for a 15-minute epoch, not 900
             bar = tqdm(total=steps, initial=first, desc=f"epoch {epoch + 1}/{args.epochs}", file=sys.stderr,
-                       mininterval=1.0, leave=True, dynamic_ncols=False, ncols=100)
+                       mininterval=1.0 if sys.stderr.isatty() else 30.0, leave=True, dynamic_ncols=False, ncols=100)
         for i, (xb, yb) in enumerate(epoch_loader, start=first):
             xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
             if cosine:

@@ -98,19 +98,63 @@ class LocalRun:
     """The failed task's own error (its last exception line, list items and hint), from its log."""
 
 
-class _Tee:
-    """sys.stdout that also keeps its last lines: kfp.local prints each step's log with print()."""
+RUN_LOG = "run.log"
+"""A local run's whole log, beside its outputs (the terminal shows it without kfp.local's plumbing)."""
 
-    def __init__(self, inner, keep: int = 600):
-        self.inner, self.lines, self._part = inner, collections.deque(maxlen=keep), ""
+_KFP_PLUMBING = re.compile(r"^\s*\[KFP Executor [^\]]* INFO\]: (Looking for component|Loading KFP component|"
+                           r"Wrote executor output file|Got executor_input:)")
+_KFP_LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d\.\d{3} - [A-Z]+ - ")
+
+
+class _Tee:
+    """sys.stdout for a run: kfp.local prints each step's log with print(), line by line. Every line
+    goes to ``log`` (the run's whole log) and into ``lines`` (the last ones, where a failed step's
+    error is read); the terminal gets each one too, unless ``condensed``, where kfp.local's plumbing
+    is left out: each step's executor input as JSON, its outputs' repr, the executor's own INFO
+    lines and blank separators (about 400 of a run's 500 lines). A step's own output, warnings and
+    errors, and kfp.local's task lines, still show."""
+
+    def __init__(self, inner, log=None, condensed: bool = False, keep: int = 600):
+        self.inner, self.log, self.condensed = inner, log, condensed
+        self.lines, self._part, self._skip = collections.deque(maxlen=keep), "", None
 
     def write(self, text: str) -> int:
-        self.inner.write(text)
+        if self.log is not None:
+            self.log.write(text)
+        if not self.condensed:
+            self.inner.write(text)
         *done, self._part = (self._part + text).split("\n")
         self.lines.extend(done)
+        if self.condensed:
+            shown = [line for line in done if self._shown(_ANSI.sub("", line))]
+            if shown:
+                self.inner.write("".join(f"{line}\n" for line in shown))
         return len(text)
 
-    def __getattr__(self, name):  # flush, isatty, encoding, fileno ... as the real stream
+    def _shown(self, line: str) -> bool:
+        if self._skip == "json":  # the executor input, "    {" to "    }"
+            if line.rstrip() == "    }":
+                self._skip = None
+            return False
+        if self._skip == "outputs":  # the outputs' repr, up to kfp.local's next line
+            if not (_KFP_LOG_LINE.match(line) or line.startswith("-" * 20)):
+                return False
+            self._skip = None
+        if m := _KFP_PLUMBING.match(line):
+            self._skip = "json" if m.group(1) == "Got executor_input:" else None
+            return False
+        if _KFP_LOG_LINE.match(line) and (" outputs:" in line or "has no outputs" in line
+                                          or line.rstrip().endswith("Streamed logs:")):
+            self._skip = "outputs" if line.rstrip().endswith("outputs:") else None
+            return False
+        return bool(line.strip()) and not line.startswith("-" * 20)
+
+    def flush(self) -> None:
+        if self.log is not None:
+            self.log.flush()
+        self.inner.flush()
+
+    def __getattr__(self, name):  # isatty, encoding, fileno ... as the real stream
         return getattr(self.inner, name)
 
 
@@ -138,6 +182,18 @@ def error_of(lines) -> str | None:
     return None
 
 
+def _new_run_dirs(root: Path, before: set, log_path: Path) -> list[Path]:
+    return sorted((p for p in set(root.iterdir()) - before if p != log_path and p.is_dir()),
+                  key=lambda p: p.stat().st_mtime)
+
+
+def _keep_log(log_path: Path, run_dir: Path) -> None:
+    try:
+        os.replace(log_path, run_dir / RUN_LOG)
+    except OSError:  # a full disk or a folder gone: the terminal had the log, the outputs stay
+        pass
+
+
 def _read_outputs(run_dir: Path) -> dict:
     out = {}
     for f in sorted(run_dir.glob("*/executor_output.json")):
@@ -145,8 +201,10 @@ def _read_outputs(run_dir: Path) -> dict:
     return out
 
 
-def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = None) -> LocalRun:
-    """Run ``entry`` with validated ``params`` through kfp.local's SubprocessRunner."""
+def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = None,
+              verbose: bool = False) -> LocalRun:
+    """Run ``entry`` with validated ``params`` through kfp.local's SubprocessRunner. Its whole log is
+    kept as the run's ``run.log``; the terminal shows it without kfp.local's plumbing unless ``verbose``."""
     import kfp.local
 
     root = Path(pipeline_root or home() / "local_outputs")
@@ -158,7 +216,10 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
     import time
 
     t0 = time.perf_counter()
-    tee = sys.stdout = _Tee(sys.stdout)
+    # the run's folder is kfp.local's to make: the log is written beside it, and moved in at the end
+    log_path = root / f".{entry.name}-{os.getpid()}-{time.time_ns()}.log"
+    log = open(log_path, "w", encoding="utf-8", errors="replace")
+    tee = sys.stdout = _Tee(sys.stdout, log, condensed=not verbose)
     try:
         with warnings.catch_warnings():
             # kfp.local warns, for every step, that display names do nothing locally and that a
@@ -171,15 +232,22 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
         error = e
     except BaseException:  # Ctrl-C or a stop signal: the run is recorded as canceled, then the stop goes on
         sys.stdout = tee.inner
-        new = sorted(set(root.iterdir()) - before, key=lambda p: p.stat().st_mtime)
+        log.close()
+        new = _new_run_dirs(root, before, log_path)
         if new:
+            _keep_log(log_path, new[-1])
             _write_run_record(LocalRun(entry.name, new[-1], False, elapsed_s=time.perf_counter() - t0), params,
                               status="CANCELED")
+        log_path.unlink(missing_ok=True)
         raise
     finally:
         sys.stdout = tee.inner
-    new = sorted(set(root.iterdir()) - before, key=lambda p: p.stat().st_mtime)
+        log.close()
+    new = _new_run_dirs(root, before, log_path)
     run_dir = new[-1] if new else root
+    if new:
+        _keep_log(log_path, run_dir)
+    log_path.unlink(missing_ok=True)
     outputs = _read_outputs(run_dir)
     elapsed = time.perf_counter() - t0
     if error is None:
@@ -459,6 +527,8 @@ def summarize(run: LocalRun) -> dict:
     o = run.outputs
     s: dict = {"pipeline": run.pipeline, "status": "SUCCEEDED" if run.succeeded else "FAILED", "run_dir": str(run.run_dir),
                 "elapsed_s": round(run.elapsed_s, 2)}
+    if (run.run_dir / RUN_LOG).is_file():
+        s["log"] = str(run.run_dir / RUN_LOG)
     if run.failed_task:
         s["failed_task"] = run.failed_task
     if run.error:

@@ -208,9 +208,10 @@ def test_end_to_end_on_s3_and_mlflow_server(s3, bucket, mlflow_server):
         psutil.Process(first["pid"]).wait(10)
         r = run_cli("run", "train_and_serve", "--local", "--json", "--param", "epochs=1", "--param", "threshold=0.5",
                     "--param", f"storage_root=s3://{bucket}/runs", "--param", f"tracking_uri={mlflow_server.url}",
-                    "--param", "model_name=digits-e2e")
+                    "--param", "model_name=digits-e2e", "--verbose")
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         again = summary_of(r.stdout)
+        assert "Got executor_input" in r.stdout  # --verbose: kfp.local's whole log as it runs
         assert again["gate_passed"] is True and again["metrics"]["accuracy"] < s["metrics"]["accuracy"]
         assert again["model"] == {"registry_uri": "models:/digits-e2e/2", "version": 2, "champion": False}
         assert "endpoint" not in again and "prediction" not in again
@@ -241,6 +242,15 @@ def test_gate_failure_skips_register_and_serve():
     assert weak["recall"] == pytest.approx(s["metrics"]["min_recall"]) and weak["class"] in [str(c) for c in range(10)]
     assert weak["correct"] / weak["rows"] == pytest.approx(weak["recall"]) and 0 < weak["taken_rows"] <= weak["rows"]
     assert not _project_processes()
+    # the terminal shows the steps and their own lines, not kfp.local's plumbing (400 of 500 lines);
+    # the run keeps its whole log
+    assert "Executing task" in r.stdout and "[kfp-pytorch] starting 2 local DDP workers" in r.stdout
+    assert "Got executor_input" not in r.stdout and "Wrote executor output file" not in r.stdout
+    assert "outputs:" not in r.stdout and "Streamed logs" not in r.stdout and "\n\n" not in r.stdout.split("{\n")[0]
+    log = Path(s["log"]).read_text()
+    assert Path(s["log"]) == Path(s["run_dir"]) / "run.log" and "Got executor_input" in log
+    assert "Task \x1b[96m'train-op'\x1b[0m outputs:" in log and "[kfp-pytorch] starting 2 local DDP workers" in log
+    assert [p.name for p in Path(s["run_dir"]).parent.iterdir()] == [Path(s["run_dir"]).name]  # nothing left beside
     # the run is recorded where it wrote, and listed with its parameters
     [listed] = json.loads(run_cli("runs", "--local", "--json").stdout)
     assert listed["path"] == s["run_dir"] and listed["status"] == "SUCCEEDED" and listed["params"]["epochs"] == 1
@@ -285,7 +295,7 @@ def test_a_step_that_fails_is_named_and_its_partial_outputs_removed(tmp_path):
     assert r.returncode == 1
     # the summary at the end says why, in the words of the step's own error: no scrolling up the log
     summary = r.stdout[r.stdout.index("== train_and_serve: FAILED =="):]
-    assert ("failed task: train-op (its log is above; partial outputs removed)\n"
+    assert ("failed task: train-op (its log is above, whole in the run's log; partial outputs removed)\n"
             "  TrainingError: training workers failed (torchrun exit code 1): ModelFactoryError: model factory "
             "'badfactory:net' returned int, not a torch.nn.Module\n    hint: read the worker error above") in summary
     run_dir = max((Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").iterdir(), key=lambda d: d.stat().st_mtime)
