@@ -604,7 +604,8 @@ def serve_logs(name, tail, previous, follow):
               help="Write the predictions here: a file, or s3://BUCKET/KEY, as CSV or, by the name's suffix, "
                    "Parquet, JSON Lines (.jsonl), JSON or Feather (default, or '-': CSV on stdout).")
 def serve_predict(name, table, url, model_uri, host_header, token, label_column, batch_size, probabilities, output):
-    """Predict every row of TABLE (CSV, Parquet, JSON Lines or Feather: a path, s3://..., or sample://digits) with the
+    """Predict every row of TABLE (CSV, Parquet, JSON Lines or Feather: a path, s3://..., sample://digits, or '-' for a
+    CSV on stdin) with the
     model server NAME, and write row, prediction, confidence (and the row's label) as CSV (or, by
     -o's suffix, Parquet, JSON Lines, JSON or Feather)."""
     from kfp_pytorch.components.batch_predict import predict_table, resolve_target, table_bytes, weakest_label
@@ -613,10 +614,11 @@ def serve_predict(name, table, url, model_uri, host_header, token, label_column,
     output = None if output == "-" else output  # '-': stdout, as click's File type and most tools read it
     to_s3 = output is not None and _check_predictions_output(output)  # before any row is sent
     target = resolve_target(name, url, model_uri, host_header, token)
-    frame = load_table(table, label_column=label_column or "label", what="TABLE")
+    frame = _stdin_table() if table == "-" else load_table(table, label_column=label_column or "label", what="TABLE")
     show = sys.stderr.isatty() and len(frame) > batch_size
     with click.progressbar(length=len(frame), label="predicting", file=sys.stderr) if show else nullcontext() as bar:
-        result = predict_table(target, frame, label_column, source=table, batch_size=batch_size,
+        result = predict_table(target, frame, label_column, source="stdin" if table == "-" else table,
+                               batch_size=batch_size,
                                on_batch=bar.update if bar is not None else None, probabilities=probabilities)
     preds, accuracy, label_column = result.frame, result.accuracy, result.label_column
     if to_s3:
@@ -645,6 +647,24 @@ def serve_predict(name, table, url, model_uri, host_header, token, label_column,
     elif "label" in preds:
         note += f"; no row has a {label_column!r} to score against"
     click.echo(note + (f"; written to {output}" if output else ""), err=True)
+
+
+def _stdin_table():
+    """TABLE '-': a CSV piped in (`export_rows | kfp-pytorch serve predict NAME -`), as storage cp reads '-'."""
+    import pandas as pd
+
+    from kfp_pytorch.components.errors import DatasetError
+
+    hint = "pipe a CSV with a header row (another format: give its file's path as TABLE)"
+    if sys.stdin.isatty():  # nothing piped in: it would wait for typed rows
+        raise click.UsageError("TABLE '-' reads a CSV from stdin: pipe one in, e.g. "
+                               "`cat rows.csv | kfp-pytorch serve predict NAME -`, or give the file's path")
+    try:
+        return pd.read_csv(sys.stdin.buffer).rename(columns=str)
+    except pd.errors.EmptyDataError:
+        raise DatasetError("stdin holds no table (nothing was piped in)", hint) from None
+    except Exception as e:  # pandas raises many types for unparsable input
+        raise DatasetError(f"cannot parse stdin as CSV: {str(e).strip()}", hint) from e
 
 
 def _check_predictions_output(output: str) -> bool:

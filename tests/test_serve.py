@@ -396,6 +396,16 @@ def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_mod
     r = cli("digits", str(tmp_path / "rows.csv"), "--url", endpoint.url, "-o", str(tmp_path / "p.csv"))
     assert r.returncode == 0 and r.stdout == "" and f"accuracy against 'label': {acc:.4f}" in r.stderr, r.stderr
     assert (pd.read_csv(tmp_path / "p.csv")["prediction"].to_numpy() == expected).all()
+    # '-': a CSV piped in, as `storage cp -` reads one; nothing piped, or no CSV, says what to pipe
+    piped = lambda data: subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "serve", "predict", "digits", "-"],  # noqa: E731
+                                        input=data, capture_output=True, text=True, timeout=300)
+    r = piped(shuffled.head(40).to_csv(index=False))
+    assert r.returncode == 0 and (pd.read_csv(io.StringIO(r.stdout))["prediction"].to_numpy() == expected[:40]).all()
+    assert "40 rows predicted by digits" in r.stderr, r.stderr
+    for data, needle in (("", "stdin holds no table (nothing was piped in)"),
+                         ('a,b\n1,"x\n', "cannot parse stdin as CSV: Error tokenizing data")):
+        r = piped(data)
+        assert r.returncode == 2 and needle in r.stderr and "hint: pipe a CSV with a header row" in r.stderr, r.stderr
     # the endpoint as `serve list` prints it, or with a trailing '/': the server's URL is taken from it
     # (the requests' path was doubled: a bare 404)
     for given in (endpoint.infer_url, endpoint.url + "/"):
