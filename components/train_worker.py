@@ -48,7 +48,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from .errors import TrainingError
+from .errors import KfpPytorchError, TrainingError
 from .exported_model import EXPORT_MAX_BATCH
 from .models import build_model
 from .prepare_data import load_split, read_metadata
@@ -476,6 +476,10 @@ def main(argv: list[str] | None = None) -> int:
         run(parse_args(argv))
     except Stopped:
         return EXIT_STOPPED
+    except KfpPytorchError as e:  # a mistake to fix (a model factory, a table): what and what to do, no traceback
+        lines = f"{type(e).__name__}: {e}".splitlines()  # as torch's own handler marks a rank's lines
+        print("\n".join(f"[rank{os.environ.get('RANK', '0')}]: {line}" for line in lines), file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -298,6 +298,10 @@ def test_a_step_that_fails_is_named_and_its_partial_outputs_removed(tmp_path):
     assert ("failed task: train-op (its log is above, whole in the run's log; partial outputs removed)\n"
             "  TrainingError: training workers failed (torchrun exit code 1): ModelFactoryError: model factory "
             "'badfactory:net' returned int, not a torch.nn.Module\n    hint: read the worker error above") in summary
+    # each worker says it as our errors do, not in a traceback of our modules (two ranks, four attempts)
+    assert ("[rank0]: ModelFactoryError: model factory 'badfactory:net' returned int, not a torch.nn.Module\n"
+            "    [rank0]:   hint: return an nn.Module from the factory") in r.stdout
+    assert "[rank0]: Traceback" not in r.stdout and "[rank1]: Traceback" not in r.stdout
     run_dir = max((Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").iterdir(), key=lambda d: d.stat().st_mtime)
     assert (run_dir / "prepare-data-op").is_dir() and not (run_dir / "train-op").exists()
     assert not _project_processes()
