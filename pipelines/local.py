@@ -182,16 +182,19 @@ def error_of(lines) -> str | None:
     return None
 
 
-def _new_run_dirs(root: Path, before: set, log_path: Path) -> list[Path]:
-    return sorted((p for p in set(root.iterdir()) - before if p != log_path and p.is_dir()),
-                  key=lambda p: p.stat().st_mtime)
-
-
-def _keep_log(log_path: Path, run_dir: Path) -> None:
-    try:
-        os.replace(log_path, run_dir / RUN_LOG)
-    except OSError:  # a full disk or a folder gone: the terminal had the log, the outputs stay
-        pass
+def _run_dir_with_log(root: Path, before: set, log, log_path: Path) -> Path | None:
+    """The folder kfp.local made for this run (the newest new one; None if it made none), with the
+    run's whole log moved in as ``run.log``; the log is never left beside the runs."""
+    log.close()
+    new = sorted((p for p in set(root.iterdir()) - before if p != log_path and p.is_dir()),
+                 key=lambda p: p.stat().st_mtime)
+    if new:
+        try:
+            os.replace(log_path, new[-1] / RUN_LOG)
+        except OSError:  # a full disk or a folder gone: the terminal had the log, the outputs stay
+            pass
+    log_path.unlink(missing_ok=True)
+    return new[-1] if new else None
 
 
 def _read_outputs(run_dir: Path) -> dict:
@@ -232,22 +235,13 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
         error = e
     except BaseException:  # Ctrl-C or a stop signal: the run is recorded as canceled, then the stop goes on
         sys.stdout = tee.inner
-        log.close()
-        new = _new_run_dirs(root, before, log_path)
-        if new:
-            _keep_log(log_path, new[-1])
-            _write_run_record(LocalRun(entry.name, new[-1], False, elapsed_s=time.perf_counter() - t0), params,
+        if canceled := _run_dir_with_log(root, before, log, log_path):
+            _write_run_record(LocalRun(entry.name, canceled, False, elapsed_s=time.perf_counter() - t0), params,
                               status="CANCELED")
-        log_path.unlink(missing_ok=True)
         raise
     finally:
         sys.stdout = tee.inner
-        log.close()
-    new = _new_run_dirs(root, before, log_path)
-    run_dir = new[-1] if new else root
-    if new:
-        _keep_log(log_path, run_dir)
-    log_path.unlink(missing_ok=True)
+    run_dir = _run_dir_with_log(root, before, log, log_path) or root
     outputs = _read_outputs(run_dir)
     elapsed = time.perf_counter() - t0
     if error is None:
