@@ -117,6 +117,41 @@ def _complete_policies(ctx, param, incomplete):
             if p.startswith(last) and p not in named and not (head and p == "all")]
 
 
+class _PipelineParamsCommand(click.Command):
+    """A command that takes pipeline parameters as ``--param KEY=VALUE``: an unknown option named as
+    a parameter (``--epochs 3``, ``--batch-size=32``) is answered with the ``--param`` to write
+    instead of click's bare "No such option"."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, list(args))
+        except click.NoSuchOption as e:
+            if hint := _param_spelling(e.option_name, args):
+                raise click.NoSuchOption(e.option_name, f"No such option '{e.option_name}'. {hint}", ctx=ctx) from None
+            raise
+
+
+def _param_spelling(option: str, args) -> str | None:
+    """``pipeline parameters go as --param epochs=3`` when ``option`` (``--epochs``) names one."""
+    from kfp_pytorch.pipelines.registry import PIPELINES
+
+    name = option.lstrip("-").replace("-", "_")
+    if not option.startswith("--") or name not in {p.name for e in PIPELINES.values() for p in e.params}:
+        return None
+    args = list(args)
+    value = "VALUE"
+    for i, arg in enumerate(args):
+        if arg.startswith(option + "="):
+            value = arg.partition("=")[2]
+            break
+        if arg == option:
+            if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                value = args[i + 1]
+            break
+    return (f"Pipeline parameters are given with --param: --param {name}={value} "
+            "(kfp-pytorch pipelines lists them).")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 @click.version_option(package_name="kfp-pytorch")
@@ -170,7 +205,7 @@ def _with_platform(entry, platform_file: str | None):
     return dataclasses.replace(entry, func=entry.build(platform)), platform
 
 
-@cli.command("compile")
+@cli.command("compile", cls=_PipelineParamsCommand)
 @click.argument("pipeline", shell_complete=_complete_pipeline)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="KFP IR YAML file to write.")
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
@@ -238,7 +273,7 @@ def _before_submit(values: dict, platform, notes: bool = True) -> None:
                    err=True)
 
 
-@cli.command("run")
+@cli.command("run", cls=_PipelineParamsCommand)
 @click.argument("pipeline", shell_complete=_complete_pipeline)
 @click.option("--local", "local", is_flag=True, help="Run on this machine with kfp.local (required: a KFP server "
                                                      "runs PIPELINE through `submit --host URL`).")
@@ -971,7 +1006,7 @@ def _kfp_options(f=None, *, host_required: bool = True, experiment: bool = True)
     return wrap(f) if f is not None else wrap
 
 
-@cli.command("submit")
+@cli.command("submit", cls=_PipelineParamsCommand)
 @click.argument("pipeline", shell_complete=_complete_pipeline)
 @_kfp_options
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE", help="Pipeline parameter (repeatable).")
@@ -1048,7 +1083,7 @@ def cancel_cmd(run_id, host, namespace, token, ca_cert):
                                            f"{run_id}` shows it end)" if state != "CANCELED" else ""))
 
 
-@cli.command("schedule")
+@cli.command("schedule", cls=_PipelineParamsCommand)
 @click.argument("pipeline", shell_complete=_complete_pipeline)
 @_kfp_options
 @click.option("--cron", required=True, help='6 fields, seconds first: "0 0 3 * * *" is 03:00 daily; or a descriptor: "@daily", "@every 6h".')
@@ -1365,7 +1400,7 @@ def _prune_downloads(verb: str, dry_run: bool) -> None:
                    "downloads one again)")
 
 
-@cli.command("manifest")
+@cli.command("manifest", cls=_PipelineParamsCommand)
 @click.argument("kind", type=click.Choice(["pytorchjob", "trainjob", "inferenceservice", "launcher-config", "s3-secret"]))
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
               help="train_and_serve parameters (epochs, workers, nodes, gpus_per_node, storage_root, model_name...).")

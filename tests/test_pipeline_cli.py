@@ -584,6 +584,26 @@ def test_run_without_local_says_that_a_server_run_is_submit():
     assert not (Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").exists()
 
 
+@pytest.mark.parametrize("args, option, wanted", [
+    (["run", "train_and_serve", "--local", "--epochs", "3"], "--epochs", "--param epochs=3"),
+    (["submit", "train_and_serve", "--batch-size=32"], "--batch-size", "--param batch_size=32"),
+    (["compile", "train_and_serve", "-o", "x.yaml", "--lr"], "--lr", "--param lr=VALUE"),
+    (["manifest", "pytorchjob", "--workers", "4"], "--workers", "--param workers=4"),
+])
+def test_a_pipeline_parameter_given_as_an_option_is_answered_with_its_param(args, option, wanted):
+    # it was click's "No such option '--epochs'.": the parameter is right there in `pipelines`
+    r = run_cli(*args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"No such option '{option}'. Pipeline parameters are given with --param: {wanted}" in r.stderr, r.stderr
+    assert not (Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").exists()
+
+
+def test_an_unknown_option_that_names_no_parameter_keeps_clicks_error():
+    r = run_cli("run", "train_and_serve", "--local", "--predic")
+    assert r.returncode == 2 and "No such option '--predic'" in r.stderr and "--param" not in r.stderr
+    assert "Did you mean one of: '--no-predict', '--predict'?" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("command", [["run", "train_and_serve", "--local"], ["serve", "list"], ["runs", "--local"]])
 def test_a_home_that_cannot_be_a_folder_is_named_by_its_variable(tmp_path, command):
     # it was "Error: File exists: /path": no word of KFP_PYTORCH_HOME, where the path came from
