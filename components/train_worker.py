@@ -111,6 +111,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _rounded(entry: dict) -> dict:
+    """``entry`` with each float to 4 significant digits (0.3513, 3.522e+04): an epoch's log line."""
+    return {k: float(f"{v:.4g}") if isinstance(v, float) and math.isfinite(v) else v for k, v in entry.items()}
+
+
 def _save_torch(obj) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -411,12 +416,15 @@ def run(args: argparse.Namespace) -> dict:
             best = {"epoch": entry["epoch"], "model": {k: v.detach().to("cpu", copy=True)
                                                        for k, v in model.state_dict().items()}}
         if bar is not None:
-            bar.set_postfix(loss=f"{g_loss:.4f}", val_acc=f"{val_acc:.3f}")
+            # no redraw here: close() draws the final line once, with these (a log got it twice)
+            bar.set_postfix(loss=f"{g_loss:.4f}", val_acc=f"{val_acc:.3f}", refresh=False)
             bar.close()
         if progress is not None:
             progress.epoch_done(entry)
         if rank == 0:
-            print("[kfp-pytorch] " + json.dumps(entry), flush=True)
+            # a JSON line a log search can parse, its figures rounded for the eye (metrics.json and
+            # the history keep them whole)
+            print("[kfp-pytorch] " + json.dumps(_rounded(entry)), flush=True)
             checkpoint(epoch)
             next_ckpt = time.monotonic() + every
         dist.barrier()

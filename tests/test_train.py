@@ -3,6 +3,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import threading
 import time
@@ -618,3 +619,24 @@ def test_weight_decay_shrinks_the_weights_it_is_asked_to(digits_data, tmp_path):
     for bad in (-0.1, 1.0, math.nan):
         with pytest.raises(ConfigError, match="weight_decay: must be a number in \\[0, 1\\)"):
             train(TrainSpec("d", "o", weight_decay=bad))
+
+
+def test_a_logged_epoch_is_one_bar_line_and_one_rounded_json_line(digits_data, tmp_path, capfd):
+    # a log (kfp.local's pipe, a pod's) got each epoch's finished bar twice, and a JSON line of
+    # 16-digit floats (0.3512523026458789)
+    result = train(TrainSpec(digits_data, str(tmp_path / "out"), epochs=2, workers=1, progress="on"))
+    out, err = capfd.readouterr()
+    text = out + err
+    for epoch in (1, 2):
+        done = [line for line in re.split(r"[\r\n]", text) if line.startswith(f"epoch {epoch}/2: 100%")]
+        assert len(done) == 1 and "loss=" in done[0] and "val_acc=" in done[0], done
+    lines = [json.loads(line.split("[kfp-pytorch] ", 1)[1]) for line in out.splitlines()
+             if line.startswith("[kfp-pytorch] {")]
+    assert [e["epoch"] for e in lines] == [1, 2]
+    for logged, kept in zip(lines, result.history):
+        assert logged.keys() == kept.keys()
+        for key, value in kept.items():
+            if isinstance(value, float):
+                assert logged[key] == pytest.approx(value, rel=1e-3) and len(repr(logged[key]).replace("e", "")) <= 10
+            else:
+                assert logged[key] == value
