@@ -455,9 +455,13 @@ def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fract
     for c in features:  # features become float32: an inf (or a value past its range) poisons the normalisation
         if pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c]):
             v = df[c].to_numpy(dtype=np.float64, na_value=0.0)
-            if (inf := int(np.isinf(v).sum())) or (big := int((np.abs(v[np.isfinite(v)]) > fp32_max).sum())):
-                problems.append(f"column {c!r}: {inf} infinite value(s)" if inf else
-                                f"column {c!r}: {big} value(s) beyond float32's range (±{fp32_max:.3g})")
+            infinite = pd.Series(np.isinf(v))
+            beyond = pd.Series(np.isfinite(v) & (np.abs(np.nan_to_num(v)) > fp32_max))
+            if inf := int(infinite.sum()):  # which rows, as for a NaN
+                problems.append(f"column {c!r}: {inf} infinite value(s), {_rows_of(df[c], infinite, values=False)}")
+            elif big := int(beyond.sum()):
+                problems.append(f"column {c!r}: {big} value(s) beyond float32's range (±{fp32_max:.3g}), "
+                                f"{_rows_of(df[c], beyond, values=False)}")
     labels = df[label_column]
     if label_column not in nan_cols:
         if _names_classes(labels):

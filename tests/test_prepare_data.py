@@ -73,8 +73,8 @@ def test_csv_from_s3_to_s3(s3, bucket):
     (lambda d: d.assign(label=d["label"] + 0.5), "must hold integer class ids"),
     (lambda d: d.assign(label=0), "needs at least 2 classes"),
     # an inf made the train mean inf and every normalised row NaN: training then "diverged"
-    (lambda d: d.assign(a=d["a"].where(d.index != 4, float("inf"))), "column 'a': 1 infinite value(s)"),
-    (lambda d: d.assign(a=d["a"].where(d.index > 1, -1e39)), "column 'a': 2 value(s) beyond float32's range"),
+    (lambda d: d.assign(a=d["a"].where(d.index != 4, float("inf"))), "column 'a': 1 infinite value(s), row 5"),
+    (lambda d: d.assign(a=d["a"].where(d.index > 1, -1e39)), "column 'a': 2 value(s) beyond float32's range (±3.4e+38), rows 1, 2"),
 ])
 def test_bad_tables_are_rejected_with_the_column(tmp_path, mutate, expect):
     path = tmp_path / "t.csv"
