@@ -1300,6 +1300,8 @@ def runs_cmd(host, namespace, experiment, token, ca_cert, limit, as_json, local,
 
     if not rows:
         click.echo(why_none)
+    else:  # a header, as kubectl's: TOOK is how long the run took, not its age
+        click.echo(f"{'RUN ID':<{len(rows[0]['run_id'])}}  {'STATE':<10} {'CREATED':<26} {'TOOK':>8}  NAME")
     for r in rows:
         took = format_duration(r["duration_s"]) if r["duration_s"] is not None else "-"
         click.echo(f"{r['run_id']}  {r['state']:<10} {r['created_at']:<26} {took:>8}  {r['name']}")
@@ -1364,6 +1366,8 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
         return
     if not runs:
         click.echo(f"no local runs under {root}")
+    else:  # a header, as kubectl's: ENDED is when the run last wrote, TOOK how long it ran
+        click.echo(f"{'RUN':<44} {'STATUS':<10} {'ENDED':<16} {'TOOK':>6}  {'SIZE':>9}  STEPS    RESULT")
     for r in shown:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.modified))
         served = f"  serving: {', '.join(r.served_by)}" if r.served_by else ""

@@ -544,7 +544,8 @@ def test_runs_lists_status(kfp_server):
     assert rows[ended["run_id"]]["duration_s"] == 750.0
     lines = cli("runs", "--host", url).stdout.splitlines()
     assert "SUCCEEDED  2026-12-04 03:00:00+00:00     12.5m  train_and_serve" in lines[-1], lines
-    assert "       -  train_and_serve" in lines[0], lines
+    assert lines[0].split() == ["RUN", "ID", "STATE", "CREATED", "TOOK", "NAME"], lines
+    assert "       -  train_and_serve" in lines[1], lines
     # a mistyped experiment is answered, and not created by the listing
     r = cli("runs", "--host", url, "--experiment", "kfp-pytorh")
     assert r.returncode == 0 and r.stdout == "no runs: there is no experiment 'kfp-pytorh' here (experiments: kfp-pytorch)\n"
@@ -568,7 +569,7 @@ def test_runs_pages_through_the_api_and_says_when_it_lists_only_the_newest(kfp_s
     assert r.stderr == "the newest 50 of 230 runs; --limit N lists more, --limit 0 all\n"  # and no kfp.Client warning
     r = cli("runs", "--host", url, "--limit", "0")
     lines = r.stdout.splitlines()
-    assert r.returncode == 0 and len(lines) == 230 and lines[0].endswith(" run-229") and lines[-2].endswith(" run-001")
+    assert r.returncode == 0 and len(lines) == 1 + 230 and lines[1].endswith(" run-229") and lines[-2].endswith(" run-001")
     assert "train_and_serve" in lines[-1]
     pages = [q for q in fake.requests if q == ("GET", "/apis/v2beta1/runs")]
     assert len(pages) == 1 + 3  # the first listing one page of 50, then 100 + 100 + 30

@@ -257,7 +257,8 @@ def test_gate_failure_skips_register_and_serve():
     assert listed["steps"] == ["evaluate-op", "prepare-data-op", "train-op"] and listed["served_by"] == []
     assert listed["result"] == {"metrics": {k: s["metrics"][k] for k in ("accuracy", "macro_f1", "min_recall", "roc_auc")},
                                 "gate_passed": False}  # what the run came to, kept with it
-    line = run_cli("runs", "--local").stdout.splitlines()[0]
+    header, line = run_cli("runs", "--local").stdout.splitlines()[:2]
+    assert header.split() == ["RUN", "STATUS", "ENDED", "TOOK", "SIZE", "STEPS", "RESULT"]
     assert line.split()[0] == Path(s["run_dir"]).name and line.endswith(
         f"accuracy {s['metrics']['accuracy']:.4f}, gate failed: min_recall {s['metrics']['min_recall']:.4f} < 0.9990")
     assert ("note: gpus_per_node only applies with train_backend=cluster (a PyTorchJob's pods and their GPUs); "
@@ -351,7 +352,7 @@ def test_local_runs_are_listed_and_pruned_but_a_served_model_and_a_running_run_a
     try:
         r = run_cli("runs", "--local")
         assert r.returncode == 0, r.stderr
-        lines = r.stdout.splitlines()
+        lines = r.stdout.splitlines()[1:]  # under the header
         assert [ln.split()[0] for ln in lines[:7]] == [f"train-and-serve-{x}" for x in "fegdcba"]
         assert [ln.split()[1] for ln in lines[:7]] == ["SUCCEEDED", "RUNNING?", "UNKNOWN", "SUCCEEDED", "UNKNOWN",
                                                        "FAILED", "SUCCEEDED"]
@@ -374,7 +375,7 @@ def test_local_runs_are_listed_and_pruned_but_a_served_model_and_a_running_run_a
         # a server that died (a reboot) still keeps its model's run: `serve start` needs it
         psutil.Process(served.pid).kill()
         psutil.Process(served.pid).wait(10)
-        assert run_cli("runs", "--local").stdout.splitlines()[2].endswith("serving: kept-model (down)")
+        assert run_cli("runs", "--local").stdout.splitlines()[3].endswith("serving: kept-model (down)")
         r = run_cli("runs", "--local", "--keep", "1")
         assert sorted(d.name for d in root.iterdir()) == [f"train-and-serve-{x}" for x in "aef"]
         assert ("kept train-and-serve-a: its model is served by kept-model (down); `kfp-pytorch serve start --all` "
