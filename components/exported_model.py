@@ -93,7 +93,14 @@ def lacking(features: list[str], present) -> str | None:
         return f"{said}; {image}"
     known = set(features)
     near = _near_names(missing[:8], [p for p in present if isinstance(p, str) and p not in known])
-    return said + (f"; did you mean {', '.join(f'{h!r} for {m!r}' for m, h in near)}?" if near else "")
+    if near:
+        return said + f"; did you mean {', '.join(f'{h!r} for {m!r}' for m, h in near)}?"
+    theirs = sorted((p for p in present if isinstance(p, str)),  # pixel2 before pixel10
+                    key=lambda n: [int(d) if d.isdigit() else d for d in re.split(r"(\d+)", n)])
+    if len(missing) == len(features) and theirs:  # not one in common: the table of another model, most likely
+        return (f"{said}; the table has none of them (its columns: {theirs[:8]}{' ...' if len(theirs) > 8 else ''}): "
+                "is it the table of another model?")
+    return said
 
 
 def _image_named_otherwise(features: list[str], present) -> str | None:

@@ -78,12 +78,17 @@ _GRID = [f"pixel_{r}_{c}" for r in range(8) for c in range(8)]
      "model on 28x28 ones"),
     # not a whole image: no pixel is offered for another ('pixel10' is not 'pixel_1_0')
     (_GRID, {f"pixel{i}" for i in range(63)}, "['pixel_0_0', 'pixel_0_1', 'pixel_0_2', 'pixel_0_3', 'pixel_0_4', "
-     "'pixel_0_5', 'pixel_0_6', 'pixel_0_7'] ...$"),
+     "'pixel_0_5', 'pixel_0_6', 'pixel_0_7'] ...; the table has none of them (its columns: ['pixel0', 'pixel1', "
+     "'pixel2', 'pixel3', 'pixel4', 'pixel5', 'pixel6', 'pixel7'] ...): is it the table of another model?$"),
     # a slip of letters keeps the numbers: another sensor is no rename
     (["sensor_10", "sensor_2"], {"sensor_11", "sensor_2"}, "1 of the model's 2 feature columns: ['sensor_10']$"),
     (["sensor_10", "sensor_2"], {"Sensor 10", "sensr_2"}, "did you mean 'Sensor 10' for 'sensor_10', 'sensr_2' for "
      "'sensor_2'?$"),
     (_GRID, {*_GRID} - {"pixel_0_3"} | {"Pixel_0_3"}, "['pixel_0_3']; did you mean 'Pixel_0_3' for 'pixel_0_3'?$"),
+    # not one column in common: another model's table, and what it holds
+    (_GRID, {"label", "a", "b"}, "'pixel_0_7'] ...; the table has none of them (its columns: ['a', 'b', 'label']): "
+     "is it the table of another model?$"),
+    (["age", "income"], {"income", "city"}, "1 of the model's 2 feature columns: ['age']$"),
 ])
 def test_a_missing_column_is_named_with_what_the_table_has_instead(features, present, says):
     import re
