@@ -1106,3 +1106,13 @@ def test_only_the_latest_champion_of_a_registry_and_name_is_listed_as_the_champi
     assert later_champions(runs) == {"a": 3, "c": 10, "f": 4}  # by version, not by the order listed
     assert later_champions(runs[::-1]) == {"a": 3, "c": 10, "f": 4}
     assert later_champions([]) == {}
+
+
+def test_python_dash_m_kfp_pytorch_is_the_command(tmp_path):
+    # a notebook kernel's PATH often lacks the environment's bin: `python -m kfp_pytorch` said
+    # "'kfp_pytorch' is a package and cannot be directly executed"
+    r = subprocess.run([sys.executable, "-m", "kfp_pytorch", "--version"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("kfp-pytorch, version "), r.stderr
+    r = subprocess.run([sys.executable, "-m", "kfp_pytorch", "run", "nope", "--local"], capture_output=True, text=True,
+                       cwd=tmp_path)
+    assert r.returncode == 2 and "unknown pipeline 'nope'" in r.stderr and "Traceback" not in r.stderr
