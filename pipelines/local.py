@@ -106,6 +106,13 @@ _KFP_PLUMBING = re.compile(r"^\s*\[KFP Executor [^\]]* INFO\]: (Looking for comp
 _KFP_LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d\.\d{3} - [A-Z]+ - ")
 
 
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
+
+
 class _Tee:
     """sys.stdout for a run: kfp.local prints each step's log with print(), line by line. Every line
     goes to ``log`` (the run's whole log) and into ``lines`` (the last ones, where a failed step's
@@ -117,18 +124,21 @@ class _Tee:
     def __init__(self, inner, log=None, condensed: bool = False, keep: int = 600):
         self.inner, self.log, self.condensed = inner, log, condensed
         self.lines, self._part, self._skip = collections.deque(maxlen=keep), "", None
+        # kfp.local colours its lines whatever they go to: a file or a pipe (CI's log, nohup) gets
+        # them plain, as does a terminal under NO_COLOR (no-color.org); the run's log keeps them
+        self.plain = bool(os.environ.get("NO_COLOR")) or not _isatty(inner)
 
     def write(self, text: str) -> int:
         if self.log is not None:
             self.log.write(text)
         if not self.condensed:
-            self.inner.write(text)
+            self.inner.write(_ANSI.sub("", text) if self.plain else text)
         *done, self._part = (self._part + text).split("\n")
         self.lines.extend(done)
         if self.condensed:
             shown = [line for line in done if self._shown(_ANSI.sub("", line))]
             if shown:
-                self.inner.write("".join(f"{line}\n" for line in shown))
+                self.inner.write("".join(f"{_ANSI.sub('', line) if self.plain else line}\n" for line in shown))
         return len(text)
 
     def _shown(self, line: str) -> bool:

@@ -1,4 +1,5 @@
 """The pipeline and the CLI as a user runs them: a real subprocess, real servers, real HTTP."""
+import io
 import json
 import os
 import re
@@ -247,6 +248,8 @@ def test_gate_failure_skips_register_and_serve():
     assert "Executing task" in r.stdout and "[kfp-pytorch] starting 2 local DDP workers" in r.stdout
     assert "Got executor_input" not in r.stdout and "Wrote executor output file" not in r.stdout
     assert "outputs:" not in r.stdout and "Streamed logs" not in r.stdout and "\n\n" not in r.stdout.split("{\n")[0]
+    # a pipe gets kfp.local's lines without their colours (its log keeps them)
+    assert "\x1b[" not in r.stdout and "Task 'train-op' finished with status SUCCESS" in r.stdout
     log = Path(s["log"]).read_text()
     assert Path(s["log"]) == Path(s["run_dir"]) / "run.log" and "Got executor_input" in log
     assert "Task \x1b[96m'train-op'\x1b[0m outputs:" in log and "[kfp-pytorch] starting 2 local DDP workers" in log
@@ -1116,3 +1119,26 @@ def test_python_dash_m_kfp_pytorch_is_the_command(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kfp_pytorch", "run", "nope", "--local"], capture_output=True, text=True,
                        cwd=tmp_path)
     assert r.returncode == 2 and "unknown pipeline 'nope'" in r.stderr and "Traceback" not in r.stderr
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("stream, env, coloured", [(_Terminal, {}, True), (_Terminal, {"NO_COLOR": "1"}, False),
+                                                   (io.StringIO, {}, False)])
+@pytest.mark.parametrize("condensed", [True, False])
+def test_kfp_local_colours_reach_a_terminal_only(monkeypatch, stream, env, coloured, condensed):
+    from kfp_pytorch.pipelines.local import _Tee
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    inner, log = stream(), io.StringIO()
+    tee = _Tee(inner, log, condensed=condensed)
+    line = "08:11:59.393 - INFO - Task \x1b[96m'train-op'\x1b[0m finished with status \x1b[92mSUCCESS\x1b[0m"
+    print(line, file=tee)
+    assert inner.getvalue() == (line if coloured else "08:11:59.393 - INFO - Task 'train-op' finished with status "
+                                "SUCCESS") + "\n"
+    assert log.getvalue() == line + "\n" and list(tee.lines) == [line]
