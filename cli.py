@@ -473,7 +473,7 @@ def serve_stop(names, stop_all):
     """Stop the local model servers NAMES (see serve list), or --all; a server that is down has its
     record removed."""
     from kfp_pytorch.components.errors import ServingError
-    from kfp_pytorch.components.serve import list_servers, stop_server
+    from kfp_pytorch.components.serve import list_servers, stop_server, unknown_server
 
     if stop_all == bool(names):
         raise click.UsageError("give the names of the servers to stop, or --all")
@@ -487,8 +487,7 @@ def serve_stop(names, stop_all):
         else:
             missing.append(name)
     if missing:
-        raise ServingError(f"no local model server named {', '.join(map(repr, missing))}",
-                           "kfp-pytorch serve list shows the running ones")
+        raise ServingError(unknown_server(missing), "`kfp-pytorch serve list` names the servers")
 
 
 @serve_grp.command("start")
@@ -585,17 +584,19 @@ def serve_logs(name, tail, previous, follow):
     import collections
 
     from kfp_pytorch.components.errors import ServingError
-    from kfp_pytorch.components.serve import follow_log, server_log, server_status
+    from kfp_pytorch.components.serve import follow_log, server_log, server_status, unknown_server
 
     if follow and previous:
         raise click.UsageError("--previous is the log of a server that is gone: it does not grow; leave out --follow")
     path = server_log(name, previous)
     if not path.exists():
         what = "log of an earlier server" if previous else "log"
-        raise ServingError(f"no {what} for a local model server named {name!r} ({path})",
+        known = server_status(name) is not None
+        raise ServingError(f"no {what} for the local model server {name!r} ({path})" if known
+                           else unknown_server(name, f"no {what} for a local model server named {name!r} ({path})"),
                            "`kfp-pytorch serve list` names the servers" + (
                                "; --previous is kept once a server was started again or replaced" if previous
-                               and server_status(name) else ""))
+                               and known else ""))
     if follow:
         try:
             for kind, text in follow_log(name, tail):

@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import DatasetError, ServingError
 from .exported_model import lacking, probability_columns
-from .serve import infer, model_inputs, server_status
+from .serve import infer, model_inputs, server_status, unknown_server
 from .storage import Storage, join
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def resolve_target(name: str, url: str | None = None, model_uri: str | None = No
                            "a local server is reached by its name alone")
     info = server_status(name)
     if info is None or info.get("unreadable") or not info.get("url"):
-        raise ServingError(f"no local model server named {name!r}",
+        raise ServingError(unknown_server(name),
                            "`kfp-pytorch serve list` shows the local ones; for a KServe InferenceService "
                            "pass --url (its status.url) and the model's name")
     if not info["alive"]:  # told before the table is read, and by what starts it again

@@ -634,6 +634,23 @@ def list_servers() -> list[dict]:
             if (info := server_status(p.stem)) is not None]  # None: removed since the listing
 
 
+def unknown_server(names, said: str | None = None) -> str:
+    """``no local model server named 'digts'; did you mean 'digits'?``: ``said`` (by default that
+    sentence) of names with no record, then the near server names, or which servers there are (a
+    handful), or that there are none."""
+    import difflib
+
+    names = [names] if isinstance(names, str) else list(names)
+    known = [s["name"] for s in list_servers()]
+    said = said or f"no local model server named {', '.join(map(repr, names))}"
+    near = [hit for n in names for hit in difflib.get_close_matches(n, known, n=1, cutoff=0.6)]
+    if near:
+        return f"{said}; did you mean {' or '.join(map(repr, dict.fromkeys(near)))}?"
+    if not known:
+        return f"{said}; there are no local model servers"
+    return f"{said}; the servers: {', '.join(known[:8])}{' ...' if len(known) > 8 else ''}"
+
+
 def stop_server(name: str) -> bool:
     """Stop server ``name`` and remove its record; False when there is no such server."""
     info = read_server(name)
@@ -654,7 +671,7 @@ def revive(name: str, port: int = 0) -> tuple[Endpoint, bool]:
 
     info = server_status(name)
     if info is None or info.get("unreadable") or not info.get("model_uri"):
-        raise ServingError(f"no local model server named {name!r} to start again",
+        raise ServingError(unknown_server(name, f"no local model server named {name!r} to start again"),
                            "`kfp-pytorch serve list` names the servers (`serve stop` removes a server's record); "
                            f"serve a model as {name!r} with `kfp-pytorch serve start {name} --model-uri "
                            f"models:/{name}@champion` (its registered champion) or --model-uri a run's train-op.model")

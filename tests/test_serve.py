@@ -468,6 +468,8 @@ def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_mod
     assert r.returncode == 2 and "feature column 'pixel_1_1' is not numeric (row 10: 'twelve')" in r.stderr, r.stderr
     r = cli("nothere", str(tmp_path / "plain.csv"))
     assert r.returncode == 1 and "no local model server named 'nothere'" in r.stderr and "--url" in r.stderr
+    r = cli("digts", str(tmp_path / "plain.csv"))  # a slip of the name: the server meant is named
+    assert r.returncode == 1 and "no local model server named 'digts'; did you mean 'digits'?" in r.stderr, r.stderr
     # an output that cannot be written is refused before a row is sent (even to a server not there);
     # a table that is not there names the argument it was given by
     r = cli("nothere", str(tmp_path / "plain.csv"), "-o", str(tmp_path / "no-such-dir" / "p.csv"))
@@ -589,7 +591,10 @@ def test_an_unreadable_record_is_listed_and_removed_and_stop_all_stops_every_ser
     assert listed["pid"] == endpoint.pid and listed["alive"] is True and listed["infer_url"] == endpoint.infer_url
     assert 0 < listed["uptime_s"] < 600
     r = cli("stop", "broken", "nothere")
-    assert r.returncode == 1 and "stopped broken" in r.stdout and "no local model server named 'nothere'" in r.stderr
+    assert r.returncode == 1 and "stopped broken" in r.stdout
+    assert "no local model server named 'nothere'; the servers: digits" in r.stderr, r.stderr
+    r = cli("stop", "digts")
+    assert r.returncode == 1 and "no local model server named 'digts'; did you mean 'digits'?" in r.stderr, r.stderr
     assert cli("stop").returncode == 2 and cli("stop", "digits", "--all").returncode == 2
     r = cli("stop", "--all")
     assert r.returncode == 0 and r.stdout == "stopped digits\n", r.stdout + r.stderr
@@ -651,6 +656,10 @@ def test_a_server_that_died_is_started_again_with_its_model_on_its_port(endpoint
     assert cli("start").returncode == 2 and cli("start", "digits", "--all").returncode == 2
     r = cli("logs", "nothere")
     assert r.returncode == 1 and "no log for a local model server named 'nothere'" in r.stderr
+    r = cli("logs", "digts")
+    assert r.returncode == 1 and "did you mean 'digits'?" in r.stderr, r.stderr
+    r = cli("start", "digts")
+    assert r.returncode == 1 and "digts: no local model server named 'digts' to start again; did you mean 'digits'?" in r.stderr
     stop_server("gone")
     # its old port taken while it was down: it starts on a free one, and says its URL changed
     import socket
