@@ -279,7 +279,8 @@ def _before_submit(values: dict, platform, notes: bool = True) -> None:
                                                      "runs PIPELINE through `submit --host URL`).")
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE", help="Pipeline parameter (repeatable).")
 @click.option("--predict/--no-predict", default=True, help="Send one test row to the endpoint at the end.")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the summary as JSON, alone on stdout (the steps' lines go to stderr).")
 @click.option("-v", "--verbose", is_flag=True,
               help="Show kfp.local's whole log as it runs: each step's executor input and outputs too (the run "
                    "keeps it as run.log either way).")
@@ -295,7 +296,8 @@ def run_cmd(pipeline, local, params, predict, as_json, verbose):
     entry = get_pipeline(pipeline)
     values = _resolve_params(entry, params)
     preflight(values)
-    run = run_local(entry, values, verbose=verbose)
+    # with --json, stdout is the summary alone (`| jq` reads it); the steps' lines go to stderr
+    run = run_local(entry, values, verbose=verbose, out=sys.stderr if as_json else None)
     summary = summarize(run)
     if "gate_passed" in summary:  # what the gate read, for the summary's gate line
         summary["gate"] = {"metric": values.get("gate_metric", "accuracy"), "threshold": values["threshold"]}

@@ -215,9 +215,10 @@ def _read_outputs(run_dir: Path) -> dict:
 
 
 def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = None,
-              verbose: bool = False) -> LocalRun:
+              verbose: bool = False, out=None) -> LocalRun:
     """Run ``entry`` with validated ``params`` through kfp.local's SubprocessRunner. Its whole log is
-    kept as the run's ``run.log``; the terminal shows it without kfp.local's plumbing unless ``verbose``."""
+    kept as the run's ``run.log``; ``out`` (default stdout; stderr where stdout is for JSON) shows it
+    without kfp.local's plumbing unless ``verbose``."""
     import kfp.local
 
     root = Path(pipeline_root or home() / "local_outputs")
@@ -232,7 +233,9 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
     # the run's folder is kfp.local's to make: the log is written beside it, and moved in at the end
     log_path = root / f".{entry.name}-{os.getpid()}-{time.time_ns()}.log"
     log = open(log_path, "w", encoding="utf-8", errors="replace")
-    tee = sys.stdout = _Tee(sys.stdout, log, condensed=not verbose)
+    # kfp.local prints to sys.stdout (its logger's handler is made on it too): the tee stands in
+    real_stdout = sys.stdout
+    tee = sys.stdout = _Tee(out or sys.stdout, log, condensed=not verbose)
     try:
         with warnings.catch_warnings():
             # kfp.local warns, for every step, that display names do nothing locally and that a
@@ -244,13 +247,13 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
     except RuntimeError as e:  # kfp.local: "Pipeline ... FAILURE. Inner task failed: 'x'"
         error = e
     except BaseException:  # Ctrl-C or a stop signal: the run is recorded as canceled, then the stop goes on
-        sys.stdout = tee.inner
+        sys.stdout = real_stdout
         if canceled := _run_dir_with_log(root, before, log, log_path):
             _write_run_record(LocalRun(entry.name, canceled, False, elapsed_s=time.perf_counter() - t0), params,
                               status="CANCELED")
         raise
     finally:
-        sys.stdout = tee.inner
+        sys.stdout = real_stdout
     run_dir = _run_dir_with_log(root, before, log, log_path) or root
     outputs = _read_outputs(run_dir)
     elapsed = time.perf_counter() - t0

@@ -272,7 +272,7 @@ def bench_pipeline(tmp: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "run", "train_and_serve", "--local", "--json",
                           "--no-predict"], capture_output=True, text=True, env=env)
     total = time.perf_counter() - t
-    summary = json.loads(out.stdout[out.stdout.rindex('\n{\n "pipeline"'):])
+    summary = json.loads(out.stdout)  # --json: the summary alone on stdout
     subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "serve", "stop", "digits"], env=env, capture_output=True)
     row("make demo wall seconds", wall, wall, None, "report", None, "s")
     row("kfp.local pipeline run seconds (in CLI)", summary["elapsed_s"], total, summary["elapsed_s"] / total,

@@ -26,7 +26,7 @@ def run_cli(*args, env=None, timeout=600):
 
 
 def summary_of(stdout: str) -> dict:
-    return json.loads(stdout[stdout.rindex('\n{\n "pipeline"'):])
+    return json.loads(stdout)  # with --json, stdout is the summary alone: the steps' lines are on stderr
 
 
 def _project_processes():
@@ -212,14 +212,14 @@ def test_end_to_end_on_s3_and_mlflow_server(s3, bucket, mlflow_server):
                     "--param", "model_name=digits-e2e", "--verbose")
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         again = summary_of(r.stdout)
-        assert "Got executor_input" in r.stdout  # --verbose: kfp.local's whole log as it runs
+        assert "Got executor_input" in r.stderr  # --verbose: kfp.local's whole log as it runs (on stderr: --json)
         assert again["gate_passed"] is True and again["metrics"]["accuracy"] < s["metrics"]["accuracy"]
         assert again["model"] == {"registry_uri": "models:/digits-e2e/2", "version": 2, "champion": False}
         assert "endpoint" not in again and "prediction" not in again
         assert again["not_served"] == (f"version 2 is registered, not champion: accuracy {again['metrics']['accuracy']:.4f} "
                                        f"does not beat version 1's {s['metrics']['accuracy']:.4f} (a tie keeps the "
                                        f"champion) (only a new champion is served); the champion serves at {s['endpoint']}")
-        assert "whose local server was down; it serves again at " + s["endpoint"] in r.stdout  # the serve step's log
+        assert "whose local server was down; it serves again at " + s["endpoint"] in r.stderr  # the serve step's log
         listed = json.loads(run_cli("serve", "list", "--json").stdout)
         assert [(x["name"], x["model_uri"], x["registered_model"], x["alive"]) for x in listed
                 if x["name"] == "digits-e2e"] == [("digits-e2e", s["artifacts"]["train-op.model"],
@@ -245,11 +245,12 @@ def test_gate_failure_skips_register_and_serve():
     assert not _project_processes()
     # the terminal shows the steps and their own lines, not kfp.local's plumbing (400 of 500 lines);
     # the run keeps its whole log
-    assert "Executing task" in r.stdout and "[kfp-pytorch] starting 2 local DDP workers" in r.stdout
-    assert "Got executor_input" not in r.stdout and "Wrote executor output file" not in r.stdout
-    assert "outputs:" not in r.stdout and "Streamed logs" not in r.stdout and "\n\n" not in r.stdout.split("{\n")[0]
+    # (on stderr: with --json, stdout is the summary alone)
+    assert "Executing task" in r.stderr and "[kfp-pytorch] starting 2 local DDP workers" in r.stderr
+    assert "Got executor_input" not in r.stderr and "Wrote executor output file" not in r.stderr
+    assert "outputs:" not in r.stderr and "Streamed logs" not in r.stderr and "\n\n" not in r.stderr
     # a pipe gets kfp.local's lines without their colours (its log keeps them)
-    assert "\x1b[" not in r.stdout and "Task 'train-op' finished with status SUCCESS" in r.stdout
+    assert "\x1b[" not in r.stderr and "Task 'train-op' finished with status SUCCESS" in r.stderr
     log = Path(s["log"]).read_text()
     assert Path(s["log"]) == Path(s["run_dir"]) / "run.log" and "Got executor_input" in log
     assert "Task \x1b[96m'train-op'\x1b[0m outputs:" in log and "[kfp-pytorch] starting 2 local DDP workers" in log
@@ -712,7 +713,7 @@ def test_a_table_of_ones_own_with_a_named_label_and_chosen_features_end_to_end(t
         assert s["data"]["duplicates"]["rows"] == 1 and s["data"]["duplicates"]["conflicting"] == 0
         assert s["data"]["source_format"] == "semicolon-separated, decimal commas"  # what was inferred, said
         assert (f"read {path} as semicolon-separated, decimal commas; features: petal_length, petal_width, "
-                "sepal_length, sepal_width") in r.stdout
+                "sepal_length, sepal_width") in r.stderr
         model_meta = model_features(s["artifacts"]["train-op.model"])
         assert model_meta["features"] == features.split(",") and model_meta["label_column"] == "species"
         assert model_meta["training"]["early_stopping_patience"] == 5  # the pipeline's setting reached the workers
