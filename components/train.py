@@ -297,6 +297,19 @@ def local_memory_problem(workers: int, available: int) -> tuple[str, str] | None
             f"run at most {fit} local workers, or train on the cluster (train_backend=cluster)")
 
 
+def batch_note(rows: int, batch_size: int, world: int) -> str | None:
+    """A note when one batch per worker covers each worker's whole share of the ``rows`` training
+    rows: then an epoch is a single optimizer step, and a run of a few epochs barely trains (the
+    gate fails with no word of why). Not an error: full-batch training is a choice some make."""
+    share = -(-rows // world)  # DistributedSampler pads every rank to the same share
+    if share <= 1 or batch_size < share:
+        return None
+    smaller = max(1, share // 8)
+    return (f"note: batch_size {batch_size} x {world} worker{'s' if world > 1 else ''} covers all {rows} training "
+            f"rows, so each epoch is one optimizer step and a few epochs barely train; batch_size={smaller} takes "
+            f"{-(-share // smaller)} steps an epoch")
+
+
 def local_cpu_note(workers: int, cpus: float) -> str | None:
     """A note when ``workers`` local processes outnumber the CPUs: they take turns, so each
     imports torch and steps that much slower, and the run is slower than with one per CPU (DDP

@@ -53,7 +53,7 @@ from .exported_model import EXPORT_MAX_BATCH
 from .models import build_model
 from .prepare_data import load_split, read_metadata
 from .storage import Storage, join
-from .train import DIVERGED, RESUME_KEYS, RESUME_STATE, cuda_problem, early_stop, scheduled_lr
+from .train import DIVERGED, RESUME_KEYS, RESUME_STATE, batch_note, cuda_problem, early_stop, scheduled_lr
 from .trainer_status import TrainerStatusReporter
 
 CHECKPOINT = "checkpoints/last.pt"
@@ -269,6 +269,8 @@ def run(args: argparse.Namespace) -> dict:
     sampler = DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler, pin_memory=use_cuda)
     steps = len(loader)
+    if rank == 0 and attempt == 0 and (note := batch_note(len(train_ds), args.batch_size, world)):
+        print(f"[kfp-pytorch] {note}", flush=True)
     start_epoch, history, skip = 0, [], 0
     patience = args.early_stopping_patience
     best: dict | None = None  # rank 0, with patience: {"epoch", "model": CPU state_dict} of the best epoch

@@ -640,3 +640,17 @@ def test_a_logged_epoch_is_one_bar_line_and_one_rounded_json_line(digits_data, t
                 assert logged[key] == pytest.approx(value, rel=1e-3) and len(repr(logged[key]).replace("e", "")) <= 10
             else:
                 assert logged[key] == value
+
+
+def test_a_batch_that_covers_the_whole_split_is_noted_once(digits_data, tmp_path, capfd):
+    # batch_size 100000 on 1257 rows: one optimizer step an epoch, and the gate failed with no word of why
+    from kfp_pytorch.components.train import batch_note
+
+    assert batch_note(1257, 64, 2) is None and batch_note(1, 64, 1) is None
+    assert batch_note(1257, 100000, 2) == ("note: batch_size 100000 x 2 workers covers all 1257 training rows, so "
+                                           "each epoch is one optimizer step and a few epochs barely train; "
+                                           "batch_size=78 takes 9 steps an epoch")
+    assert batch_note(1257, 629, 2) and not batch_note(1257, 628, 2)  # a rank's share is 629 rows (padded)
+    train(TrainSpec(digits_data, str(tmp_path / "out"), epochs=2, workers=2, batch_size=100000, progress="off"))
+    out, _ = capfd.readouterr()
+    assert out.count("[kfp-pytorch] note: batch_size 100000 x 2 workers covers all") == 1, out
