@@ -456,7 +456,7 @@ def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fract
         if pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c]):
             v = df[c].to_numpy(dtype=np.float64, na_value=0.0)
             infinite = pd.Series(np.isinf(v))
-            beyond = pd.Series(np.isfinite(v) & (np.abs(np.nan_to_num(v)) > fp32_max))
+            beyond = pd.Series(np.isfinite(v) & (np.abs(v) > fp32_max))
             if inf := int(infinite.sum()):  # which rows, as for a NaN
                 problems.append(f"column {c!r}: {inf} infinite value(s), {_rows_of(df[c], infinite, values=False)}")
             elif big := int(beyond.sum()):
