@@ -136,9 +136,13 @@ class _Tee:
         *done, self._part = (self._part + text).split("\n")
         self.lines.extend(done)
         if self.condensed:
-            shown = [line for line in done if self._shown(_ANSI.sub("", line))]
+            shown = []
+            for line in done:  # each line's colours are stripped once: to judge it, and to show it plain
+                bare = _ANSI.sub("", line)
+                if self._shown(bare):
+                    shown.append(f"{bare if self.plain else line}\n")
             if shown:
-                self.inner.write("".join(f"{_ANSI.sub('', line) if self.plain else line}\n" for line in shown))
+                self.inner.write("".join(shown))
         return len(text)
 
     def _shown(self, line: str) -> bool:
