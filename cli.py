@@ -1688,12 +1688,24 @@ def ledger_grp():
     """The fairness scheduler's usage ledger: where each user stands, and compaction."""
 
 
+class _LedgerUrl(click.ParamType):
+    """--ledger's type: only so that a missing --ledger says what to pass, as a missing --host does."""
+    name = "URL"
+
+    def convert(self, value, param, ctx):
+        return value
+
+    def get_missing_message(self, param, ctx):
+        return ("Pass the URL of the ledger the fairness scheduler writes, or export KFP_PYTORCH_LEDGER: e.g. "
+                "--ledger sqlite:///fairshare-ledger.db, or postgresql+psycopg://USER@HOST/DB for a shared one")
+
+
 def _ledger_options(f):
     f = click.option("--at", "at", default="now", show_default=True,
                      help="When: now, seconds since the epoch, or an ISO 8601 date-time (UTC unless it names a zone).")(f)
     f = click.option("--half-life", "half_life", default=None,
                      help="Usage half-life: 7d, 12h, seconds (default: the ledger's own).")(f)
-    f = click.option("--ledger", "ledger_url", envvar="KFP_PYTORCH_LEDGER", required=True,
+    f = click.option("--ledger", "ledger_url", envvar="KFP_PYTORCH_LEDGER", required=True, type=_LedgerUrl(),
                      help="The scheduler's ledger: sqlite:///PATH or a SQLAlchemy URL (or KFP_PYTORCH_LEDGER).")(f)
     return f
 

@@ -75,8 +75,13 @@ def _check_sqlite_file(url: str) -> None:
     except Exception:
         return  # create_engine reports a bad URL
     if u.get_backend_name() == "sqlite" and u.database and u.database != ":memory:" and not Path(u.database).is_file():
-        raise LedgerError(f"no usage ledger at {u.database}",
-                          "check --ledger: it is the scheduler's ledger URL, created when the scheduler first starts")
+        db = Path(u.database)
+        where = str(db) if db.is_absolute() else f"{db} (relative to {Path.cwd()})"
+        hint = "check --ledger: it is the scheduler's ledger URL, created when the scheduler first starts"
+        if not db.is_absolute() and Path("/", db).is_file():  # SQLAlchemy's classic: three slashes, a relative path
+            hint = (f"sqlite:///{db} names a path relative to this folder; the absolute path /{db} takes four "
+                    f"slashes: --ledger sqlite:////{db}")
+        raise LedgerError(f"no usage ledger at {where}", hint)
 
 
 def _db_reason(e: BaseException) -> str:

@@ -148,6 +148,29 @@ def test_ledger_cli_refuses_what_is_not_a_ledger_and_creates_nothing(tmp_path, c
     assert rc == 2 and "--older-than: must be a duration >= 0" in err
 
 
+def test_a_missing_or_three_slash_ledger_url_says_what_to_pass(tmp_path, capsys, monkeypatch):
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("KFP_PYTORCH_LEDGER", raising=False)
+    r = subprocess.run([sys.executable, "-m", "kfp_pytorch", "ledger", "show"], capture_output=True, text=True)
+    assert r.returncode == 2 and ("Missing option '--ledger'. Pass the URL of the ledger the fairness scheduler "
+                                  "writes, or export KFP_PYTORCH_LEDGER: e.g. --ledger sqlite:///") in r.stderr
+    # sqlite:///tmp/x.db is tmp/x.db relative to the working folder (SQLAlchemy's rule): the absolute one is named
+    absolute = tmp_path / "fairshare.db"
+    _ledger(f"sqlite:///{absolute}")
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    rel = str(absolute).lstrip("/")
+    rc, _, err = _run(capsys, "ledger", "show", "--ledger", f"sqlite:///{rel}")
+    assert rc == 1 and f"no usage ledger at {rel} (relative to {elsewhere})" in err
+    assert f"the absolute path /{rel} takes four slashes: --ledger sqlite:////{rel}" in err
+    assert not (elsewhere / rel).exists()
+    rc, out, _ = _run(capsys, "ledger", "show", "--ledger", f"sqlite:////{rel}")
+    assert rc == 0 and "alice" in out
+
+
 def test_at_takes_iso_dates_in_utc_unless_zoned():
     from kfp_pytorch.fairness_scheduler.usage import format_time, parse_time
 
