@@ -89,6 +89,20 @@ def _complete_pipeline(ctx, param, incomplete):
             if name.startswith(incomplete)]
 
 
+class _PipelineName(click.ParamType):
+    """PIPELINE's type: only so that a missing PIPELINE names the pipelines there are (the registry
+    checks a given name, with the same list)."""
+    name = "pipeline"
+
+    def convert(self, value, param, ctx):
+        return value
+
+    def get_missing_message(self, param, ctx):
+        from kfp_pytorch.pipelines.registry import PIPELINES
+
+        return f"Name one of the pipelines: {', '.join(PIPELINES)} (kfp-pytorch pipelines lists them with their parameters)."
+
+
 def _complete_server(ctx, param, incomplete):
     """The local model servers' names (``serve start``: those that are down first), each with its state."""
     from click.shell_completion import CompletionItem
@@ -206,7 +220,7 @@ def _with_platform(entry, platform_file: str | None):
 
 
 @cli.command("compile", cls=_PipelineParamsCommand)
-@click.argument("pipeline", shell_complete=_complete_pipeline)
+@click.argument("pipeline", type=_PipelineName(), shell_complete=_complete_pipeline)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="KFP IR YAML file to write.")
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
               help="A parameter's default in the compiled pipeline, as the KFP UI's run form shows it "
@@ -274,7 +288,7 @@ def _before_submit(values: dict, platform, notes: bool = True) -> None:
 
 
 @cli.command("run", cls=_PipelineParamsCommand)
-@click.argument("pipeline", shell_complete=_complete_pipeline)
+@click.argument("pipeline", type=_PipelineName(), shell_complete=_complete_pipeline)
 @click.option("--local", "local", is_flag=True, help="Run on this machine with kfp.local (required: a KFP server "
                                                      "runs PIPELINE through `submit --host URL`).")
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE", help="Pipeline parameter (repeatable).")
@@ -1010,7 +1024,7 @@ def _kfp_options(f=None, *, host_required: bool = True, experiment: bool = True)
 
 
 @cli.command("submit", cls=_PipelineParamsCommand)
-@click.argument("pipeline", shell_complete=_complete_pipeline)
+@click.argument("pipeline", type=_PipelineName(), shell_complete=_complete_pipeline)
 @_kfp_options
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE", help="Pipeline parameter (repeatable).")
 @click.option("--run-name", default=None, help="The run's display name in the KFP UI (default: PIPELINE-YYYYMMDD-HHMMSS).")
@@ -1087,7 +1101,7 @@ def cancel_cmd(run_id, host, namespace, token, ca_cert):
 
 
 @cli.command("schedule", cls=_PipelineParamsCommand)
-@click.argument("pipeline", shell_complete=_complete_pipeline)
+@click.argument("pipeline", type=_PipelineName(), shell_complete=_complete_pipeline)
 @_kfp_options
 @click.option("--cron", required=True, help='6 fields, seconds first: "0 0 3 * * *" is 03:00 daily; or a descriptor: "@daily", "@every 6h".')
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE",

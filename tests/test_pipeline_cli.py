@@ -589,6 +589,15 @@ def test_run_without_local_says_that_a_server_run_is_submit():
     assert not (Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").exists()
 
 
+@pytest.mark.parametrize("command", [["run", "--local"], ["compile", "-o", "x.yaml"], ["submit"], ["schedule"]])
+def test_a_missing_pipeline_names_the_pipelines_there_are(command):
+    # it was click's bare "Missing argument 'PIPELINE'.": which names it takes was in another command
+    r = run_cli(*command)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert ("Missing argument 'PIPELINE'. Name one of the pipelines: train_and_serve (kfp-pytorch pipelines lists "
+            "them with their parameters).") in r.stderr
+
+
 @pytest.mark.parametrize("args, option, wanted", [
     (["run", "train_and_serve", "--local", "--epochs", "3"], "--epochs", "--param epochs=3"),
     (["submit", "train_and_serve", "--batch-size=32"], "--batch-size", "--param batch_size=32"),
