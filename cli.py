@@ -1572,7 +1572,7 @@ def _config_and_half_life(config: str | None, half_life: str | None, problems: l
 def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, placement, as_json, plot_path,
                  schedule_path, workers, per_user):
     """Replay a GPU-cluster trace under several scheduling policies, side by side."""
-    from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
+    from kfp_pytorch.fairness_scheduler.errors import SchedulerOptionsError
     from kfp_pytorch.fairness_scheduler.report import (default_workers, format_per_user, format_table, option_problems,
                                                        parse_policies, plot, policy_problems, run_protocol,
                                                        unschedulable_lines, workers_problems, write_schedule)
@@ -1590,7 +1590,7 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
     if per_user and as_json:
         problems.append("--per-user: prints tables, so not with --json (for per-job figures use --schedule FILE.csv)")
     if problems:
-        raise SchedulerConfigError(problems)
+        raise SchedulerOptionsError(problems)
     names = parse_policies(policies)
     results, info = run_protocol(trace, names, users, zipf, seed, load, hl, cfg.fairshare,
                                  progress=not as_json and sys.stderr.isatty(), placement=placement or cfg.placement,
@@ -1651,7 +1651,7 @@ def goals_cmd(traces, seeds, sets, config, placement, users, zipf, load, half_li
 
     fairness_scheduler/TUNING.md counts runs with this judge. Its 112-run set for comparing
     settings: --sets full --seeds 0-5, then --sets halves --seeds 0-3."""
-    from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
+    from kfp_pytorch.fairness_scheduler.errors import SchedulerOptionsError
     from kfp_pytorch.fairness_scheduler.evaluate import (evaluate_goals, format_goals, goal_grid, parse_seeds,
                                                          set_problems, to_json, trace_files)
     from kfp_pytorch.fairness_scheduler.report import PROTOCOL_DEFAULTS, option_problems, usable_cpus, workers_problems
@@ -1673,7 +1673,7 @@ def goals_cmd(traces, seeds, sets, config, placement, users, zipf, load, half_li
     if plot_path and (problem := _output_problem(plot_path, "--plot", PLOT_FORMATS)):
         problems.append(problem)
     if problems:
-        raise SchedulerConfigError(problems)
+        raise SchedulerOptionsError(problems)
     runs = evaluate_goals(list(traces), seed_list, set_list, cfg.fairshare, placement or cfg.placement,
                           workers or usable_cpus(), cache_dir, progress=not as_json and sys.stderr.isatty(),
                           users=users, zipf=zipf, load=load, half_life=hl, user_config=cfg.user)
@@ -1757,7 +1757,7 @@ def ledger_show(ledger_url, at, half_life, config, capacity, as_json):
 
     Usage counts once a workload's interval is recorded in the ledger."""
     from kfp_pytorch.components.errors import ConfigError
-    from kfp_pytorch.fairness_scheduler.errors import LedgerError, SchedulerConfigError
+    from kfp_pytorch.fairness_scheduler.errors import LedgerError, SchedulerOptionsError
     from kfp_pytorch.fairness_scheduler.ledger import UsageLedger
     from kfp_pytorch.fairness_scheduler.standing import (describe_half_life, format_standings, parse_capacity,
                                                          user_standings)
@@ -1775,7 +1775,7 @@ def ledger_show(ledger_url, at, half_life, config, capacity, as_json):
     cap, cap_problems = parse_capacity(capacity)
     problems += cap_problems
     if problems:
-        raise SchedulerConfigError(problems)
+        raise SchedulerOptionsError(problems)
     led = UsageLedger(ledger_url, hl, must_exist=True)
     try:
         if led.compacted_before is not None and t < led.compacted_before:
@@ -1825,7 +1825,7 @@ def ledger_compact(ledger_url, at, half_life, older_than, as_json):
     Usage stays exact; run-time estimates for backfilling come from the intervals that remain."""
     import time
 
-    from kfp_pytorch.fairness_scheduler.errors import SchedulerConfigError
+    from kfp_pytorch.fairness_scheduler.errors import SchedulerOptionsError
     from kfp_pytorch.fairness_scheduler.ledger import UsageLedger
     from kfp_pytorch.fairness_scheduler.usage import format_time, parse_duration
 
@@ -1844,7 +1844,7 @@ def ledger_compact(ledger_url, at, half_life, older_than, as_json):
             problems.append(f"--at and --older-than: the cut, {format_time(t - age)}, is in the future; "
                             "compaction folds only intervals that have ended (leave --at at now)")
     if problems:
-        raise SchedulerConfigError(problems)
+        raise SchedulerOptionsError(problems)
     led = UsageLedger(ledger_url, hl, must_exist=True)
     try:
         before = t - age

@@ -8,6 +8,18 @@ class SchedulerConfigError(ConfigError):
                          title="invalid scheduler configuration")
 
 
+class SchedulerOptionsError(SchedulerConfigError):
+    """Bad command-line options of simulate, goals or ledger (each problem names its --option; a
+    --config file's own problems are among them, named by the file)."""
+
+    def __init__(self, problems, hint=None):
+        if all(p.startswith("--config ") for p in problems):  # the config file's fields alone
+            super().__init__(problems, hint)
+        else:
+            ConfigError.__init__(self, problems, hint or "fix the options above; every problem is listed",
+                                 title="invalid options")
+
+
 class TraceError(KfpPytorchError):
     """A malformed trace row; the message names file:line."""
 

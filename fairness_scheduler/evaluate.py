@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .config import FairShareConfig
-from .errors import SchedulerConfigError, TraceError
+from .errors import SchedulerOptionsError, TraceError
 from .goals import (BASELINES, FAIR_BASELINES, GOALS, Check, baseline_checks, check, meets_all, miss_score,
                     missed, shared_misses)
 from .report import UserLookup, quiet_worker_signals, run_jobs, stop_pool_workers, trace_people, workers_problems
@@ -186,7 +186,7 @@ def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] =
     problems += set_problems(list(sets), len(files) if not problems else None)
     problems += workers_problems(workers)
     if problems:
-        raise SchedulerConfigError(problems)
+        raise SchedulerOptionsError(problems)
     parsed: dict[Path, list[TraceJob]] = {}
     bad: list[TraceError] = []
     for f in files:  # every bad trace is reported, before any run
@@ -202,14 +202,14 @@ def evaluate_goals(traces: list[str | Path], seeds: list[int], sets: list[str] =
                  "traces of one kind (both with a user column, or neither)"
                  for i, k in _pairs(len(items)) if bool(trace_users(items[i][1])) != bool(trace_users(items[k][1]))]
         if mixed:
-            raise SchedulerConfigError(mixed)
+            raise SchedulerOptionsError(mixed)
     params = (users, zipf, load, half_life, placement, fairshare, user_config)
     cache = Path(cache_dir) if cache_dir else None
     if cache:
         try:
             cache.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise SchedulerConfigError([f"--cache: cannot create folder {cache}: {e.strerror or e}"],
+            raise SchedulerOptionsError([f"--cache: cannot create folder {cache}: {e.strerror or e}"],
                                        "give a writable folder, or leave --cache out") from None
     mixes = list(_mixes(parsed, sets))
     too_big: list[TraceError] = []

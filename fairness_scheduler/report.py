@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from .config import FairShareConfig
-from .errors import SchedulerConfigError
+from .errors import SchedulerOptionsError
 from .model import UserConfig, placement_problem
 from .policy import POLICIES
 from .simulator import METRICS, SimResult, simulate
@@ -30,7 +30,7 @@ def policy_problems(text: str) -> list[str]:
 
 def parse_policies(text: str) -> list[str]:
     if problems := policy_problems(text):
-        raise SchedulerConfigError(problems, f"use 'all' or a comma-separated list of: {', '.join(POLICIES)}")
+        raise SchedulerOptionsError(problems, f"use 'all' or a comma-separated list of: {', '.join(POLICIES)}")
     return _policy_names(text)
 
 
@@ -82,7 +82,7 @@ def run_protocol(trace: str | Path, policies: list[str], users: int = 20, zipf: 
     """Every policy on the same input. ``workers`` > 1 runs policies in that many processes at once;
     each simulation is deterministic, so the results are the same as one after the other."""
     if problems := option_problems(users, zipf, load, half_life, placement, seed) + workers_problems(workers):
-        raise SchedulerConfigError(problems)
+        raise SchedulerOptionsError(problems)
     return run_jobs(read_trace(trace), policies, users, zipf, seed, load, half_life, fairshare, progress, placement,
                     workers, trace=str(trace), user_config=user_config)
 

@@ -652,6 +652,9 @@ def test_simulate_cli_bad_input(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(TRACES / "cluster10.csv"),
                           "--plot", str(tmp_path / "nope" / "p.png")], capture_output=True, text=True)
     assert out.returncode == 2 and "--plot: directory" in out.stderr and "does not exist" in out.stderr
+    # bad options are called that (it said "invalid scheduler configuration" of a --plot path); a bad
+    # --config alone keeps the config's title
+    assert "Error: invalid options:" in out.stderr and "hint: fix the options above" in out.stderr
     out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(TRACES / "cluster10.csv"),
                           "--plot", str(tmp_path / "p.txt")], capture_output=True, text=True)
     assert out.returncode == 2 and "must end in one of .png" in out.stderr and "Traceback" not in out.stderr
@@ -668,6 +671,7 @@ def test_simulate_cli_bad_input(tmp_path):
         out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(bad), "--config",
                               str(cfg)], capture_output=True, text=True)
         assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert "invalid options" not in out.stderr
 
 
 def test_protection_keeps_light_users_out_of_starving_gangs_drains():
