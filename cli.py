@@ -469,13 +469,18 @@ def serve_list(as_json):
         return
     if not servers:
         click.echo("no local model servers")
+        return
+    rows = [("NAME", "PID", "STATUS", "URL", "MODEL")]  # a header over the columns, as kubectl get's
     for s in servers:
         state = ("?" if s.get("unreadable") else "down" if not s["alive"]
                  else f"up {format_duration(s['uptime_s'])}" if s["uptime_s"] is not None else "up")
-        model = f"  model: {s['model_uri']}" if s.get("model_uri") else ""
+        model = s.get("model_uri") or "-"
         if s.get("registered_model"):  # which registered version serves, and where its files are
-            model = f"  model: {s['registered_model']} ({s['model_uri']})"
-        click.echo(f"{s['name']:<16} pid={str(s['pid'] or '-'):<8} {state:<9} {s['infer_url']}{model}")
+            model = f"{s['registered_model']} ({s['model_uri']})"
+        rows.append((s["name"], str(s["pid"] or "-"), state, s["infer_url"], model))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        click.echo("   ".join(c.ljust(w) for c, w in zip(r, widths)) + "   " + r[4])
     if down := [s["name"] for s in servers if not s.get("alive") and not s.get("unreadable")]:
         click.echo(f"{len(down)} down: `kfp-pytorch serve start {' '.join(down)}` starts "
                    f"{'it' if len(down) == 1 else 'them'} again with {'its' if len(down) == 1 else 'their'} model; "

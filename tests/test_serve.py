@@ -583,10 +583,14 @@ def test_an_unreadable_record_is_listed_and_removed_and_stop_all_stops_every_ser
                                     capture_output=True, text=True)
     r = cli("list")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
-    lines = dict(line.split(None, 1) for line in r.stdout.splitlines())
-    assert lines["broken"].startswith("pid=-") and "? " in lines["broken"] and "unreadable record" in lines["broken"]
-    assert lines["digits"].startswith(f"pid={endpoint.pid}") and re.search(r" up \d+s ", lines["digits"])  # and for how long
-    assert lines["digits"].endswith(f"  model: {endpoint.model_uri}")
+    header, *rest = r.stdout.splitlines()
+    assert header.split() == ["NAME", "PID", "STATUS", "URL", "MODEL"]  # each column named, as kubectl get's
+    lines = dict(line.split(None, 1) for line in rest)
+    assert re.match(r"-\s+\?\s+\(unreadable record ", lines["broken"])
+    assert re.match(rf"{endpoint.pid}\s+up \d+s\s+{re.escape(endpoint.infer_url)}\s", lines["digits"])  # and for how long
+    assert lines["digits"].endswith(f"   {endpoint.model_uri}")
+    # the columns line up under the header, whatever a name's length
+    assert {line.index("http") for line in r.stdout.splitlines() if "http" in line} == {header.index("URL")}
     [listed] = [s for s in json.loads(cli("list", "--json").stdout) if s["name"] == "digits"]
     assert listed["pid"] == endpoint.pid and listed["alive"] is True and listed["infer_url"] == endpoint.infer_url
     assert 0 < listed["uptime_s"] < 600
@@ -622,7 +626,7 @@ def test_a_server_that_died_is_started_again_with_its_model_on_its_port(endpoint
     assert r.returncode == 1 and f"the local model server 'digits' is down (its process {endpoint.pid} is gone" in r.stderr
     assert "hint: `kfp-pytorch serve start digits` starts it again with its model" in r.stderr
     listed = cli("list").stdout.splitlines()
-    assert " down  " in listed[0] and listed[-1] == ("1 down: `kfp-pytorch serve start digits` starts it again with its "
+    assert listed[1].split()[:3] == ["digits", str(endpoint.pid), "down"] and listed[-1] == ("1 down: `kfp-pytorch serve start digits` starts it again with its "
                                                    "model; `serve stop` removes the record")
     died = cli("logs", "digits").stdout
     assert "Uvicorn running on" in died or "Started server process" in died, died[-2000:]
@@ -1071,7 +1075,7 @@ def test_a_registered_version_or_an_older_runs_model_is_served_by_name(mlflow_se
         assert now["registered_model"] == f"models:/rollback-digits/{v2}"  # the alias resolved: the version
         listed = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "serve", "list"], capture_output=True,
                                 text=True, check=True).stdout
-        assert f"model: models:/rollback-digits/{v2} ({now['model_uri']})" in listed, listed
+        assert f"   models:/rollback-digits/{v2} ({now['model_uri']})" in listed, listed
         assert not psutil.pid_exists(up["pid"]) or psutil.Process(up["pid"]).status() == psutil.STATUS_ZOMBIE
         # the embedded store's version of the same name and number is another model: not the
         # server registry's download, served from a folder of its own
