@@ -1200,12 +1200,17 @@ def schedules_cmd(host, namespace, experiment, token, ca_cert, as_json):
         click.echo(f"no recurring runs: there is no experiment {experiment!r} here")
     elif not rows:
         click.echo(f"no recurring runs in experiment {experiment!r}")
+    table = [("NAME", "STATUS", "SCHEDULE", "NEXT RUN", "LAST RUN", "ID")]  # NAME first: what pause-schedule takes
     for r in rows:
         lr = r["last_run"]
         ended = "end_time" in r and r["status"] == "ENABLED" and not r["next_run"]
-        click.echo(f"{r['recurring_run_id']}  {r['status']:<9} {r['schedule']!r:<18} "
-                   f"next: {('ended ' + r['end_time'][:16]) if ended else r['next_run'] or '-':<24} "
-                   f"last: {(lr['state'] + ' ' + lr['created_at'][:16]) if lr else '-':<27} {r['name']}")
+        table.append((r["name"], r["status"], r["schedule"],
+                      ("ended " + r["end_time"][:16]) if ended else r["next_run"] or "-",
+                      (lr["state"] + " " + lr["created_at"][:16]) if lr else "-", r["recurring_run_id"]))
+    if rows:
+        widths = [max(len(t[i]) for t in table) for i in range(5)]
+        for t in table:
+            click.echo("   ".join(c.ljust(w) for c, w in zip(t, widths)) + "   " + t[5])
     if any(r["last_run"] and r["last_run"]["state"] == "FAILED" for r in rows):
         click.echo("why a run failed: kfp-pytorch follow RUN_ID (its failed task and error); "
                    "--json gives each last run's id", err=True)

@@ -1,6 +1,7 @@
 """submit / schedule / runs through kfp.Client against a fake KFP v2beta1 server; storage check;
 manifest dry runs; cron validation."""
 import json
+import re
 import subprocess
 import sys
 from datetime import datetime, timedelta, timezone
@@ -358,8 +359,8 @@ def test_a_schedule_runs_within_a_window_from_start_until_end(kfp_server):
     assert (q1["start_time"], q1["end_time"]) == ("2099-01-04 00:00:00 UTC", "2099-03-31 17:00:00 UTC")
     assert q1["next_run"] == "2099-01-04 03:00:00 UTC"  # not before its start
     rr["trigger"]["cron_schedule"]["end_time"] = "2020-01-01T00:00:00Z"  # as a window that has passed reads
-    [line] = [x for x in cli("schedules", "--host", url).stdout.splitlines() if x.endswith(" q1")]
-    assert "next: ended 2020-01-01 00:00" in line, line
+    [line] = [x for x in cli("schedules", "--host", url).stdout.splitlines() if x.startswith("q1 ")]
+    assert re.search(r"\s{3}ended 2020-01-01 00:00\s{3}", line), line
 
 
 def test_schedule_with_a_descriptor(kfp_server):
@@ -435,8 +436,15 @@ def test_schedules_are_listed_and_unscheduled_by_name(kfp_server):
     assert rows["often"]["status"] == "DISABLED" and rows["often"]["next_run"] is None
     assert rows["often"]["last_run"] is None  # the run by hand is no schedule's
     r = cli("schedules", "--host", url)
-    assert f"{nightly}  ENABLED   '0 0 3 * * *'" in r.stdout and "next: -" in r.stdout
-    assert "last: FAILED 2026-12-04 03:00" in r.stdout and "why a run failed: kfp-pytorch follow RUN_ID" in r.stderr
+    header, *lines = r.stdout.splitlines()
+    assert re.split(r"\s{3,}", header) == ["NAME", "STATUS", "SCHEDULE", "NEXT RUN", "LAST RUN", "ID"]
+    cells = {line.split()[0]: [c.strip() for c in re.split(r"\s{3,}", line)] for line in lines}
+    assert cells["train_and_serve-schedule"][1:3] == ["ENABLED", "0 0 3 * * *"]
+    assert cells["train_and_serve-schedule"][3].endswith("03:00:00 UTC")
+    assert cells["train_and_serve-schedule"][4:] == ["FAILED 2026-12-04 03:00", nightly]
+    assert cells["often"][1:] == ["DISABLED", "@every 6h", "-", "-", often]
+    assert {line.index(nightly if "train" in line else often) for line in lines} == {header.index("ID")}  # aligned
+    assert "why a run failed: kfp-pytorch follow RUN_ID" in r.stderr
     r = cli("unschedule", "nope", "--host", url)
     assert r.returncode == 3 and ("experiment 'kfp-pytorch' has no recurring run named 'nope' "
                                   "(it has: often, train_and_serve-schedule)") in r.stderr
