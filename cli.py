@@ -221,7 +221,8 @@ def _with_platform(entry, platform_file: str | None):
 
 @cli.command("compile", cls=_PipelineParamsCommand)
 @click.argument("pipeline", type=_PipelineName(), shell_complete=_complete_pipeline)
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="KFP IR YAML file to write.")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, allow_dash=True),
+              help="KFP IR YAML file to write ('-': stdout).")
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
               help="A parameter's default in the compiled pipeline, as the KFP UI's run form shows it "
                    "(repeatable; checked as run and submit check it).")
@@ -235,16 +236,27 @@ def compile_cmd(pipeline, output, params, platform_file):
     from kfp_pytorch.pipelines import get_pipeline
 
     # KFP writes .json too, but deprecated and without platform (Kubernetes) settings: YAML only.
-    if problem := _output_problem(output, "-o/--output", (".yaml", ".yml")):
-        raise ConfigError([problem], "give a writable KFP IR file path, e.g. -o pipeline.yaml")
+    if output != "-" and (problem := _output_problem(output, "-o/--output", (".yaml", ".yml"))):
+        raise ConfigError([problem], "give a writable KFP IR file path, e.g. -o pipeline.yaml (or -o - for stdout)")
     entry = get_pipeline(pipeline)
     values = _resolve_params(entry, params)
     entry, platform = _with_platform(entry, platform_file)
     check_component_image()
     _before_submit(values, platform, notes=False)  # it runs on a KFP server, as a submitted one does
     given = {k: values[k] for k in _parse_params(params)}  # only these: the others keep the pipeline's defaults
+    defaults = f" (defaults: {', '.join(f'{k}={v}' for k, v in given.items())})" if given else ""
+    if output == "-":  # KFP's compiler writes files only: through one, then the YAML alone on stdout
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "pipeline.yaml")
+            compiler.Compiler().compile(entry.func, package_path=path, pipeline_parameters=given or None)
+            click.echo(Path(path).read_text(), nl=False)
+        if defaults:
+            click.echo(f"compiled{defaults}", err=True)
+        return
     compiler.Compiler().compile(entry.func, package_path=output, pipeline_parameters=given or None)
-    click.echo(f"wrote {output}" + (f" (defaults: {', '.join(f'{k}={v}' for k, v in given.items())})" if given else ""))
+    click.echo(f"wrote {output}{defaults}")
 
 
 def _before_submit(values: dict, platform, notes: bool = True) -> None:

@@ -77,6 +77,12 @@ def test_compile_takes_parameters_as_the_compiled_pipelines_defaults(tmp_path):
     assert params["epochs"]["defaultValue"] == 3 and params["label_column"]["defaultValue"] == "species"
     assert params["dataset_uri"]["defaultValue"] == "s3://datasets/iris.csv"
     assert params["lr"]["defaultValue"] == 0.005  # one not given keeps the pipeline's own default
+    # -o -: the same YAML alone on stdout (a pipe to a file or another tool), the note on stderr
+    r = run_cli("compile", "train_and_serve", "-o", "-", "--param", "epochs=3",
+                "--param", "dataset_uri=s3://datasets/iris.csv", "--param", "label_column=species")
+    assert r.returncode == 0 and r.stdout == out.read_text(), r.stderr
+    assert r.stderr == "compiled (defaults: epochs=3, dataset_uri=s3://datasets/iris.csv, label_column=species)\n"
+    assert not (Path.cwd() / "-").exists()
     table = tmp_path / "iris.csv"
     table.write_text("a,label\n1,0\n")
     for bad, needle in [("epochs=many", "epochs: expected integer, got 'many'"),
