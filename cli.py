@@ -89,6 +89,14 @@ def _complete_pipeline(ctx, param, incomplete):
             if name.startswith(incomplete)]
 
 
+def _echo_columns(rows: list[tuple[str, ...]]) -> None:
+    """``rows`` (the first: the header) in columns three spaces apart, each as wide as its widest
+    cell, as kubectl get prints; the last column unpadded (a long URL or model path)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        click.echo("   ".join(c.ljust(w) for c, w in zip(r, widths)) + "   " + r[-1])
+
+
 class _PipelineName(click.ParamType):
     """PIPELINE's type: only so that a missing PIPELINE names the pipelines there are (the registry
     checks a given name, with the same list)."""
@@ -490,9 +498,7 @@ def serve_list(as_json):
         if s.get("registered_model"):  # which registered version serves, and where its files are
             model = f"{s['registered_model']} ({s['model_uri']})"
         rows.append((s["name"], str(s["pid"] or "-"), state, s["infer_url"], model))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    for r in rows:
-        click.echo("   ".join(c.ljust(w) for c, w in zip(r, widths)) + "   " + r[4])
+    _echo_columns(rows)
     if down := [s["name"] for s in servers if not s.get("alive") and not s.get("unreadable")]:
         click.echo(f"{len(down)} down: `kfp-pytorch serve start {' '.join(down)}` starts "
                    f"{'it' if len(down) == 1 else 'them'} again with {'its' if len(down) == 1 else 'their'} model; "
@@ -1220,9 +1226,7 @@ def schedules_cmd(host, namespace, experiment, token, ca_cert, as_json):
                       ("ended " + r["end_time"][:16]) if ended else r["next_run"] or "-",
                       (lr["state"] + " " + lr["created_at"][:16]) if lr else "-", r["recurring_run_id"]))
     if rows:
-        widths = [max(len(t[i]) for t in table) for i in range(5)]
-        for t in table:
-            click.echo("   ".join(c.ljust(w) for c, w in zip(t, widths)) + "   " + t[5])
+        _echo_columns(table)
     if any(r["last_run"] and r["last_run"]["state"] == "FAILED" for r in rows):
         click.echo("why a run failed: kfp-pytorch follow RUN_ID (its failed task and error); "
                    "--json gives each last run's id", err=True)
