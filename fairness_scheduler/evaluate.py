@@ -350,6 +350,10 @@ def format_goals(runs: list[GoalRun], verbose: bool = False) -> str:
     lines.append("  of those, no fair baseline met the goal in the same run either: "
                  + ", ".join(f"{g} {n}" for g, n in total["shared"].items())
                  + f" ({total['shared_only']} of {total['runs'] - total['fairshare']} missed runs miss only such goals)")
+    if total["runs"] > total["fairshare"]:
+        lines.append("miss score: minus the missed goals' shortfalls summed, each in units of about one setting's move "
+                     "(0.01 of Jain's index, 0.005 of the utilization ratio...); 0 when every goal is met"
+                     + ("" if verbose else "; -v lists each missed run with its figures"))
     own = sorted({r.trace for r in runs if r.own_users})
     if own:
         lines.append(f"kept their own users (a user column), so ran once, not per seed: {', '.join(own)}")

@@ -228,6 +228,10 @@ def test_goals_cli_judges_each_run_and_reuses_cached_baselines(tmp_path):
     table = _goals(*args[:-1], "--verbose", "--plot", str(tmp_path / "grid.png"))
     assert table.returncode == 0 and "fairshare's misses by goal" in table.stdout
     assert "halves" in table.stdout and "cluster10b/seed 0:" in table.stdout
+    assert "miss score: minus the missed goals' shortfalls summed" in table.stdout  # the column is explained
+    assert "-v lists each missed run" not in table.stdout  # it is -v
+    brief = _goals(*args[:-1])
+    assert brief.returncode == 0 and "; -v lists each missed run with its figures" in brief.stdout
     assert (tmp_path / "grid.png").stat().st_size > 10_000
 
 
