@@ -341,6 +341,8 @@ def run_cmd(pipeline, local, params, predict, as_json, verbose):
         click.echo(json.dumps(summary, indent=1, default=str))
     else:
         _print_summary(summary)
+    for note in summary.get("notes", []):  # the steps' notes, once more where the run's outcome is read
+        click.echo(note, err=True)
     confusion = summary.get("confusion", {})
     if "gate_passed" in summary and (why := gate_note({**summary["gate"], "passed": summary["gate_passed"]},
                                                       {**summary.get("metrics", {}),

@@ -533,6 +533,21 @@ def failed_task_of(message: str) -> str | None:
     return m.group(1) if m else None
 
 
+_STEP_NOTE = re.compile(r"\[kfp-pytorch\] (note: .*)")
+
+
+def step_notes(log: Path) -> list[str]:
+    """The notes the steps printed as ``[kfp-pytorch] note: ...`` (a batch that makes one step an
+    epoch, more workers than CPUs), each once, in order: the summary repeats them below its lines,
+    where a failed gate is read, not among hundreds of lines of the steps' logs."""
+    notes: dict[str, None] = {}
+    with open(log, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if m := _STEP_NOTE.search(_ANSI.sub("", line)):
+                notes[m.group(1).rstrip()] = None
+    return list(notes)
+
+
 def summarize(run: LocalRun) -> dict:
     """The facts a user wants at the end: metrics, model version, endpoint, artifact locations."""
     o = run.outputs
@@ -540,6 +555,8 @@ def summarize(run: LocalRun) -> dict:
                 "elapsed_s": round(run.elapsed_s, 2)}
     if (run.run_dir / RUN_LOG).is_file():
         s["log"] = str(run.run_dir / RUN_LOG)
+        if notes := step_notes(run.run_dir / RUN_LOG):
+            s["notes"] = notes
     if run.failed_task:
         s["failed_task"] = run.failed_task
     if run.error:

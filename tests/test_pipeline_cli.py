@@ -237,9 +237,14 @@ def test_end_to_end_on_s3_and_mlflow_server(s3, bucket, mlflow_server):
 def test_gate_failure_skips_register_and_serve():
     # ... and parameters the local backends do not read are named, while the run goes ahead
     r = run_cli("run", "train_and_serve", "--local", "--json", "--param", "epochs=1", "--param", "threshold=0.999",
-                "--param", "gpus_per_node=1", "--param", "canary_traffic_percent=20", "--param", "gate_metric=min_recall")
+                "--param", "gpus_per_node=1", "--param", "canary_traffic_percent=20", "--param", "gate_metric=min_recall",
+                "--param", "batch_size=100000")
     assert r.returncode == 0, r.stderr[-2000:]
     s = summary_of(r.stdout)
+    # the training step's note, said among its lines, is said again at the end, where the failed gate is read
+    batch = ("note: batch_size 100000 x 2 workers covers all 1257 training rows, so each epoch is one optimizer step "
+             "and a few epochs barely train; batch_size=78 takes 9 steps an epoch")
+    assert s["notes"] == [batch] and r.stderr.count(batch) == 2 and r.stderr.endswith(batch + "\n")
     assert s["gate_passed"] is False and "model" not in s and "endpoint" not in s
     assert s["gate"] == {"metric": "min_recall", "threshold": 0.999} and s["metrics"]["min_recall"] < 0.999
     # the summary names the class that recall is of, read from the confusion matrix the KFP UI shows
