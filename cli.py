@@ -97,6 +97,11 @@ def _echo_columns(rows: list[tuple[str, ...]]) -> None:
         click.echo("   ".join(c.ljust(w) for c, w in zip(r, widths)) + "   " + r[-1])
 
 
+def _examples(*lines: str) -> str:
+    """A command's help epilog of example command lines, kept as written (click's \\b: no rewrapping)."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
 class _PipelineName(click.ParamType):
     """PIPELINE's type: only so that a missing PIPELINE names the pipelines there are (the registry
     checks a given name, with the same list)."""
@@ -307,11 +312,16 @@ def _before_submit(values: dict, platform, notes: bool = True) -> None:
                    err=True)
 
 
-@cli.command("run", cls=_PipelineParamsCommand)
+@cli.command("run", cls=_PipelineParamsCommand, epilog=_examples(
+    "kfp-pytorch run train_and_serve --local",
+    "kfp-pytorch run train_and_serve --local --param epochs=5 --param workers=2",
+    "kfp-pytorch run train_and_serve --local --param dataset_uri=iris.csv --param label_column=species",
+    "kfp-pytorch run train_and_serve --local --json | jq .metrics"))
 @click.argument("pipeline", type=_PipelineName(), shell_complete=_complete_pipeline)
 @click.option("--local", "local", is_flag=True, help="Run on this machine with kfp.local (required: a KFP server "
                                                      "runs PIPELINE through `submit --host URL`).")
-@click.option("--param", "params", multiple=True, metavar="KEY=VALUE", help="Pipeline parameter (repeatable).")
+@click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
+              help="Pipeline parameter (repeatable; kfp-pytorch pipelines lists them).")
 @click.option("--predict/--no-predict", default=True, help="Send one test row to the endpoint at the end.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the summary as JSON, alone on stdout (the steps' lines go to stderr).")
@@ -1048,10 +1058,14 @@ def _kfp_options(f=None, *, host_required: bool = True, experiment: bool = True)
     return wrap(f) if f is not None else wrap
 
 
-@cli.command("submit", cls=_PipelineParamsCommand)
+@cli.command("submit", cls=_PipelineParamsCommand, epilog=_examples(
+    "kubectl -n kubeflow port-forward svc/ml-pipeline-ui 8080:80 &",
+    "kfp-pytorch submit train_and_serve --host http://127.0.0.1:8080 --param dataset_uri=s3://datasets/iris.csv",
+    "kfp-pytorch submit train_and_serve --host URL --platform platform.yaml --param train_backend=cluster --no-wait"))
 @click.argument("pipeline", type=_PipelineName(), shell_complete=_complete_pipeline)
 @_kfp_options
-@click.option("--param", "params", multiple=True, metavar="KEY=VALUE", help="Pipeline parameter (repeatable).")
+@click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
+              help="Pipeline parameter (repeatable; kfp-pytorch pipelines lists them).")
 @click.option("--run-name", default=None, help="The run's display name in the KFP UI (default: PIPELINE-YYYYMMDD-HHMMSS).")
 @click.option("--wait/--no-wait", default=True, help="Follow the run until it ends.")
 @_platform_option
@@ -1125,7 +1139,10 @@ def cancel_cmd(run_id, host, namespace, token, ca_cert):
                                            f"{run_id}` shows it end)" if state != "CANCELED" else ""))
 
 
-@cli.command("schedule", cls=_PipelineParamsCommand)
+@cli.command("schedule", cls=_PipelineParamsCommand, epilog=_examples(
+    'kfp-pytorch schedule train_and_serve --host URL --cron "0 0 3 * * *"          # 03:00 UTC daily',
+    'kfp-pytorch schedule train_and_serve --host URL --cron "@every 6h" --name often',
+    "kfp-pytorch schedules --host URL                                              # and how they fare"))
 @click.argument("pipeline", type=_PipelineName(), shell_complete=_complete_pipeline)
 @_kfp_options
 @click.option("--cron", required=True, help='6 fields, seconds first: "0 0 3 * * *" is 03:00 daily; or a descriptor: "@daily", "@every 6h".')
@@ -1566,7 +1583,10 @@ def _config_and_half_life(config: str | None, half_life: str | None, problems: l
         return cfg, 1.0
 
 
-@cli.command("simulate")
+@cli.command("simulate", epilog=_examples(
+    "kfp-pytorch simulate --trace shared/traces/itp-2021/cluster07.csv",
+    "kfp-pytorch simulate --trace cluster07.csv --policies fifo,fairshare --per-user --plot c07.png",
+    "kfp-pytorch simulate --trace cluster07.csv --config scheduler.yaml --json | jq .fairshare"))
 @click.option("--trace", "trace", required=True, type=click.Path(dir_okay=False), help="Trace CSV (itp-2021 format), plain or gzip-compressed.")
 @click.option("--policies", default="all", show_default=True, shell_complete=_complete_policies,
               help="all, or a comma-separated list.")

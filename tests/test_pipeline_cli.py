@@ -126,6 +126,34 @@ def test_every_command_and_option_says_what_it_does():
     assert not bare, bare
 
 
+def test_the_examples_in_help_parse_as_written(tmp_path, monkeypatch):
+    # an example is copied as it is: one with a renamed option, or a parameter that is not the
+    # pipeline's, would be the first error a user meets
+    import shlex
+
+    from kfp_pytorch.cli import cli
+    from kfp_pytorch.pipelines.registry import PIPELINES
+
+    known = {p.name for e in PIPELINES.values() for p in e.params}
+    monkeypatch.chdir(tmp_path)
+    checked = 0
+    for name, cmd in cli.commands.items():
+        lines = [x.strip() for x in (cmd.epilog or "").splitlines() if x.strip().startswith("kfp-pytorch ")]
+        for line in lines:
+            words = shlex.split(re.split(r" \| | +# | &$", line)[0])
+            words = ["http://127.0.0.1:8080" if w == "URL" else w for w in words]
+            for w in words:  # the files it names, so that options that want them to exist take them
+                if w.endswith((".csv", ".yaml")) and not w.startswith(("s3:", "dataset_uri=")):
+                    (tmp_path / w).parent.mkdir(parents=True, exist_ok=True)
+                    (tmp_path / w).write_text("")
+            sub = cli.commands[words[1]]
+            ctx = sub.make_context(words[1], words[2:])  # parses and checks, runs nothing
+            for kv in ctx.params.get("params", ()):
+                assert kv.split("=", 1)[0] in known, (line, kv)
+            checked += 1
+    assert checked >= 12  # run, submit, schedule and simulate have examples
+
+
 def test_commands_that_only_check_and_write_settings_do_not_import_torch():
     # pipelines, compile, submit, schedule and manifest validate parameters and write YAML: torch's
     # import was 1.5 of their 2.7 s. The names of the built-in models are known without it.
