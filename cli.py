@@ -665,7 +665,11 @@ def serve_logs(name, tail, previous, follow):
     click.echo(text, nl=bool(text) and not text.endswith("\n"))
 
 
-@serve_grp.command("predict")
+@serve_grp.command("predict", epilog=_examples(
+    "kfp-pytorch serve predict digits rows.csv -o predictions.csv",
+    "kfp-pytorch serve predict digits s3://datasets/new.parquet --probabilities -o s3://results/new.parquet",
+    "kfp-pytorch serve predict digits rows.csv --url http://digits.kubeflow-user.example.com --token TOKEN",
+    "cat rows.csv | kfp-pytorch serve predict digits -"))
 @click.argument("name", shell_complete=_complete_server)
 @click.argument("table", type=_LOCAL_OR_URI)
 @click.option("--url", default=None,
@@ -1666,7 +1670,9 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
             click.echo(f"schedule: {schedule_path} ({rows} rows)")
 
 
-@cli.command("goals")
+@cli.command("goals", epilog=_examples(
+    "kfp-pytorch goals --traces shared/traces/itp-2021 -v",
+    "kfp-pytorch goals --traces shared/traces/itp-2021 --seeds 0-5 --config scheduler.yaml --cache .goals-cache"))
 @click.option("--traces", "traces", multiple=True, type=click.Path(),
               help="Trace CSV (plain or .csv.gz), or a folder of them; repeat for more.  [required]")
 @click.option("--seeds", default="0", show_default=True, help="User draws: 0-5, 0,3,7 or a mix.")
@@ -1792,7 +1798,9 @@ def _ledger_time_and_half_life(at: str, half_life: str | None, problems: list[st
     return t, hl
 
 
-@ledger_grp.command("show")
+@ledger_grp.command("show", epilog=_examples(
+    "kfp-pytorch ledger show --ledger sqlite:///fairshare-ledger.db --config scheduler.yaml",
+    "kfp-pytorch ledger show --ledger sqlite:///fairshare-ledger.db --at 2026-12-01 --capacity gpu=64,cpu=512,memory=4096"))
 @_ledger_options
 @click.option("--config", "config", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Scheduler config YAML: users' shares and tiers, fairshare weights (and half_life).")
