@@ -179,7 +179,55 @@ def _param_spelling(option: str, args) -> str | None:
             "(kfp-pytorch pipelines lists them).")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _SectionedGroup(click.Group):
+    """The top-level help lists the commands by what they act on (this machine's runs, a KFP server,
+    recurring runs, serving and storage, fair-share scheduling), as kubectl's and gh's do, each with
+    a line that fits, rather than 18 names in alphabetical order cut off at "..."."""
+
+    SECTIONS: dict[str, dict[str, str]] = {
+        "Pipelines": {
+            "pipelines": "List the pipelines and their parameters.",
+            "run": "Run PIPELINE end-to-end on this machine (--local).",
+            "runs": "List runs: this machine's (--local) or a KFP server's.",
+        },
+        "On a KFP server": {
+            "compile": "Compile PIPELINE to KFP IR YAML (for the KFP UI).",
+            "submit": "Upload PIPELINE, start a run and follow it.",
+            "follow": "Follow a run until it ends.",
+            "cancel": "Stop a run, as the KFP UI's Terminate does.",
+            "manifest": "Print the Kubernetes manifest a cluster step would create.",
+        },
+        "Recurring runs": {
+            "schedule": "Create a recurring run of PIPELINE (nightly retraining).",
+            "schedules": "List them: cron, next run, the last run's state.",
+            "pause-schedule": "Pause one (KFP starts no run of it).",
+            "resume-schedule": "Resume a paused one.",
+            "unschedule": "Delete one (the runs it started stay).",
+        },
+        "Serving and storage": {
+            "serve": "Local model servers: list, start, stop, logs, predict.",
+            "storage": "MinIO / S3: check, ls, cp, cat, mb, rm.",
+        },
+        "Fair-share scheduling": {
+            "simulate": "Replay a GPU-cluster trace under six scheduling policies.",
+            "goals": "Judge the fairshare policy by issue #4's goals.",
+            "ledger": "The usage ledger: each user's standing, compaction.",
+        },
+    }
+
+    def format_commands(self, ctx, formatter):
+        listed = {name for section in self.SECTIONS.values() for name in section}
+        sections = dict(self.SECTIONS)
+        if other := {n: self.commands[n].get_short_help_str(60) for n in self.list_commands(ctx) if n not in listed}:
+            sections["Other"] = other  # a command added without a line here is still listed
+        width = max(len(n) for n in self.commands)  # one column for every section
+        for title, rows in sections.items():
+            with formatter.section(title):
+                formatter.write_dl([(name.ljust(width), line) for name, line in rows.items() if name in self.commands])
+
+
+@click.group(cls=_SectionedGroup, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog="A command's options, and examples: kfp-pytorch COMMAND --help.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 @click.version_option(package_name="kfp-pytorch")
 @click.pass_context

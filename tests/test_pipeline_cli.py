@@ -126,6 +126,30 @@ def test_every_command_and_option_says_what_it_does():
     assert not bare, bare
 
 
+def test_the_top_level_help_lists_every_command_once_by_section():
+    import click
+    from click.testing import CliRunner
+
+    from kfp_pytorch.cli import _SectionedGroup, cli
+
+    sections = _SectionedGroup.SECTIONS
+    listed = [name for rows in sections.values() for name in rows]
+    assert sorted(listed) == sorted(cli.commands)  # each command in one section, and only commands
+    for group in ("serve", "storage"):  # a group's line names its commands, all of them
+        line = sections["Serving and storage"][group]
+        assert sorted(re.findall(r"\b[a-z]+\b", line.split(": ", 1)[1])) == sorted(cli.commands[group].commands)
+    out = CliRunner().invoke(cli, ["--help"]).output
+    commands = out.split("\nPipelines:\n", 1)[1]
+    assert [t for t in sections if f"\n{t}:\n" in out] == list(sections) and "..." not in commands  # none cut off
+    assert all(len(line) <= 80 for line in out.splitlines())
+    rows = [line for line in commands.split("\n\n  A command's")[0].splitlines() if line.startswith("  ")]
+    assert sorted(r.split()[0] for r in rows) == sorted(listed)
+    assert {r.index(r.split()[1], len(r.split()[0]) + 2) for r in rows} == {19}  # one column for every section
+    # a command added without a line of its own is still listed, under Other
+    extra = _SectionedGroup(commands={**cli.commands, "new": click.Command("new", help="Does a new thing.")})
+    assert "\nOther:\n  new" in CliRunner().invoke(extra, ["--help"]).output
+
+
 def test_the_examples_in_help_parse_as_written(tmp_path, monkeypatch):
     # an example is copied as it is: one with a renamed option, or a parameter that is not the
     # pipeline's, would be the first error a user meets
