@@ -169,7 +169,7 @@ def test_the_examples_in_help_parse_as_written(tmp_path, monkeypatch):
 
     checked = 0
     for cmd in walk(cli):
-        lines = [x.strip() for x in (cmd.epilog or "").splitlines() if "kfp-pytorch " in x]
+        lines = [x.strip() for x in (cmd.epilog or "").splitlines() if x.strip().startswith(("kfp-pytorch ", "cat "))]
         for line in lines:
             words = shlex.split(re.split(r" \| | +# | &$", line.split("| ", 1)[-1] if line.startswith("cat ") else line)[0])
             words = ["http://127.0.0.1:8080" if w == "URL" else w for w in words]
