@@ -246,13 +246,38 @@ def pipelines_cmd(as_json):
         click.echo(json.dumps({n: {p.name: {"type": p.type.__name__, "default": p.default, "help": p.description}
                                    for p in e.params} for n, e in PIPELINES.items()}, indent=1))
         return
+    import shutil
+
+    from kfp_pytorch.pipelines.local import _isatty
+
+    # a terminal gets the descriptions wrapped to its width; a pipe, one line per parameter for grep
+    width = shutil.get_terminal_size().columns if _isatty(sys.stdout) else None
     for name, entry in PIPELINES.items():
         click.secho(f"{name}", bold=True, nl=False)
         click.echo(f"  {entry.summary}")
-        name_w = max(len(p.name) for p in entry.params)
-        default_w = max(len(repr(p.default)) for p in entry.params)
-        for p in entry.params:
-            click.echo(f"  {p.name:<{name_w}} {p.type.__name__:<5} default={p.default!r:<{default_w}}  {p.description}")
+        for line in _param_lines(entry.params, width):
+            click.echo(line)
+
+
+def _param_lines(params, width: int | None = None) -> list[str]:
+    """One row per parameter: name, type, default, description; with ``width``, the description
+    wrapped under itself (or, when the columns before it leave under 30 characters, on lines of
+    its own below)."""
+    import textwrap
+
+    name_w = max(len(p.name) for p in params)
+    default_w = max(len(repr(p.default)) for p in params)
+    lines = []
+    for p in params:
+        head = f"  {p.name:<{name_w}} {p.type.__name__:<5} default={p.default!r:<{default_w}}  "
+        if width is None or len(head) + len(p.description) <= width:
+            lines.append(head + p.description)
+        elif width - len(head) >= 30:
+            lines += textwrap.wrap(p.description, width, initial_indent=head, subsequent_indent=" " * len(head))
+        else:
+            lines.append(head.rstrip())
+            lines += textwrap.wrap(p.description, width, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return lines
 
 
 def _platform_option(f):

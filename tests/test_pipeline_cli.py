@@ -242,6 +242,24 @@ def test_pipelines_lists_parameters():
         starts = {column(row, f"default={params[row.split()[0]]['default']!r}" if field == "default" else
                          params[row.split()[0]][field]) for row in rows}
         assert len(starts) == 1, (field, rows)
+    # a terminal's width: each description wrapped under itself, or below its row when the columns
+    # leave it too little room; a pipe (above) keeps one line per parameter
+    from kfp_pytorch.cli import _param_lines
+    from kfp_pytorch.pipelines.registry import PIPELINES
+
+    entry = PIPELINES["train_and_serve"]
+    assert _param_lines(entry.params) == rows
+    help_at = rows[0].index(params["dataset_uri"]["help"])
+    for width, indent in ((100, help_at), (60, 6)):
+        lines = _param_lines(entry.params, width)
+        assert max(map(len, lines)) <= width and len(lines) > len(rows)
+        heads = [i for i, line in enumerate(lines) if line[2:3] != " "]
+        assert [lines[i].split()[0] for i in heads] == [p.name for p in entry.params]
+        for i, p in zip(heads, entry.params):  # the description, whole, in its rows
+            end = heads[heads.index(i) + 1] if i != heads[-1] else len(lines)
+            text = " ".join([lines[i][help_at:]] + [line[indent:] for line in lines[i + 1:end]]).split()
+            assert text == p.description.split(), (width, p.name)
+            assert all(line[:indent].strip() == "" for line in lines[i + 1:end])
 
 
 def test_end_to_end_on_s3_and_mlflow_server(s3, bucket, mlflow_server):
