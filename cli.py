@@ -1577,17 +1577,25 @@ def manifest_cmd(kind, params, namespace, image, run_id, fairness, platform_file
     elif kind == "s3-secret":
         docs = kserve_s3_secret_and_sa(cfg.s3 or S3Access(), namespace)
     else:
-        v = get_pipeline("train_and_serve").resolve(_parse_params(params))
-        root = v["storage_root"] or "s3://kfp-pytorch/runs"
-        if kind == "inferenceservice":
-            canary = None if v["canary_traffic_percent"] < 0 else v["canary_traffic_percent"]
-            docs = [to_inference_service(cfg.serve_spec(join(root, run_id, "model"), v["model_name"], canary,
-                                                        v["serve_min_replicas"], v["serve_max_replicas"]))]
-        else:
-            ts = TrainSpec(join(root, run_id, "dataset"), join(root, run_id, "train"), run_id=run_id, task="train-op",
-                           **{field: v[param] for field, param in TRAIN_SPEC_PARAMS.items()})
-            cs = cfg.train_spec(ts)
-            docs = [to_pytorchjob(cs) if kind == "pytorchjob" else to_trainjob(cs)]
+        from kfp_pytorch.components.errors import ConfigError
+
+        try:
+            v = get_pipeline("train_and_serve").resolve(_parse_params(params))
+            root = v["storage_root"] or "s3://kfp-pytorch/runs"
+            if kind == "inferenceservice":
+                canary = None if v["canary_traffic_percent"] < 0 else v["canary_traffic_percent"]
+                docs = [to_inference_service(cfg.serve_spec(join(root, run_id, "model"), v["model_name"], canary,
+                                                            v["serve_min_replicas"], v["serve_max_replicas"]))]
+            else:
+                ts = TrainSpec(join(root, run_id, "dataset"), join(root, run_id, "train"), run_id=run_id, task="train-op",
+                               **{field: v[param] for field, param in TRAIN_SPEC_PARAMS.items()})
+                cs = cfg.train_spec(ts)
+                docs = [to_pytorchjob(cs) if kind == "pytorchjob" else to_trainjob(cs)]
+        except ConfigError as e:  # the settings' own error, with where the image comes from in this command
+            if any(p.startswith("image: required") for p in e.problems) and not e.hint:
+                e.hint = ("pass --image REGISTRY/kfp-pytorch:TAG, or export KFP_PYTORCH_IMAGE: the image built from "
+                          "this repository's Dockerfile, pushed where the cluster pulls from")
+            raise
     click.echo(dump_yaml(docs), nl=False)
 
 

@@ -704,8 +704,10 @@ def test_manifest_dry_runs_are_valid():
         assert r.returncode == 0, r.stderr
         for doc in yaml.safe_load_all(r.stdout):
             validate_manifest(doc)
-    r = cli("manifest", "pytorchjob")
-    assert r.returncode == 2 and "image: required" in r.stderr
+    for kind in ("pytorchjob", "trainjob", "inferenceservice"):  # where the image comes from, in this command
+        r = cli("manifest", kind)
+        assert r.returncode == 2 and "image: required" in r.stderr and "Traceback" not in r.stderr
+        assert "hint: pass --image REGISTRY/kfp-pytorch:TAG, or export KFP_PYTORCH_IMAGE" in r.stderr, r.stderr
     # the serving replicas reach the InferenceService; scale to zero is refused in RawDeployment
     r = cli("manifest", "inferenceservice", "--image", "reg/kfp-pytorch:0.1.0", "--param", "serve_min_replicas=2",
             "--param", "serve_max_replicas=6")
