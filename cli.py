@@ -102,18 +102,42 @@ def _examples(*lines: str) -> str:
     return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
 
 
-class _PipelineName(click.ParamType):
-    """PIPELINE's type: only so that a missing PIPELINE names the pipelines there are (the registry
-    checks a given name, with the same list)."""
-    name = "pipeline"
+class _Said(click.ParamType):
+    """A text argument or option whose absence says what to give and where to find it (``missing``,
+    called only then), where click says only "Missing argument 'NAME'." The value is taken as given:
+    the command checks it, with the same list."""
+    name = "text"
+
+    def __init__(self, missing):
+        self.missing = missing
 
     def convert(self, value, param, ctx):
         return value
 
     def get_missing_message(self, param, ctx):
-        from kfp_pytorch.pipelines.registry import PIPELINES
+        return self.missing()
 
-        return f"Name one of the pipelines: {', '.join(PIPELINES)} (kfp-pytorch pipelines lists them with their parameters)."
+
+def _pipelines_said() -> str:
+    from kfp_pytorch.pipelines.registry import PIPELINES
+
+    return f"Name one of the pipelines: {', '.join(PIPELINES)} (kfp-pytorch pipelines lists them with their parameters)."
+
+
+def _servers_said() -> str:
+    from kfp_pytorch.components.serve import list_servers
+
+    names = [s["name"] for s in list_servers()]
+    if not names:
+        return ("There are no local model servers here: a pipeline's serve step starts one "
+                "(kfp-pytorch run train_and_serve --local).")
+    return f"Name one of the local model servers: {', '.join(names)} (kfp-pytorch serve list shows them)."
+
+
+_PIPELINE = _Said(_pipelines_said)
+_RUN_ID = _Said(lambda: "Give the KFP run's id: kfp-pytorch runs --host URL lists them, newest first "
+                        "(the KFP UI shows it in the run's details).")
+_SCHEDULE_NAME = _Said(lambda: "Give the recurring run's name: kfp-pytorch schedules --host URL lists them.")
 
 
 def _complete_server(ctx, param, incomplete):
@@ -306,7 +330,7 @@ def _with_platform(entry, platform_file: str | None):
 
 
 @cli.command("compile", cls=_PipelineParamsCommand)
-@click.argument("pipeline", type=_PipelineName(), shell_complete=_complete_pipeline)
+@click.argument("pipeline", type=_PIPELINE, shell_complete=_complete_pipeline)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, allow_dash=True),
               help="KFP IR YAML file to write ('-': stdout).")
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
@@ -390,7 +414,7 @@ def _before_submit(values: dict, platform, notes: bool = True) -> None:
     "kfp-pytorch run train_and_serve --local --param epochs=5 --param workers=2",
     "kfp-pytorch run train_and_serve --local --param dataset_uri=iris.csv --param label_column=species",
     "kfp-pytorch run train_and_serve --local --json | jq .metrics"))
-@click.argument("pipeline", type=_PipelineName(), shell_complete=_complete_pipeline)
+@click.argument("pipeline", type=_PIPELINE, shell_complete=_complete_pipeline)
 @click.option("--local", "local", is_flag=True, help="Run on this machine with kfp.local (required: a KFP server "
                                                      "runs PIPELINE through `submit --host URL`).")
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
@@ -697,7 +721,7 @@ def _serve_model_as(names, start_all, port, model_uri, tracking_uri) -> None:
 
 
 @serve_grp.command("logs")
-@click.argument("name", shell_complete=_complete_server)
+@click.argument("name", type=_Said(_servers_said), shell_complete=_complete_server)
 @click.option("--tail", type=click.IntRange(0), default=None, help="Only the last N lines.")
 @click.option("-p", "--previous", is_flag=True,
               help="The log of the server it replaced: the one that died, or the model served before.")
@@ -743,7 +767,7 @@ def serve_logs(name, tail, previous, follow):
     "kfp-pytorch serve predict digits s3://datasets/new.parquet --probabilities -o s3://results/new.parquet",
     "kfp-pytorch serve predict digits rows.csv --url http://digits.kubeflow-user.example.com --token TOKEN",
     "cat rows.csv | kfp-pytorch serve predict digits -"))
-@click.argument("name", shell_complete=_complete_server)
+@click.argument("name", type=_Said(_servers_said), shell_complete=_complete_server)
 @click.argument("table", type=_LOCAL_OR_URI)
 @click.option("--url", default=None,
               help="The server's base URL, for one not started here (a KServe InferenceService's status.url; a model's .../v2/models/NAME/infer endpoint is taken too).")
@@ -1139,7 +1163,7 @@ def _kfp_options(f=None, *, host_required: bool = True, experiment: bool = True)
     "kubectl -n kubeflow port-forward svc/ml-pipeline-ui 8080:80 &",
     "kfp-pytorch submit train_and_serve --host http://127.0.0.1:8080 --param dataset_uri=s3://datasets/iris.csv",
     "kfp-pytorch submit train_and_serve --host URL --platform platform.yaml --param train_backend=cluster --no-wait"))
-@click.argument("pipeline", type=_PipelineName(), shell_complete=_complete_pipeline)
+@click.argument("pipeline", type=_PIPELINE, shell_complete=_complete_pipeline)
 @_kfp_options
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
               help="Pipeline parameter (repeatable; kfp-pytorch pipelines lists them).")
@@ -1188,7 +1212,7 @@ def _follow_run(api, host: str, run_id: str) -> None:
 
 
 @cli.command("follow")
-@click.argument("run_id")
+@click.argument("run_id", type=_RUN_ID)
 @_kfp_options(experiment=False)
 def follow_cmd(run_id, host, namespace, token, ca_cert):
     """Follow the KFP run RUN_ID until it ends, as submit does: after --no-wait, a closed terminal or
@@ -1201,7 +1225,7 @@ def follow_cmd(run_id, host, namespace, token, ca_cert):
 
 
 @cli.command("cancel")
-@click.argument("run_id")
+@click.argument("run_id", type=_RUN_ID)
 @_kfp_options(experiment=False)
 def cancel_cmd(run_id, host, namespace, token, ca_cert):
     """Stop the KFP run RUN_ID, as the KFP UI's Terminate does: its pods are stopped and it ends
@@ -1220,7 +1244,7 @@ def cancel_cmd(run_id, host, namespace, token, ca_cert):
     'kfp-pytorch schedule train_and_serve --host URL --cron "0 0 3 * * *"          # 03:00 UTC daily',
     'kfp-pytorch schedule train_and_serve --host URL --cron "@every 6h" --name often',
     "kfp-pytorch schedules --host URL                                              # and how they fare"))
-@click.argument("pipeline", type=_PipelineName(), shell_complete=_complete_pipeline)
+@click.argument("pipeline", type=_PIPELINE, shell_complete=_complete_pipeline)
 @_kfp_options
 @click.option("--cron", required=True, help='6 fields, seconds first: "0 0 3 * * *" is 03:00 daily; or a descriptor: "@daily", "@every 6h".')
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
@@ -1329,7 +1353,7 @@ def schedules_cmd(host, namespace, experiment, token, ca_cert, as_json):
 
 
 @cli.command("unschedule")
-@click.argument("name")
+@click.argument("name", type=_SCHEDULE_NAME)
 @_kfp_options
 def unschedule_cmd(name, host, namespace, experiment, token, ca_cert):
     """Delete the recurring run NAME of the experiment (the runs it started stay)."""
@@ -1374,7 +1398,7 @@ def _set_schedule(name, host, namespace, experiment, token, ca_cert, enabled: bo
 
 
 @cli.command("pause-schedule")
-@click.argument("name")
+@click.argument("name", type=_SCHEDULE_NAME)
 @_kfp_options
 def pause_schedule_cmd(name, host, namespace, experiment, token, ca_cert):
     """Pause the recurring run NAME (KFP starts no more runs of it until resume-schedule; a run it
@@ -1383,7 +1407,7 @@ def pause_schedule_cmd(name, host, namespace, experiment, token, ca_cert):
 
 
 @cli.command("resume-schedule")
-@click.argument("name")
+@click.argument("name", type=_SCHEDULE_NAME)
 @_kfp_options
 def resume_schedule_cmd(name, host, namespace, experiment, token, ca_cert):
     """Resume the paused recurring run NAME. One that `schedule` made starts no runs for the slots
@@ -1837,16 +1861,14 @@ def ledger_grp():
     """The fairness scheduler's usage ledger: where each user stands, and compaction."""
 
 
-class _LedgerUrl(click.ParamType):
-    """--ledger's type: only so that a missing --ledger says what to pass, as a missing --host does."""
+class _LedgerUrl(_Said):
+    """--ledger's type: a missing --ledger says what to pass, as a missing --host does."""
     name = "URL"
 
-    def convert(self, value, param, ctx):
-        return value
-
-    def get_missing_message(self, param, ctx):
-        return ("Pass the URL of the ledger the fairness scheduler writes, or export KFP_PYTORCH_LEDGER: e.g. "
-                "--ledger sqlite:///fairshare-ledger.db, or postgresql+psycopg://USER@HOST/DB for a shared one")
+    def __init__(self):
+        super().__init__(lambda: "Pass the URL of the ledger the fairness scheduler writes, or export KFP_PYTORCH_LEDGER: "
+                                 "e.g. --ledger sqlite:///fairshare-ledger.db, or postgresql+psycopg://USER@HOST/DB "
+                                 "for a shared one")
 
 
 def _ledger_options(f):

@@ -690,6 +690,29 @@ def test_a_missing_pipeline_names_the_pipelines_there_are(command):
             "them with their parameters).") in r.stderr
 
 
+def test_a_missing_name_or_id_says_where_to_find_it():
+    # each was click's bare "Missing argument 'NAME'.": the list of what it takes is in another command
+    from kfp_pytorch.components.serve import _pidfile
+
+    for command in (["serve", "logs"], ["serve", "predict"]):
+        r = run_cli(*command)
+        assert r.returncode == 2 and ("Missing argument 'NAME'. There are no local model servers here: a pipeline's "
+                                      "serve step starts one (kfp-pytorch run train_and_serve --local).") in r.stderr
+    for name in ("iris", "digits"):  # records of servers that are down: still theirs to name
+        _pidfile(name).write_text(json.dumps({"name": name, "url": "http://127.0.0.1:9", "pid": None,
+                                              "infer_url": f"http://127.0.0.1:9/v2/models/{name}/infer"}))
+    r = run_cli("serve", "logs")
+    assert r.returncode == 2 and ("Missing argument 'NAME'. Name one of the local model servers: digits, iris "
+                                  "(kfp-pytorch serve list shows them).") in r.stderr, r.stderr
+    for command in (["follow"], ["cancel"]):
+        r = run_cli(*command)
+        assert r.returncode == 2 and "Missing argument 'RUN_ID'. Give the KFP run's id: kfp-pytorch runs --host URL" in r.stderr
+    for command in (["unschedule"], ["pause-schedule"], ["resume-schedule"]):
+        r = run_cli(*command)
+        assert r.returncode == 2 and ("Missing argument 'NAME'. Give the recurring run's name: kfp-pytorch schedules "
+                                      "--host URL lists them.") in r.stderr
+
+
 @pytest.mark.parametrize("args, option, wanted", [
     (["run", "train_and_serve", "--local", "--epochs", "3"], "--epochs", "--param epochs=3"),
     (["submit", "train_and_serve", "--batch-size=32"], "--batch-size", "--param batch_size=32"),
