@@ -1692,11 +1692,21 @@ def _config_and_half_life(config: str | None, half_life: str | None, problems: l
         return cfg, 1.0
 
 
+class _TracePath(click.Path):
+    """--trace's type: a missing --trace says what a trace holds."""
+
+    def get_missing_message(self, param, ctx):
+        from kfp_pytorch.fairness_scheduler.trace import COLUMNS, USER_COLUMN
+
+        return (f"Give a trace CSV, plain or gzip-compressed, with the columns {', '.join(COLUMNS)} (and {USER_COLUMN}, "
+                "optionally), as the itp-2021 traces have.")
+
+
 @cli.command("simulate", epilog=_examples(
     "kfp-pytorch simulate --trace shared/traces/itp-2021/cluster07.csv",
     "kfp-pytorch simulate --trace cluster07.csv --policies fifo,fairshare --per-user --plot c07.png",
     "kfp-pytorch simulate --trace cluster07.csv --config scheduler.yaml --json | jq .fairshare"))
-@click.option("--trace", "trace", required=True, type=click.Path(dir_okay=False), help="Trace CSV (itp-2021 format), plain or gzip-compressed.")
+@click.option("--trace", "trace", required=True, type=_TracePath(dir_okay=False), help="Trace CSV (itp-2021 format), plain or gzip-compressed.")
 @click.option("--policies", default="all", show_default=True, shell_complete=_complete_policies,
               help="all, or a comma-separated list.")
 @click.option("--users", default=20, show_default=True, type=int,

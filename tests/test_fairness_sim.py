@@ -627,6 +627,9 @@ def test_light_users_are_the_lighter_half_of_any_user_count():
     assert ten_of_ten.metrics["light_wait_p95"] != got.metrics["light_wait_p95"]
 
 def test_simulate_cli_bad_input(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate"], capture_output=True, text=True)
+    assert out.returncode == 2 and ("Missing option '--trace'. Give a trace CSV, plain or gzip-compressed, with the "
+                                    "columns job_id, submission_time, duration, num_gpu (and user, optionally)") in out.stderr
     bad = write(tmp_path, "job_id,submission_time,duration,num_gpu\na,0,10,1\nb,1,oops,1\n")
     out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(bad)],
                          capture_output=True, text=True)
