@@ -614,6 +614,24 @@ def serve_list(as_json):
                    "`serve stop` removes the record")
 
 
+def _names_or_all(verb: str, both: bool) -> str:
+    """``serve stop|start`` with neither names nor --all (or both): which servers there are to name."""
+    from kfp_pytorch.components.serve import list_servers
+
+    if both:
+        return f"give the names of the servers to {verb}, or --all, not both"
+    servers = [s for s in list_servers() if not s.get("unreadable")]
+    up = [s["name"] for s in servers if s["alive"]]
+    down = [s["name"] for s in servers if not s["alive"]]
+    if not servers:
+        return f"give the names of the servers to {verb}, or --all; there are no local model servers here"
+    if verb == "start" and not down:
+        return f"give the names of the servers to {verb}, or --all; every local model server is up ({', '.join(up)})"
+    listed = "; ".join(f"{state}: {', '.join(names)}" for state, names in (("down", down), ("up", up))
+                       if names and (verb == "stop" or state == "down"))
+    return f"give the names of the servers to {verb} ({listed}), or --all"
+
+
 @serve_grp.command("stop")
 @click.argument("names", nargs=-1, shell_complete=_complete_server)
 @click.option("--all", "stop_all", is_flag=True, help="Stop every local model server.")
@@ -624,7 +642,7 @@ def serve_stop(names, stop_all):
     from kfp_pytorch.components.serve import list_servers, stop_server, unknown_server
 
     if stop_all == bool(names):
-        raise click.UsageError("give the names of the servers to stop, or --all")
+        raise click.UsageError(_names_or_all("stop", both=stop_all))
     names = names or [s["name"] for s in list_servers()]
     if not names:
         click.echo("no local model servers")
@@ -666,7 +684,7 @@ def serve_start(names, start_all, port, model_uri, tracking_uri):
             "tracking_uri") != ParameterSource.ENVIRONMENT:
         raise click.UsageError("--tracking-uri reads a models:/ URI: give it with --model-uri")
     if start_all == bool(names):
-        raise click.UsageError("give the names of the servers to start, or --all")
+        raise click.UsageError(_names_or_all("start", both=start_all))
     if start_all:
         names = [s["name"] for s in list_servers() if not s.get("alive") and not s.get("unreadable")]
         if not names:

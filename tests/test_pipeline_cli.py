@@ -704,6 +704,25 @@ def test_a_missing_name_or_id_says_where_to_find_it():
     r = run_cli("serve", "logs")
     assert r.returncode == 2 and ("Missing argument 'NAME'. Name one of the local model servers: digits, iris "
                                   "(kfp-pytorch serve list shows them).") in r.stderr, r.stderr
+    # serve stop|start with neither names nor --all: the servers there are, up and down
+    from kfp_pytorch.components.serve import _start_ticks
+
+    up = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:  # a live process of "digits" (as the stale-record test makes one): the record reads it as up
+        _pidfile("digits").write_text(json.dumps({"name": "digits", "url": "http://127.0.0.1:9", "pid": up.pid,
+                                                  "infer_url": "http://127.0.0.1:9/v2/models/digits/infer",
+                                                  "start_ticks": _start_ticks(up.pid),
+                                                  "create_time": psutil.Process(up.pid).create_time()}))
+        r = run_cli("serve", "stop")
+        assert r.returncode == 2 and "give the names of the servers to stop (down: iris; up: digits), or --all" in r.stderr
+        r = run_cli("serve", "start")
+        assert r.returncode == 2 and "give the names of the servers to start (down: iris), or --all" in r.stderr
+        r = run_cli("serve", "start", "iris", "--all")
+        assert r.returncode == 2 and "give the names of the servers to start, or --all, not both" in r.stderr
+        assert up.poll() is None and _pidfile("iris").exists()  # nothing stopped, nothing removed
+    finally:
+        up.kill()
+        up.wait()
     for command in (["follow"], ["cancel"]):
         r = run_cli(*command)
         assert r.returncode == 2 and "Missing argument 'RUN_ID'. Give the KFP run's id: kfp-pytorch runs --host URL" in r.stderr
