@@ -3,9 +3,8 @@ from kfp_pytorch.components.errors import ConfigError, KfpPytorchError
 
 
 class SchedulerConfigError(ConfigError):
-    def __init__(self, problems, hint=None):
-        super().__init__(problems, hint or "fix the fields above; every problem is listed",
-                         title="invalid scheduler configuration")
+    def __init__(self, problems, hint=None, title="invalid scheduler configuration"):
+        super().__init__(problems, hint or "fix the fields above; every problem is listed", title=title)
 
 
 class SchedulerOptionsError(SchedulerConfigError):
@@ -16,8 +15,7 @@ class SchedulerOptionsError(SchedulerConfigError):
         if all(p.startswith("--config ") for p in problems):  # the config file's fields alone
             super().__init__(problems, hint)
         else:
-            ConfigError.__init__(self, problems, hint or "fix the options above; every problem is listed",
-                                 title="invalid options")
+            super().__init__(problems, hint or "fix the options above; every problem is listed", title="invalid options")
 
 
 class TraceError(KfpPytorchError):
