@@ -272,10 +272,8 @@ def pipelines_cmd(as_json):
         return
     import shutil
 
-    from kfp_pytorch.pipelines.local import _isatty
-
     # a terminal gets the descriptions wrapped to its width; a pipe, one line per parameter for grep
-    width = shutil.get_terminal_size().columns if _isatty(sys.stdout) else None
+    width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
     for name, entry in PIPELINES.items():
         click.secho(f"{name}", bold=True, nl=False)
         click.echo(f"  {entry.summary}")

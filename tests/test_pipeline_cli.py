@@ -196,9 +196,12 @@ def test_commands_that_only_check_and_write_settings_do_not_import_torch():
             "from kfp_pytorch.pipelines.registry import get_pipeline\n"
             "get_pipeline('train_and_serve').resolve({'model_arch': 'cnn', 'train_backend': 'cluster', "
             "'storage_root': 's3://models/runs'})\n"
-            "print(sorted(m for m in ('torch', 'pandas', 'mlflow') if m in sys.modules))")
+            "for args in (['pipelines'], ['manifest', 'pytorchjob', '--image', 'reg/kfp-pytorch:0.1.0']):\n"
+            "    kfp_pytorch.cli.cli.main(args, standalone_mode=False)\n"  # the commands themselves, run
+            "print(sorted(m for m in ('torch', 'pandas', 'mlflow') if m in sys.modules), file=sys.stderr)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert r.returncode == 0 and r.stdout == "[]\n", r.stderr
+    assert r.returncode == 0 and r.stderr == "[]\n", r.stderr
+    assert "train_and_serve" in r.stdout and "kind: PyTorchJob" in r.stdout
     from kfp_pytorch.components.models import ZOO
     from kfp_pytorch.components.train import BUILTIN_MODELS
 
