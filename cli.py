@@ -578,7 +578,7 @@ def serve_grp():
     """Local model servers started by the serve step."""
 
 
-@serve_grp.command("list")
+@serve_grp.command("list", short_help="Each local model server: name, pid, status, URL, model.")
 @click.option("--json", "as_json", is_flag=True, help="Print the servers' records as JSON.")
 def serve_list(as_json):
     """Each local model server: name, pid, up (for how long) or down, its inference URL and the model it serves."""
@@ -630,7 +630,7 @@ def _names_or_all(verb: str, both: bool) -> str:
     return f"give the names of the servers to {verb} ({listed}), or --all"
 
 
-@serve_grp.command("stop")
+@serve_grp.command("stop", short_help="Stop local model servers (NAMES, or --all).")
 @click.argument("names", nargs=-1, shell_complete=_complete_server)
 @click.option("--all", "stop_all", is_flag=True, help="Stop every local model server.")
 def serve_stop(names, stop_all):
@@ -654,7 +654,7 @@ def serve_stop(names, stop_all):
         raise ServingError(unknown_server(missing), "`kfp-pytorch serve list` names the servers")
 
 
-@serve_grp.command("start")
+@serve_grp.command("start", short_help="Start local model servers again (down after a reboot).")
 @click.argument("names", nargs=-1, shell_complete=_complete_server)
 @click.option("--all", "start_all", is_flag=True, help="Every local model server that is down.")
 @click.option("--port", type=click.IntRange(0, 65535), default=0,
@@ -736,7 +736,7 @@ def _serve_model_as(names, start_all, port, model_uri, tracking_uri) -> None:
     click.echo(f"{name}: serving {what} at {ep.infer_url} (pid {ep.pid}){replaced}")
 
 
-@serve_grp.command("logs")
+@serve_grp.command("logs", short_help="Print a local model server's log (-f follows it).")
 @click.argument("name", type=_Said(_servers_said), shell_complete=_complete_server)
 @click.option("--tail", type=click.IntRange(0), default=None, help="Only the last N lines.")
 @click.option("-p", "--previous", is_flag=True,
@@ -778,7 +778,7 @@ def serve_logs(name, tail, previous, follow):
     click.echo(text, nl=bool(text) and not text.endswith("\n"))
 
 
-@serve_grp.command("predict", epilog=_examples(
+@serve_grp.command("predict", short_help="Predict each row of a table with a local model server.", epilog=_examples(
     "kfp-pytorch serve predict digits rows.csv -o predictions.csv",
     "kfp-pytorch serve predict digits s3://datasets/new.parquet --probabilities -o s3://results/new.parquet",
     "kfp-pytorch serve predict digits rows.csv --url http://digits.kubeflow-user.example.com --token TOKEN",
@@ -898,7 +898,7 @@ def storage_grp():
     """Object storage (MinIO / S3) as configured by AWS_ENDPOINT_URL and credentials."""
 
 
-@storage_grp.command("ls")
+@storage_grp.command("ls", short_help="List the buckets, or the objects under a prefix.")
 @click.argument("uri", required=False, type=_LOCAL_OR_URI)
 @click.option("-l", "--long", "long_", is_flag=True,
               help="Each object's last-modified time (UTC) and size too, and the count and total size at the end.")
@@ -958,7 +958,7 @@ def _bytes_bar(total: int, label: str):
                 disable=None, leave=False, mininterval=0.2)
 
 
-@storage_grp.command("cp")
+@storage_grp.command("cp", short_help="Copy files to, from or inside S3.")
 @click.argument("source", type=_LOCAL_OR_URI)
 @click.argument("dest", type=_LOCAL_OR_URI)
 def storage_cp(source, dest):
@@ -1036,7 +1036,7 @@ def storage_cp(source, dest):
     click.echo(f"downloaded {len(found)} file(s), {_size(size)}, to {target}")
 
 
-@storage_grp.command("rm")
+@storage_grp.command("rm", short_help="Remove an object, or with -r every object under a prefix.")
 @click.argument("uri")
 @click.option("-r", "--recursive", is_flag=True, help="Remove every object under the prefix URI.")
 @click.option("--dry-run", is_flag=True, help="Say what would be removed, remove nothing.")
@@ -1069,7 +1069,7 @@ def storage_rm(uri, recursive, dry_run):
                f"{_size(sum(e.size for e in doomed))}", err=True)
 
 
-@storage_grp.command("cat")
+@storage_grp.command("cat", short_help="Write objects to stdout.")
 @click.argument("uris", nargs=-1, required=True, metavar="URI...")
 def storage_cat(uris):
     """Write the objects URI... (s3://BUCKET/KEY or minio://) to stdout, one after the other, streamed
@@ -1098,7 +1098,7 @@ def storage_cat(uris):
         out.flush()
 
 
-@storage_grp.command("mb")
+@storage_grp.command("mb", short_help="Make a bucket (one that exists is left as it is).")
 @click.argument("uri")
 def storage_mb(uri):
     """Make the bucket URI (s3://BUCKET): where a dataset is uploaded to, or a pipeline's storage_root.
@@ -1639,7 +1639,7 @@ def manifest_cmd(kind, params, namespace, image, run_id, fairness, platform_file
     click.echo(dump_yaml(docs), nl=False)
 
 
-@storage_grp.command("check")
+@storage_grp.command("check", short_help="Check the endpoint, credentials, bucket and read/write.")
 @click.argument("uri", default="")
 def storage_check(uri):
     """Check the S3 endpoint, credentials, bucket, and read/write permission under URI."""
@@ -1927,7 +1927,7 @@ def _ledger_time_and_half_life(at: str, half_life: str | None, problems: list[st
     return t, hl
 
 
-@ledger_grp.command("show", epilog=_examples(
+@ledger_grp.command("show", short_help="Each user's decayed usage, share and fair-share factor.", epilog=_examples(
     "kfp-pytorch ledger show --ledger sqlite:///fairshare-ledger.db --config scheduler.yaml",
     "kfp-pytorch ledger show --ledger sqlite:///fairshare-ledger.db --at 2026-12-01 --capacity gpu=64,cpu=512,memory=4096"))
 @_ledger_options
@@ -1999,7 +1999,7 @@ def ledger_show(ledger_url, at, half_life, config, capacity, as_json):
     click.echo(format_standings(rows, header))
 
 
-@ledger_grp.command("compact")
+@ledger_grp.command("compact", short_help="Fold old usage intervals into decayed aggregates.")
 @_ledger_options
 @click.option("--older-than", "older_than", required=True,
               help="Fold intervals that ended at least this long before --at (30d, 12h, seconds).")

@@ -150,6 +150,19 @@ def test_the_top_level_help_lists_every_command_once_by_section():
     assert "\nOther:\n  new" in CliRunner().invoke(extra, ["--help"]).output
 
 
+@pytest.mark.parametrize("group", ["serve", "storage", "ledger"])
+def test_a_command_groups_help_lists_each_subcommand_on_a_line_that_fits(group):
+    # click cuts a docstring's first sentence at the width left ("Write the objects URI..."): each
+    # subcommand's line is written to fit, and says what it does
+    from click.testing import CliRunner
+
+    from kfp_pytorch.cli import cli
+
+    out = CliRunner().invoke(cli, [group, "--help"]).output
+    rows = out.split("\nCommands:\n", 1)[1].splitlines()
+    assert sorted(r.split()[0] for r in rows) == sorted(cli.commands[group].commands)
+    assert all(len(r) <= 80 and not r.endswith("...") and len(r.split()) > 2 for r in rows), rows
+
 def test_the_examples_in_help_parse_as_written(tmp_path, monkeypatch):
     # an example is copied as it is: one with a renamed option, or a parameter that is not the
     # pipeline's, would be the first error a user meets
