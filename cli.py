@@ -874,7 +874,7 @@ def _stdin_table():
 def _check_predictions_output(output: str) -> bool:
     """Refuse an -o that cannot take the predictions, before the server is asked for any; True if
     it is an S3 object."""
-    from kfp_pytorch.components.errors import ConfigError, StorageNotFound
+    from kfp_pytorch.components.errors import ConfigError
     from kfp_pytorch.components.storage import Storage, parse_uri
 
     loc = parse_uri(output)
@@ -886,11 +886,22 @@ def _check_predictions_output(output: str) -> bool:
     if not loc.key or loc.key.endswith("/"):
         raise ConfigError([f"-o/--output: {output!r} names no object"], f"give the object's key, e.g. "
                                                                           f"s3://{loc.bucket}/predictions.csv")
-    if not Storage().bucket_exists(output):
-        raise StorageNotFound(f"-o/--output: there is no bucket {loc.bucket!r}",
-                              f"create it: `kfp-pytorch storage mb s3://{loc.bucket}` (or check the name: "
-                              "`kfp-pytorch storage ls` lists the buckets)")
+    _need_bucket(Storage(), output, "-o/--output")
     return True
+
+
+def _need_bucket(storage, uri: str, what: str) -> None:
+    """Refuse to write where there is no bucket. MinIO and AWS say NoSuchBucket only after the data
+    was sent, and SeaweedFS (KFP's default store) makes the bucket on the first PUT, so a typo in the
+    bucket's name would leave the data in a new bucket that nothing reads (mc cp refuses, too)."""
+    from kfp_pytorch.components.errors import StorageNotFound
+    from kfp_pytorch.components.storage import parse_uri
+
+    if not storage.bucket_exists(uri):
+        bucket = parse_uri(uri).bucket
+        raise StorageNotFound(f"{what}: there is no bucket {bucket!r}",
+                              f"create it: `kfp-pytorch storage mb s3://{bucket}` (or check the name: "
+                              "`kfp-pytorch storage ls` lists the buckets)")
 
 
 @cli.group("storage")
@@ -979,7 +990,9 @@ def storage_cp(source, dest):
         loc = parse_uri(dest)
         if not loc.is_s3 or not loc.key or loc.key.endswith("/"):
             raise click.UsageError(f"with SOURCE '-' (stdin), DEST must name an object: s3://BUCKET/KEY, got {dest}")
-        sent = Storage().upload_stream(sys.stdin.buffer, dest)
+        storage = Storage()
+        _need_bucket(storage, dest, f"copy to {dest}")
+        sent = storage.upload_stream(sys.stdin.buffer, dest)
         click.echo(f"uploaded {_size(sent)} from stdin to {dest}")
         return
     src, dst = parse_uri(source), parse_uri(dest)
@@ -987,6 +1000,7 @@ def storage_cp(source, dest):
         raise click.UsageError("SOURCE or DEST must be s3:// (or minio://); copy between local paths with cp")
     storage = Storage()
     if src.is_s3 and dst.is_s3:  # inside the server, as `aws s3 cp s3://a s3://b` and `mc cp` do
+        _need_bucket(storage, dest, f"copy to {dest}")
         name = PurePosixPath(src.key.rstrip("/")).name
         if src.key and not src.key.endswith("/") and (entry := storage.stat(source)):
             target = join(dest, name) if dest.endswith("/") or not dst.key else dest
@@ -1011,6 +1025,7 @@ def storage_cp(source, dest):
         files = [src.path] if src.path.is_file() else sorted(p for p in src.path.rglob("*") if p.is_file())
         if not files:
             raise StorageNotFound(f"copy {source}: the directory holds no files", "check the path")
+        _need_bucket(storage, dest, f"copy to {dest}")
         if dest.endswith("/") or not dst.key:
             dest = join(dest, src.path.name)
         size = sum(p.stat().st_size for p in files)

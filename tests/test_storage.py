@@ -493,6 +493,21 @@ def test_storage_mb_makes_the_bucket_an_upload_to_a_missing_one_asks_for(s3, tmp
     r = st("cp", str(tmp_path / "iris.csv"), f"s3://{b}/iris.csv")
     assert r.returncode == 1 and f"there is no bucket '{b}'" in r.stderr, r.stderr
     assert f"create it: `kfp-pytorch storage mb s3://{b}`" in r.stderr
+    # with a region set too, from a file, from stdin and from another bucket: SeaweedFS would make
+    # the bucket on the first PUT, so a typo in its name would leave the data where nothing reads it
+    regional = lambda *a, data=None: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "kfp_pytorch.cli", "storage", *a], capture_output=True, text=True, input=data,
+        env=dict(env, AWS_REGION="us-east-1"))
+    s3.ensure_bucket("s3://data-staging")
+    s3.write_bytes("s3://data-staging/iris.csv", b"a,label\n1,0\n")
+    for args, data in [((str(tmp_path / "iris.csv"), f"s3://{b}/iris.csv"), None), (("-", f"s3://{b}/x.csv"), "a\n"),
+                       (("s3://data-staging/iris.csv", f"s3://{b}/"), None),
+                       (("s3://data-staging/", f"s3://{b}/copy/"), None)]:
+        r = regional("cp", *args, data=data)
+        assert r.returncode == 1 and f"copy to {args[1]}: there is no bucket '{b}'" in r.stderr, r.stderr
+    assert not s3.bucket_exists(f"s3://{b}")  # none was made
+    r = regional("cp", str(tmp_path / "missing.csv"), f"s3://{b}/")  # the local path is checked first
+    assert r.returncode == 1 and "no such file or directory" in r.stderr, r.stderr
     assert f"create it with `kfp-pytorch storage mb s3://{b}`" in st("check", f"s3://{b}/x").stdout
     r = st("mb", f"s3://{b}")
     assert r.returncode == 0 and r.stdout == f"made bucket s3://{b}\n", r.stderr
@@ -605,9 +620,12 @@ def test_storage_cp_copies_from_s3_to_s3_inside_the_server(s3, bucket, monkeypat
                         "s3://no-such-bucket-cp/x.csv"], capture_output=True, text=True, env=env)
     assert r.returncode == 1 and "copy to s3://no-such-bucket-cp/x.csv: there is no bucket" in r.stderr, r.stderr
     assert "`kfp-pytorch storage mb s3://no-such-bucket-cp`" in r.stderr
-    r = cp(f"s3://{bucket}/staging/iris.csv", "s3://no-such-bucket-cp/x.csv")  # SeaweedFS's 500s: reached, not unreachable
-    assert r.returncode == 1 and "answered every retry with an error (too many 500 error responses)" in r.stderr
-    assert "cannot reach" not in r.stderr
+    r = cp(f"s3://{bucket}/staging/iris.csv", "s3://no-such-bucket-cp/x.csv")  # with a region: asked first, too
+    assert r.returncode == 1 and "copy to s3://no-such-bucket-cp/x.csv: there is no bucket" in r.stderr, r.stderr
+    with pytest.raises(StorageError) as e:  # SeaweedFS's 500s, had the copy been sent: reached, not unreachable
+        s3.copy(f"s3://{bucket}/staging/iris.csv", "s3://no-such-bucket-cp/x.csv", 12)
+    assert "answered every retry with an error (too many 500 error responses)" in str(e.value)
+    assert "cannot reach" not in str(e.value)
     monkeypatch.setattr(storage_mod, "_COPY_LIMIT", 5)  # above S3's one-request limit: copied in parts
     assert s3.copy(f"s3://{bucket}/staging/iris.csv", f"s3://{bucket}/big/iris.csv") == 12
     assert s3.read_bytes(f"s3://{bucket}/big/iris.csv") == b"a,label\n1,0\n"
