@@ -395,7 +395,8 @@ class Storage:
         loc = parse_uri(uri)
         if loc.is_s3 and not loc.key:
             raise StorageError(f"{action} {uri}: the URI names a bucket, not an object",
-                               "write s3://BUCKET/KEY; `kfp-pytorch storage ls s3://BUCKET/` lists the keys there")
+                               f"write s3://{loc.bucket}/KEY; `kfp-pytorch storage ls s3://{loc.bucket}/` lists "
+                               "the keys there")
         return loc
 
     # ---- public API -------------------------------------------------------------------------
