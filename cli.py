@@ -239,6 +239,18 @@ class _SectionedGroup(click.Group):
         },
     }
 
+    def resolve_command(self, ctx, args):
+        """A subcommand given without its group (`kfp-pytorch predict`, `kfp-pytorch ls`) is named
+        with it, where click would only say there is no such command."""
+        name = args[0] if args else ""
+        if name not in self.commands and not ctx.resilient_parsing:
+            groups = [g for g, c in self.commands.items() if isinstance(c, click.Group) and name in c.commands]
+            if groups:
+                said = " or ".join(f"'{ctx.command_path} {g} {name}'" for g in groups)
+                raise click.exceptions.NoSuchCommand(name, message=f"No such command {name!r}. Did you mean {said}?",
+                                                     ctx=ctx)
+        return super().resolve_command(ctx, args)
+
     def format_commands(self, ctx, formatter):
         listed = {name for section in self.SECTIONS.values() for name in section}
         sections = dict(self.SECTIONS)

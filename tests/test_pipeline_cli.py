@@ -150,6 +150,20 @@ def test_the_top_level_help_lists_every_command_once_by_section():
     assert "\nOther:\n  new" in CliRunner().invoke(extra, ["--help"]).output
 
 
+def test_a_subcommand_given_without_its_group_is_named_with_it():
+    from click.testing import CliRunner
+
+    from kfp_pytorch.cli import cli
+
+    for args, said in [(["predict", "digits", "rows.csv"], "'kfp-pytorch serve predict'"),
+                       (["ls", "s3://data"], "'kfp-pytorch storage ls'"), (["compact"], "'kfp-pytorch ledger compact'")]:
+        r = CliRunner().invoke(cli, args, prog_name="kfp-pytorch")
+        assert r.exit_code == 2 and f"No such command '{args[0]}'. Did you mean {said}?" in r.output, r.output
+    r = CliRunner().invoke(cli, ["runn"], prog_name="kfp-pytorch")  # click's own suggestion stays
+    assert r.exit_code == 2 and "Did you mean one of: 'run', 'runs'?" in r.output
+    assert CliRunner().invoke(cli, ["nonexist"]).exit_code == 2
+
+
 @pytest.mark.parametrize("group", ["serve", "storage", "ledger"])
 def test_a_command_groups_help_lists_each_subcommand_on_a_line_that_fits(group):
     # click cuts a docstring's first sentence at the width left ("Write the objects URI..."): each
