@@ -1092,6 +1092,8 @@ def storage_rm(uri, recursive, dry_run):
         if not dry_run:
             storage.delete(e.uri)
         click.echo(f"{'would remove' if dry_run else 'removed'} {e.uri}")
+    if not dry_run:  # the folders they leave empty, which SeaweedFS would list for minutes yet
+        storage.remove_empty_folders(uri, below=recursive)
     click.echo(f"{'would remove' if dry_run else 'removed'} {len(doomed)} object(s), "
                f"{_size(sum(e.size for e in doomed))}", err=True)
 

@@ -568,6 +568,41 @@ class Storage:
         for u in self.list(uri):
             sub = parse_uri(u)
             self._s3(sub, "delete", self.client.remove_object, sub.bucket, sub.key)
+        self.remove_empty_folders(uri, below=True)
+
+    def remove_empty_folders(self, uri: str, below: bool = False) -> list[str]:
+        """Remove the folder ``uri`` names (an object's URI: its folder) and those above it, up to
+        the bucket, while they hold nothing; with ``below``, first the empty folders under it too.
+        The folders removed, deepest first.
+
+        SeaweedFS (KFP's default store) keeps a folder after its last object is removed, and drops
+        it only minutes later, so `ls` after `rm -r` would go on listing a folder with nothing in it.
+        MinIO and AWS drop it themselves: there, one listing per level finds nothing to remove. A
+        folder that is not empty is never removed (SeaweedFS refuses that DELETE anyway)."""
+        loc = parse_uri(uri)
+        if not loc.is_s3:
+            return []
+        start = loc.key if loc.key.endswith("/") or below else loc.key.rpartition("/")[0] + "/"
+        start = start.rstrip("/") + "/" if start.strip("/") else ""  # "": the bucket's top
+        if not start and not below:
+            return []
+        folders, todo = [], [start]
+        while below and todo:  # the folders under start, each listed once
+            folders.append(todo.pop())
+            todo += [parse_uri(e.uri).key for e in self.entries(f"s3://{loc.bucket}/{folders[-1]}", recursive=False)
+                     if e.uri.endswith("/")]
+        folders.sort(key=lambda k: k.count("/"), reverse=True)  # deepest first: a parent empties after its children
+        parts = start.rstrip("/").split("/") if start else []
+        folders += [key for i in range(len(parts), 0, -1) if (key := "/".join(parts[:i]) + "/") not in folders]
+        removed = []
+        for key in filter(None, folders):  # never the bucket itself
+            if self.entries(f"s3://{loc.bucket}/{key}", recursive=False):
+                if key.count("/") <= start.count("/"):
+                    break  # start or a folder above it holds something: so do those above it
+                continue
+            self._s3(loc, "delete", self.client.remove_object, loc.bucket, key)
+            removed.append(f"s3://{loc.bucket}/{key}")
+        return removed
 
     def buckets(self) -> list[Entry]:
         """Every bucket the credentials see, as ``s3://NAME/`` with its creation time, sorted."""

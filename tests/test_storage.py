@@ -424,12 +424,35 @@ def test_storage_rm_removes_an_object_or_with_r_a_prefix_and_lists_what_it_remov
     r = rm("-r", f"minio://{bucket}/d")
     assert r.returncode == 0 and r.stdout.count("removed ") == 2 and r.stderr == "removed 2 object(s), 20 B\n"
     assert s3.list(f"s3://{bucket}") == [f"s3://{bucket}/keep.csv"]
+    # and ls no longer lists the folders they were in (SeaweedFS kept d/ and d/sub/ for minutes)
+    assert [e.uri for e in s3.entries(f"s3://{bucket}", recursive=False)] == [f"s3://{bucket}/keep.csv"]
     r = rm(f"s3://{bucket}/keep.csv")
     assert r.returncode == 0 and r.stdout == f"removed s3://{bucket}/keep.csv\n" and s3.list(f"s3://{bucket}") == []
     r = rm(f"s3://{bucket}/keep.csv")  # gone: said, not a silent success
     assert r.returncode == 1 and f"remove s3://{bucket}/keep.csv: nothing stored there" in r.stderr
     r = rm(str(tmp_path))
     assert r.returncode == 2 and "storage rm removes objects from S3" in r.stderr and tmp_path.exists()
+
+
+def test_removing_objects_removes_the_folders_they_leave_empty_and_no_other(s3, bucket):
+    import subprocess
+    import sys
+
+    ls = lambda key="": [e.uri.split(f"{bucket}/", 1)[1] for e in s3.entries(f"s3://{bucket}/{key}", recursive=False)]  # noqa: E731
+    for key in ("runs/a/model/w.pt", "runs/a/metrics.json", "runs/b/model/w.pt", "data/x/y/t.csv", "data/keep.csv"):
+        s3.write_bytes(f"s3://{bucket}/{key}", b"x")
+    s3.delete(f"s3://{bucket}/data/x/y/t.csv")
+    assert s3.remove_empty_folders(f"s3://{bucket}/data/x/y/t.csv") == [f"s3://{bucket}/data/x/y/", f"s3://{bucket}/data/x/"]
+    assert ls() == ["data/", "runs/"] and ls("data") == ["data/keep.csv"]  # data/ holds keep.csv: it stays
+    s3.delete(f"s3://{bucket}/runs/a/model/w.pt")  # runs/a/ holds metrics.json: only model/ goes
+    assert s3.remove_empty_folders(f"s3://{bucket}/runs/a/model/") == [f"s3://{bucket}/runs/a/model/"]
+    assert ls("runs/a") == ["runs/a/metrics.json"]
+    s3.delete_prefix(f"s3://{bucket}/runs")  # every object and folder under it, and runs/ itself
+    assert ls() == ["data/"] and s3.list(f"s3://{bucket}/data") == [f"s3://{bucket}/data/keep.csv"]
+    r = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "storage", "rm", f"s3://{bucket}/data/keep.csv"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and ls() == []  # the bucket itself stays
+    assert s3.bucket_exists(f"s3://{bucket}")
 
 
 def test_a_table_on_this_machine_is_refused_for_a_kfp_server_run(tmp_path):
