@@ -140,6 +140,16 @@ _RUN_ID = _Said(lambda: "Give the KFP run's id: kfp-pytorch runs --host URL list
 _SCHEDULE_NAME = _Said(lambda: "Give the recurring run's name: kfp-pytorch schedules --host URL lists them.")
 
 
+def _said_as(param_type: click.ParamType, missing: str) -> click.ParamType:
+    """A copy of ``param_type`` whose absence says ``missing``, where click says only "Missing
+    argument 'URI'." (as :class:`_Said`, for a type that converts too, such as click.Path)."""
+    import copy
+
+    said = copy.copy(param_type)
+    said.get_missing_message = lambda param, ctx: missing
+    return said
+
+
 def _complete_server(ctx, param, incomplete):
     """The local model servers' names (``serve start``: those that are down first), each with its state."""
     from click.shell_completion import CompletionItem
@@ -341,7 +351,8 @@ def _with_platform(entry, platform_file: str | None):
 
 @cli.command("compile", cls=_PipelineParamsCommand)
 @click.argument("pipeline", type=_PIPELINE, shell_complete=_complete_pipeline)
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, allow_dash=True),
+@click.option("-o", "--output", required=True, type=_said_as(click.Path(dir_okay=False, allow_dash=True),
+              "Say where the KFP IR YAML goes: -o PIPELINE.yaml (to upload in the KFP UI), or -o - for stdout."),
               help="KFP IR YAML file to write ('-': stdout).")
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
               help="A parameter's default in the compiled pipeline, as the KFP UI's run form shows it "
@@ -796,7 +807,8 @@ def serve_logs(name, tail, previous, follow):
     "kfp-pytorch serve predict digits rows.csv --url http://digits.kubeflow-user.example.com --token TOKEN",
     "cat rows.csv | kfp-pytorch serve predict digits -"))
 @click.argument("name", type=_Said(_servers_said), shell_complete=_complete_server)
-@click.argument("table", type=_LOCAL_OR_URI)
+@click.argument("table", type=_said_as(_LOCAL_OR_URI, "Give the table to predict: a CSV, Parquet, JSON Lines or "
+                                                    "Feather file, s3://BUCKET/KEY, or '-' for a CSV on stdin."))
 @click.option("--url", default=None,
               help="The server's base URL, for one not started here (a KServe InferenceService's status.url; a model's .../v2/models/NAME/infer endpoint is taken too).")
 @click.option("--model-uri", default=None,
@@ -981,9 +993,13 @@ def _bytes_bar(total: int, label: str):
                 disable=None, leave=False, mininterval=0.2)
 
 
+_CP_SAID = ("Give SOURCE and DEST: kfp-pytorch storage cp iris.csv s3://BUCKET/datasets/ uploads, "
+            "kfp-pytorch storage cp s3://BUCKET/KEY . downloads.")
+
+
 @storage_grp.command("cp", short_help="Copy files to, from or inside S3.")
-@click.argument("source", type=_LOCAL_OR_URI)
-@click.argument("dest", type=_LOCAL_OR_URI)
+@click.argument("source", type=_said_as(_LOCAL_OR_URI, _CP_SAID))
+@click.argument("dest", type=_said_as(_LOCAL_OR_URI, _CP_SAID))
 def storage_cp(source, dest):
     """Copy a file or a directory to S3 (SOURCE a local path, DEST s3://BUCKET/KEY or minio://), or
     from S3 (SOURCE an object or a prefix, DEST a local path): a table for a KFP run's dataset_uri,
@@ -1064,7 +1080,8 @@ def storage_cp(source, dest):
 
 
 @storage_grp.command("rm", short_help="Remove an object, or with -r every object under a prefix.")
-@click.argument("uri")
+@click.argument("uri", type=_Said(lambda: "Name the object: s3://BUCKET/KEY, or a prefix with -r "
+                                          "(kfp-pytorch storage ls s3://BUCKET/ lists them)."))
 @click.option("-r", "--recursive", is_flag=True, help="Remove every object under the prefix URI.")
 @click.option("--dry-run", is_flag=True, help="Say what would be removed, remove nothing.")
 def storage_rm(uri, recursive, dry_run):
@@ -1099,7 +1116,8 @@ def storage_rm(uri, recursive, dry_run):
 
 
 @storage_grp.command("cat", short_help="Write objects to stdout.")
-@click.argument("uris", nargs=-1, required=True, metavar="URI...")
+@click.argument("uris", nargs=-1, required=True, metavar="URI...", type=_Said(
+    lambda: "Name the objects: s3://BUCKET/KEY (kfp-pytorch storage ls s3://BUCKET/ lists them)."))
 def storage_cat(uris):
     """Write the objects URI... (s3://BUCKET/KEY or minio://) to stdout, one after the other, streamed
     as they are read: a run's metrics.json, the head of a table (`| head`), a model card. Every URI
@@ -1128,7 +1146,8 @@ def storage_cat(uris):
 
 
 @storage_grp.command("mb", short_help="Make a bucket (one that exists is left as it is).")
-@click.argument("uri")
+@click.argument("uri", type=_Said(lambda: "Name the bucket to make: s3://NAME (3-63 characters: lower-case letters, "
+                                          "digits, '.' and '-')."))
 def storage_mb(uri):
     """Make the bucket URI (s3://BUCKET): where a dataset is uploaded to, or a pipeline's storage_root.
     A bucket that exists already is left as it is (exit 0), so a set-up script can run it again."""
@@ -1291,7 +1310,8 @@ def cancel_cmd(run_id, host, namespace, token, ca_cert):
     "kfp-pytorch schedules --host URL                                              # and how they fare"))
 @click.argument("pipeline", type=_PIPELINE, shell_complete=_complete_pipeline)
 @_kfp_options
-@click.option("--cron", required=True, help='6 fields, seconds first: "0 0 3 * * *" is 03:00 daily; or a descriptor: "@daily", "@every 6h".')
+@click.option("--cron", required=True, type=_Said(lambda: 'Say when it runs: --cron "0 0 3 * * *" (03:00 UTC daily; 6 '
+                                                             'fields, seconds first), or "@daily", "@every 6h".'), help='6 fields, seconds first: "0 0 3 * * *" is 03:00 daily; or a descriptor: "@daily", "@every 6h".')
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
               help="Pipeline parameter of every run it starts (repeatable).")
 @click.option("--name", default=None, help="Recurring run name (default: PIPELINE-schedule).")
@@ -2030,7 +2050,8 @@ def ledger_show(ledger_url, at, half_life, config, capacity, as_json):
 
 @ledger_grp.command("compact", short_help="Fold old usage intervals into decayed aggregates.")
 @_ledger_options
-@click.option("--older-than", "older_than", required=True,
+@click.option("--older-than", "older_than", required=True, type=_Said(
+    lambda: "Say how old an interval must be to be folded: --older-than 30d (or 12h, or seconds)."),
               help="Fold intervals that ended at least this long before --at (30d, 12h, seconds).")
 @click.option("--json", "as_json", is_flag=True, help="Print {folded, before, remaining} as JSON.")
 def ledger_compact(ledger_url, at, half_life, older_than, as_json):

@@ -762,6 +762,34 @@ def test_a_missing_name_or_id_says_where_to_find_it():
                                       "--host URL lists them.") in r.stderr
 
 
+def test_every_required_argument_and_option_says_what_to_give_when_missing():
+    # click's bare "Missing argument 'URI'." names a slot, not what goes in it: each required one
+    # says what to give (and where to find it), as the ones above do
+    import click
+    from click.testing import CliRunner
+
+    from kfp_pytorch.cli import cli
+
+    def walk(cmd, path):
+        yield path, cmd
+        for name, sub in getattr(cmd, "commands", {}).items():
+            yield from walk(sub, f"{path} {name}")
+
+    bare = [f"{path} {p.name}" for path, cmd in walk(cli, "kfp-pytorch") for p in cmd.params
+            if p.required and not p.type.get_missing_message(param=p, ctx=click.Context(cmd))]
+    assert not bare, bare
+    for args, said in [(["storage", "cp", "iris.csv"], "Missing argument 'DEST'. Give SOURCE and DEST: kfp-pytorch "
+                                                         "storage cp iris.csv s3://BUCKET/datasets/ uploads"),
+                       (["storage", "mb"], "Missing argument 'URI'. Name the bucket to make: s3://NAME"),
+                       (["storage", "cat"], "Missing argument 'URI...'. Name the objects: s3://BUCKET/KEY"),
+                       (["compile", "train_and_serve"], "Missing option '-o' / '--output'. Say where the KFP IR YAML goes"),
+                       (["serve", "predict", "digits"], "Missing argument 'TABLE'. Give the table to predict: a CSV"),
+                       (["schedule", "train_and_serve", "--host", "http://127.0.0.1:9"],
+                        "Missing option '--cron'. Say when it runs: --cron \"0 0 3 * * *\"")]:
+        r = CliRunner().invoke(cli, args)
+        assert r.exit_code == 2 and said in r.output, r.output
+
+
 @pytest.mark.parametrize("args, option, wanted", [
     (["run", "train_and_serve", "--local", "--epochs", "3"], "--epochs", "--param epochs=3"),
     (["submit", "train_and_serve", "--batch-size=32"], "--batch-size", "--param batch_size=32"),
