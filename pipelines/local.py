@@ -17,10 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kfp_pytorch.components.errors import ConfigError, KfpPytorchError, PortInUseError, RegistryError
-from kfp_pytorch.components.models import build_model, resolve_factory
 from kfp_pytorch.components.paths import home
-from kfp_pytorch.components.prepare_data import (SAMPLE_SCHEME, check_table, encode_labels, feature_names, image_shape,
-                                                 load_table, parse_columns)
 from kfp_pytorch.components.serve import port_is_free, read_server
 from kfp_pytorch.components.storage import Storage
 from kfp_pytorch.components.tracking import resolve_tracking_uri, tracking_uri_problem
@@ -30,6 +27,12 @@ from .registry import PipelineEntry
 
 def preflight(params: dict, storage: Storage | None = None) -> None:
     """Fail fast, before any step, on bad input a step would only discover later."""
+    # here, not at the top: torch and pandas are half a second each, and `runs --local` or
+    # `serve list` import this module for what it says of runs and servers, needing neither
+    from kfp_pytorch.components.models import build_model, resolve_factory
+    from kfp_pytorch.components.prepare_data import (SAMPLE_SCHEME, check_table, encode_labels, feature_names,
+                                                     image_shape, load_table, parse_columns)
+
     if "model_arch" in params:
         resolve_factory(params["model_arch"])
     uri = params.get("dataset_uri", "")
