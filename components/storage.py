@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import errno
 import io
+import itertools
 import os
 import re
 import shutil
@@ -577,7 +578,8 @@ class Storage:
 
         SeaweedFS (KFP's default store) keeps a folder after its last object is removed, and drops
         it only minutes later, so `ls` after `rm -r` would go on listing a folder with nothing in it.
-        MinIO and AWS drop it themselves: there, one listing per level finds nothing to remove. A
+        MinIO and AWS drop it themselves: there, one listing finds no folder, and nothing is sent
+        (a DELETE of a key that is not there would leave a delete marker in a versioned bucket). A
         folder that is not empty is never removed (SeaweedFS refuses that DELETE anyway)."""
         loc = parse_uri(uri)
         if not loc.is_s3:
@@ -596,12 +598,13 @@ class Storage:
         folders += [key for i in range(len(parts), 0, -1) if (key := "/".join(parts[:i]) + "/") not in folders]
         removed = []
         for key in filter(None, folders):  # never the bucket itself
-            if self.entries(f"s3://{loc.bucket}/{key}", recursive=False):
-                if key.count("/") <= start.count("/"):
-                    break  # start or a folder above it holds something: so do those above it
-                continue
-            self._s3(loc, "delete", self.client.remove_object, loc.bucket, key)
-            removed.append(f"s3://{loc.bucket}/{key}")
+            listed = self._s3(loc, "list", lambda k=key: [o.object_name for o in itertools.islice(
+                self.client.list_objects(loc.bucket, prefix=k), 2)])
+            if listed == [key]:  # the folder, and nothing in it
+                self._s3(loc, "delete", self.client.remove_object, loc.bucket, key)
+                removed.append(f"s3://{loc.bucket}/{key}")
+            elif key.count("/") <= start.count("/"):
+                break  # start or a folder above it holds something, or is not there: those above stay
         return removed
 
     def buckets(self) -> list[Entry]:
