@@ -434,7 +434,11 @@ def _before_submit(values: dict, platform, notes: bool = True) -> None:
     "kfp-pytorch run train_and_serve --local",
     "kfp-pytorch run train_and_serve --local --param epochs=5 --param workers=2",
     "kfp-pytorch run train_and_serve --local --param dataset_uri=iris.csv --param label_column=species",
-    "kfp-pytorch run train_and_serve --local --json | jq .metrics"))
+    "kfp-pytorch run train_and_serve --local --json | jq .metrics",
+    "kfp-pytorch run train_and_serve --local --json | jq -e .gate_passed   # exit 1 when the gate failed") + (
+    "\n\nExit status: 0 when every step ran, the gate passed or not (its line in the summary says which, "
+    "as gate_passed in --json); 1 when a step failed, or a server the run needs (S3, MLflow) cannot be used; 2 for "
+    "bad options or parameters, or a dataset that is not there or does not validate; 130 on Ctrl-C."))
 @click.argument("pipeline", type=_PIPELINE, shell_complete=_complete_pipeline)
 @click.option("--local", "local", is_flag=True, help="Run on this machine with kfp.local (required: a KFP server "
                                                      "runs PIPELINE through `submit --host URL`).")
