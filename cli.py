@@ -102,20 +102,18 @@ def _examples(*lines: str) -> str:
     return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
 
 
-class _Said(click.ParamType):
-    """A text argument or option whose absence says what to give and where to find it (``missing``,
-    called only then), where click says only "Missing argument 'NAME'." The value is taken as given:
-    the command checks it, with the same list."""
-    name = "text"
+def _said(missing, param_type: click.ParamType = click.STRING, name: str | None = None) -> click.ParamType:
+    """A copy of ``param_type`` (text by default: taken as given, the command checks it) whose
+    absence says what to give and where to find it, where click says only "Missing argument 'NAME'."
+    ``missing``: the message, or a callable that makes it (called only then: a list of what there
+    is). ``name``: the metavar's word in --help (URL rather than TEXT)."""
+    import copy
 
-    def __init__(self, missing):
-        self.missing = missing
-
-    def convert(self, value, param, ctx):
-        return value
-
-    def get_missing_message(self, param, ctx):
-        return self.missing()
+    said = copy.copy(param_type)
+    said.get_missing_message = lambda param, ctx: missing() if callable(missing) else missing
+    if name:
+        said.name = name
+    return said
 
 
 def _pipelines_said() -> str:
@@ -134,20 +132,10 @@ def _servers_said() -> str:
     return f"Name one of the local model servers: {', '.join(names)} (kfp-pytorch serve list shows them)."
 
 
-_PIPELINE = _Said(_pipelines_said)
-_RUN_ID = _Said(lambda: "Give the KFP run's id: kfp-pytorch runs --host URL lists them, newest first "
+_PIPELINE = _said(_pipelines_said)
+_RUN_ID = _said("Give the KFP run's id: kfp-pytorch runs --host URL lists them, newest first "
                         "(the KFP UI shows it in the run's details).")
-_SCHEDULE_NAME = _Said(lambda: "Give the recurring run's name: kfp-pytorch schedules --host URL lists them.")
-
-
-def _said_as(param_type: click.ParamType, missing: str) -> click.ParamType:
-    """A copy of ``param_type`` whose absence says ``missing``, where click says only "Missing
-    argument 'URI'." (as :class:`_Said`, for a type that converts too, such as click.Path)."""
-    import copy
-
-    said = copy.copy(param_type)
-    said.get_missing_message = lambda param, ctx: missing
-    return said
+_SCHEDULE_NAME = _said("Give the recurring run's name: kfp-pytorch schedules --host URL lists them.")
 
 
 def _complete_server(ctx, param, incomplete):
@@ -351,8 +339,9 @@ def _with_platform(entry, platform_file: str | None):
 
 @cli.command("compile", cls=_PipelineParamsCommand)
 @click.argument("pipeline", type=_PIPELINE, shell_complete=_complete_pipeline)
-@click.option("-o", "--output", required=True, type=_said_as(click.Path(dir_okay=False, allow_dash=True),
-              "Say where the KFP IR YAML goes: -o PIPELINE.yaml (to upload in the KFP UI), or -o - for stdout."),
+@click.option("-o", "--output", required=True, type=_said(
+              "Say where the KFP IR YAML goes: -o PIPELINE.yaml (to upload in the KFP UI), or -o - for stdout.",
+              click.Path(dir_okay=False, allow_dash=True)),
               help="KFP IR YAML file to write ('-': stdout).")
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
               help="A parameter's default in the compiled pipeline, as the KFP UI's run form shows it "
@@ -764,7 +753,7 @@ def _serve_model_as(names, start_all, port, model_uri, tracking_uri) -> None:
 
 
 @serve_grp.command("logs", short_help="Print a local model server's log (-f follows it).")
-@click.argument("name", type=_Said(_servers_said), shell_complete=_complete_server)
+@click.argument("name", type=_said(_servers_said), shell_complete=_complete_server)
 @click.option("--tail", type=click.IntRange(0), default=None, help="Only the last N lines.")
 @click.option("-p", "--previous", is_flag=True,
               help="The log of the server it replaced: the one that died, or the model served before.")
@@ -810,9 +799,9 @@ def serve_logs(name, tail, previous, follow):
     "kfp-pytorch serve predict digits s3://datasets/new.parquet --probabilities -o s3://results/new.parquet",
     "kfp-pytorch serve predict digits rows.csv --url http://digits.kubeflow-user.example.com --token TOKEN",
     "cat rows.csv | kfp-pytorch serve predict digits -"))
-@click.argument("name", type=_Said(_servers_said), shell_complete=_complete_server)
-@click.argument("table", type=_said_as(_LOCAL_OR_URI, "Give the table to predict: a CSV, Parquet, JSON Lines or "
-                                                    "Feather file, s3://BUCKET/KEY, or '-' for a CSV on stdin."))
+@click.argument("name", type=_said(_servers_said), shell_complete=_complete_server)
+@click.argument("table", type=_said("Give the table to predict: a CSV, Parquet, JSON Lines or Feather file, "
+                                     "s3://BUCKET/KEY, or '-' for a CSV on stdin.", _LOCAL_OR_URI))
 @click.option("--url", default=None,
               help="The server's base URL, for one not started here (a KServe InferenceService's status.url; a model's .../v2/models/NAME/infer endpoint is taken too).")
 @click.option("--model-uri", default=None,
@@ -1002,8 +991,8 @@ _CP_SAID = ("Give SOURCE and DEST: kfp-pytorch storage cp iris.csv s3://BUCKET/d
 
 
 @storage_grp.command("cp", short_help="Copy files to, from or inside S3.")
-@click.argument("source", type=_said_as(_LOCAL_OR_URI, _CP_SAID))
-@click.argument("dest", type=_said_as(_LOCAL_OR_URI, _CP_SAID))
+@click.argument("source", type=_said(_CP_SAID, _LOCAL_OR_URI))
+@click.argument("dest", type=_said(_CP_SAID, _LOCAL_OR_URI))
 def storage_cp(source, dest):
     """Copy a file or a directory to S3 (SOURCE a local path, DEST s3://BUCKET/KEY or minio://), or
     from S3 (SOURCE an object or a prefix, DEST a local path): a table for a KFP run's dataset_uri,
@@ -1084,7 +1073,7 @@ def storage_cp(source, dest):
 
 
 @storage_grp.command("rm", short_help="Remove an object, or with -r every object under a prefix.")
-@click.argument("uri", type=_Said(lambda: "Name the object: s3://BUCKET/KEY, or a prefix with -r "
+@click.argument("uri", type=_said("Name the object: s3://BUCKET/KEY, or a prefix with -r "
                                           "(kfp-pytorch storage ls s3://BUCKET/ lists them)."))
 @click.option("-r", "--recursive", is_flag=True, help="Remove every object under the prefix URI.")
 @click.option("--dry-run", is_flag=True, help="Say what would be removed, remove nothing.")
@@ -1120,8 +1109,8 @@ def storage_rm(uri, recursive, dry_run):
 
 
 @storage_grp.command("cat", short_help="Write objects to stdout.")
-@click.argument("uris", nargs=-1, required=True, metavar="URI...", type=_Said(
-    lambda: "Name the objects: s3://BUCKET/KEY (kfp-pytorch storage ls s3://BUCKET/ lists them)."))
+@click.argument("uris", nargs=-1, required=True, metavar="URI...", type=_said(
+    "Name the objects: s3://BUCKET/KEY (kfp-pytorch storage ls s3://BUCKET/ lists them)."))
 def storage_cat(uris):
     """Write the objects URI... (s3://BUCKET/KEY or minio://) to stdout, one after the other, streamed
     as they are read: a run's metrics.json, the head of a table (`| head`), a model card. Every URI
@@ -1150,7 +1139,7 @@ def storage_cat(uris):
 
 
 @storage_grp.command("mb", short_help="Make a bucket (one that exists is left as it is).")
-@click.argument("uri", type=_Said(lambda: "Name the bucket to make: s3://NAME (3-63 characters: lower-case letters, "
+@click.argument("uri", type=_said("Name the bucket to make: s3://NAME (3-63 characters: lower-case letters, "
                                           "digits, '.' and '-')."))
 def storage_mb(uri):
     """Make the bucket URI (s3://BUCKET): where a dataset is uploaded to, or a pipeline's storage_root.
@@ -1314,8 +1303,9 @@ def cancel_cmd(run_id, host, namespace, token, ca_cert):
     "kfp-pytorch schedules --host URL                                              # and how they fare"))
 @click.argument("pipeline", type=_PIPELINE, shell_complete=_complete_pipeline)
 @_kfp_options
-@click.option("--cron", required=True, type=_Said(lambda: 'Say when it runs: --cron "0 0 3 * * *" (03:00 UTC daily; 6 '
-                                                             'fields, seconds first), or "@daily", "@every 6h".'), help='6 fields, seconds first: "0 0 3 * * *" is 03:00 daily; or a descriptor: "@daily", "@every 6h".')
+@click.option("--cron", required=True, type=_said('Say when it runs: --cron "0 0 3 * * *" (03:00 UTC daily; 6 fields, '
+                                                   'seconds first), or "@daily", "@every 6h".'),
+              help='6 fields, seconds first: "0 0 3 * * *" is 03:00 daily; or a descriptor: "@daily", "@every 6h".')
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
               help="Pipeline parameter of every run it starts (repeatable).")
 @click.option("--name", default=None, help="Recurring run name (default: PIPELINE-schedule).")
@@ -1761,21 +1751,20 @@ def _config_and_half_life(config: str | None, half_life: str | None, problems: l
         return cfg, 1.0
 
 
-class _TracePath(click.Path):
-    """--trace's type: a missing --trace says what a trace holds."""
+def _trace_said() -> str:
+    """What a missing --trace says: what a trace holds."""
+    from kfp_pytorch.fairness_scheduler.trace import COLUMNS, USER_COLUMN
 
-    def get_missing_message(self, param, ctx):
-        from kfp_pytorch.fairness_scheduler.trace import COLUMNS, USER_COLUMN
-
-        return (f"Give a trace CSV, plain or gzip-compressed, with the columns {', '.join(COLUMNS)} (and {USER_COLUMN}, "
-                "optionally), as the itp-2021 traces have.")
+    return (f"Give a trace CSV, plain or gzip-compressed, with the columns {', '.join(COLUMNS)} (and {USER_COLUMN}, "
+            "optionally), as the itp-2021 traces have.")
 
 
 @cli.command("simulate", epilog=_examples(
     "kfp-pytorch simulate --trace shared/traces/itp-2021/cluster07.csv",
     "kfp-pytorch simulate --trace cluster07.csv --policies fifo,fairshare --per-user --plot c07.png",
     "kfp-pytorch simulate --trace cluster07.csv --config scheduler.yaml --json | jq .fairshare"))
-@click.option("--trace", "trace", required=True, type=_TracePath(dir_okay=False), help="Trace CSV (itp-2021 format), plain or gzip-compressed.")
+@click.option("--trace", "trace", required=True, type=_said(_trace_said, click.Path(dir_okay=False)),
+              help="Trace CSV (itp-2021 format), plain or gzip-compressed.")
 @click.option("--policies", default="all", show_default=True, shell_complete=_complete_policies,
               help="all, or a comma-separated list.")
 @click.option("--users", default=20, show_default=True, type=int,
@@ -1940,14 +1929,10 @@ def ledger_grp():
     """The fairness scheduler's usage ledger: where each user stands, and compaction."""
 
 
-class _LedgerUrl(_Said):
-    """--ledger's type: a missing --ledger says what to pass, as a missing --host does."""
-    name = "URL"
-
-    def __init__(self):
-        super().__init__(lambda: "Pass the URL of the ledger the fairness scheduler writes, or export KFP_PYTORCH_LEDGER: "
-                                 "e.g. --ledger sqlite:///fairshare-ledger.db, or postgresql+psycopg://USER@HOST/DB "
-                                 "for a shared one")
+_LEDGER_URL = _said("Pass the URL of the ledger the fairness scheduler writes, or export KFP_PYTORCH_LEDGER: "
+                    "e.g. --ledger sqlite:///fairshare-ledger.db, or postgresql+psycopg://USER@HOST/DB for a shared one",
+                    name="URL")
+"""--ledger's type: a missing --ledger says what to pass, as a missing --host does."""
 
 
 def _ledger_options(f):
@@ -1955,7 +1940,7 @@ def _ledger_options(f):
                      help="When: now, seconds since the epoch, or an ISO 8601 date-time (UTC unless it names a zone).")(f)
     f = click.option("--half-life", "half_life", default=None,
                      help="Usage half-life: 7d, 12h, seconds (default: the ledger's own).")(f)
-    f = click.option("--ledger", "ledger_url", envvar="KFP_PYTORCH_LEDGER", required=True, type=_LedgerUrl(),
+    f = click.option("--ledger", "ledger_url", envvar="KFP_PYTORCH_LEDGER", required=True, type=_LEDGER_URL,
                      help="The scheduler's ledger: sqlite:///PATH or a SQLAlchemy URL (or KFP_PYTORCH_LEDGER).")(f)
     return f
 
@@ -2054,8 +2039,8 @@ def ledger_show(ledger_url, at, half_life, config, capacity, as_json):
 
 @ledger_grp.command("compact", short_help="Fold old usage intervals into decayed aggregates.")
 @_ledger_options
-@click.option("--older-than", "older_than", required=True, type=_Said(
-    lambda: "Say how old an interval must be to be folded: --older-than 30d (or 12h, or seconds)."),
+@click.option("--older-than", "older_than", required=True, type=_said(
+    "Say how old an interval must be to be folded: --older-than 30d (or 12h, or seconds)."),
               help="Fold intervals that ended at least this long before --at (30d, 12h, seconds).")
 @click.option("--json", "as_json", is_flag=True, help="Print {folded, before, remaining} as JSON.")
 def ledger_compact(ledger_url, at, half_life, older_than, as_json):
