@@ -1103,7 +1103,7 @@ def storage_rm(uri, recursive, dry_run):
             storage.delete(e.uri)
         click.echo(f"{'would remove' if dry_run else 'removed'} {e.uri}")
     if not dry_run:  # the folders they leave empty, which SeaweedFS would list for minutes yet
-        storage.remove_empty_folders(uri, below=recursive)
+        storage.remove_empty_folders(uri, below=bool(under))  # -r on an object: its folder, as without -r
     click.echo(f"{'would remove' if dry_run else 'removed'} {len(doomed)} object(s), "
                f"{_size(sum(e.size for e in doomed))}", err=True)
 

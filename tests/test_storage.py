@@ -435,6 +435,7 @@ def test_storage_rm_removes_an_object_or_with_r_a_prefix_and_lists_what_it_remov
 
 
 def test_removing_objects_removes_the_folders_they_leave_empty_and_no_other(s3, bucket):
+    import io
     import subprocess
     import sys
 
@@ -453,10 +454,12 @@ def test_removing_objects_removes_the_folders_they_leave_empty_and_no_other(s3, 
                        capture_output=True, text=True)
     assert r.returncode == 0 and ls() == []  # the bucket itself stays
     assert s3.bucket_exists(f"s3://{bucket}")
+    s3.write_bytes(f"s3://{bucket}/solo/t.csv", b"x")  # -r on an object: its folder goes as without -r
+    r = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "storage", "rm", "-r", f"s3://{bucket}/solo/t.csv"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout == f"removed s3://{bucket}/solo/t.csv\n" and ls() == [], (r.stderr, ls())
     # a folder that is not there (as on MinIO and AWS, which drop it themselves) gets no DELETE: one
     # of a key that is not there would leave a delete marker in a versioned bucket
-    import io
-
     sent = io.StringIO()
     s3.client.trace_on(sent)
     try:
