@@ -167,9 +167,9 @@ def _complete_policies(ctx, param, incomplete):
 
 
 class _PipelineParamsCommand(click.Command):
-    """A command that takes pipeline parameters as ``--param KEY=VALUE``: an unknown option named as
-    a parameter (``--epochs 3``, ``--batch-size=32``) is answered with the ``--param`` to write
-    instead of click's bare "No such option"."""
+    """A command that takes pipeline parameters as ``--param KEY=VALUE`` (or ``-p``, as Argo's
+    submit): an unknown option named as a parameter (``--epochs 3``, ``--batch-size=32``) is
+    answered with the ``--param`` to write instead of click's bare "No such option"."""
 
     def parse_args(self, ctx, args):
         try:
@@ -343,7 +343,7 @@ def _with_platform(entry, platform_file: str | None):
               "Say where the KFP IR YAML goes: -o PIPELINE.yaml (to upload in the KFP UI), or -o - for stdout.",
               click.Path(dir_okay=False, allow_dash=True)),
               help="KFP IR YAML file to write ('-': stdout).")
-@click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
+@click.option("-p", "--param", "params", multiple=True, metavar="KEY=VALUE",
               help="A parameter's default in the compiled pipeline, as the KFP UI's run form shows it "
                    "(repeatable; checked as run and submit check it).")
 @_platform_option
@@ -421,7 +421,7 @@ def _before_submit(values: dict, platform, notes: bool = True) -> None:
 
 @cli.command("run", cls=_PipelineParamsCommand, epilog=_examples(
     "kfp-pytorch run train_and_serve --local",
-    "kfp-pytorch run train_and_serve --local --param epochs=5 --param workers=2",
+    "kfp-pytorch run train_and_serve --local -p epochs=5 -p workers=2",
     "kfp-pytorch run train_and_serve --local --param dataset_uri=iris.csv --param label_column=species",
     "kfp-pytorch run train_and_serve --local --json | jq .metrics",
     "kfp-pytorch run train_and_serve --local --json | jq -e .gate_passed   # exit 1 when the gate failed") + (
@@ -431,7 +431,7 @@ def _before_submit(values: dict, platform, notes: bool = True) -> None:
 @click.argument("pipeline", type=_PIPELINE, shell_complete=_complete_pipeline)
 @click.option("--local", "local", is_flag=True, help="Run on this machine with kfp.local (required: a KFP server "
                                                      "runs PIPELINE through `submit --host URL`).")
-@click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
+@click.option("-p", "--param", "params", multiple=True, metavar="KEY=VALUE",
               help="Pipeline parameter (repeatable; kfp-pytorch pipelines lists them).")
 @click.option("--predict/--no-predict", default=True, help="Send one test row to the endpoint at the end.")
 @click.option("--json", "as_json", is_flag=True,
@@ -1222,7 +1222,7 @@ def _kfp_options(f=None, *, host_required: bool = True, experiment: bool = True)
     "kfp-pytorch submit train_and_serve --host URL --platform platform.yaml --param train_backend=cluster --no-wait"))
 @click.argument("pipeline", type=_PIPELINE, shell_complete=_complete_pipeline)
 @_kfp_options
-@click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
+@click.option("-p", "--param", "params", multiple=True, metavar="KEY=VALUE",
               help="Pipeline parameter (repeatable; kfp-pytorch pipelines lists them).")
 @click.option("--run-name", default=None, help="The run's display name in the KFP UI (default: PIPELINE-YYYYMMDD-HHMMSS).")
 @click.option("--wait/--no-wait", default=True, help="Follow the run until it ends.")
@@ -1306,7 +1306,7 @@ def cancel_cmd(run_id, host, namespace, token, ca_cert):
 @click.option("--cron", required=True, type=_said('Say when it runs: --cron "0 0 3 * * *" (03:00 UTC daily; 6 fields, '
                                                    'seconds first), or "@daily", "@every 6h".'),
               help='6 fields, seconds first: "0 0 3 * * *" is 03:00 daily; or a descriptor: "@daily", "@every 6h".')
-@click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
+@click.option("-p", "--param", "params", multiple=True, metavar="KEY=VALUE",
               help="Pipeline parameter of every run it starts (repeatable).")
 @click.option("--name", default=None, help="Recurring run name (default: PIPELINE-schedule).")
 @click.option("--max-concurrency", default=1, show_default=True, type=click.IntRange(1, 10),
@@ -1628,7 +1628,7 @@ def _prune_downloads(verb: str, dry_run: bool) -> None:
 
 @cli.command("manifest", cls=_PipelineParamsCommand)
 @click.argument("kind", type=click.Choice(["pytorchjob", "trainjob", "inferenceservice", "launcher-config", "s3-secret"]))
-@click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
+@click.option("-p", "--param", "params", multiple=True, metavar="KEY=VALUE",
               help="train_and_serve parameters (epochs, workers, nodes, gpus_per_node, storage_root, model_name...).")
 @click.option("--namespace", default="kubeflow-user", show_default=True, callback=_namespace,
               help="Namespace of the resources (the Kubeflow profile's).")

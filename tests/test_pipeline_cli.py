@@ -806,6 +806,23 @@ def test_a_pipeline_parameter_given_as_an_option_is_answered_with_its_param(args
     assert not (Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").exists()
 
 
+def test_every_command_that_takes_pipeline_parameters_takes_them_as_p_too(tmp_path):
+    # Argo's submit -p key=value (what KFP runs on): `run -p epochs=3` was "No such option '-p'"
+    from kfp_pytorch.cli import cli
+
+    takes = {name: cmd for name, cmd in cli.commands.items()
+             if any(p.name == "params" for p in cmd.params)}
+    assert set(takes) == {"compile", "run", "submit", "schedule", "manifest"}
+    for name, cmd in takes.items():
+        opts = next(p for p in cmd.params if p.name == "params").opts
+        assert opts == ["-p", "--param"], (name, opts)
+    out = tmp_path / "p.yaml"
+    r = run_cli("compile", "train_and_serve", "-o", str(out), "-p", "epochs=3", "-plabel_column=species")
+    assert r.returncode == 0 and r.stdout == f"wrote {out} (defaults: epochs=3, label_column=species)\n", r.stderr
+    params = yaml.safe_load(out.read_text())["root"]["inputDefinitions"]["parameters"]
+    assert params["epochs"]["defaultValue"] == 3 and params["label_column"]["defaultValue"] == "species"
+
+
 def test_an_unknown_option_that_names_no_parameter_keeps_clicks_error():
     r = run_cli("run", "train_and_serve", "--local", "--predic")
     assert r.returncode == 2 and "No such option '--predic'" in r.stderr and "--param" not in r.stderr
