@@ -446,7 +446,7 @@ def run_cmd(pipeline, local, params, predict, as_json, verbose):
                                f"kfp-pytorch submit {pipeline} --host URL (or export KFP_HOST)")
     from kfp_pytorch.pipelines import get_pipeline
     from kfp_pytorch.components.evaluate import gate_note
-    from kfp_pytorch.pipelines.local import pile_note, preflight, run_local, summarize
+    from kfp_pytorch.pipelines.local import gate_advice, pile_note, preflight, run_local, summarize
 
     entry = get_pipeline(pipeline)
     values = _resolve_params(entry, params)
@@ -456,6 +456,8 @@ def run_cmd(pipeline, local, params, predict, as_json, verbose):
     summary = summarize(run)
     if "gate_passed" in summary:  # what the gate read, for the summary's gate line
         summary["gate"] = {"metric": values.get("gate_metric", "accuracy"), "threshold": values["threshold"]}
+        if advice := gate_advice(values, summary):
+            summary["gate"]["advice"] = advice
     if run.succeeded and predict and summary.get("server_url"):
         summary["prediction"] = _predict_sample(summary, values)
     if as_json:
@@ -567,6 +569,8 @@ def _print_summary(s: dict) -> None:
                 if value is not None else "")
         click.echo(f"gate:      {'passed' if s['gate_passed'] else 'FAILED'}{read}"
                    + ("" if s["gate_passed"] else ": the model was neither registered nor served"))
+        if g.get("advice"):
+            click.echo(f"next:      {g['advice']}")
     if "model" in s:
         m = s["model"]
         click.echo(f"model:     {m['registry_uri']} (version {m['version']}, champion={m['champion']})")

@@ -613,5 +613,22 @@ def summarize(run: LocalRun) -> dict:
     return s
 
 
-__all__ = ["preflight", "run_local", "summarize", "error_of", "LocalRun", "KfpPytorchError", "local_runs",
+def gate_advice(values: dict, summary: dict) -> str | None:
+    """What to rerun with when the gate failed: the parameters that most often lift the gate metric,
+    given what this run did. None when the gate passed (or the pipeline has no such parameters)."""
+    if summary.get("gate_passed", True) or "epochs" not in values:
+        return None
+    epochs, t = values["epochs"], summary.get("training", {})
+    if t and t["epochs_trained"] < epochs:  # early stopping ended it: more epochs would end the same way
+        tips = [f"training stopped early (validation loss last fell at epoch {t['exported_epoch']}), so more "
+                f"epochs would not help: try a lower -p lr (this run's: {values['lr']:g}), another -p model_arch, "
+                "or more data"]
+    else:
+        tips = [f"train longer: -p epochs={2 * epochs} (this run trained {epochs})"]
+    if values.get("gate_metric") in ("macro_f1", "min_recall") and values.get("class_weight") == "none":
+        tips.append("-p class_weight=balanced, so that rare classes weigh as much in the loss")
+    return "to pass the gate: " + "; ".join(tips)
+
+
+__all__ = ["preflight", "run_local", "summarize", "gate_advice", "error_of", "LocalRun", "KfpPytorchError", "local_runs",
            "prune_local_runs", "LocalRunInfo"]

@@ -359,7 +359,9 @@ def test_gate_failure_skips_register_and_serve():
              "and a few epochs barely train; batch_size=78 takes 9 steps an epoch")
     assert s["notes"] == [batch] and r.stderr.count(batch) == 2 and r.stderr.endswith(batch + "\n")
     assert s["gate_passed"] is False and "model" not in s and "endpoint" not in s
-    assert s["gate"] == {"metric": "min_recall", "threshold": 0.999} and s["metrics"]["min_recall"] < 0.999
+    assert s["gate"] == {"metric": "min_recall", "threshold": 0.999, "advice": (
+        "to pass the gate: train longer: -p epochs=2 (this run trained 1); -p class_weight=balanced, so that rare "
+        "classes weigh as much in the loss")} and s["metrics"]["min_recall"] < 0.999
     # the summary names the class that recall is of, read from the confusion matrix the KFP UI shows
     assert s["confusion"]["classes"] == [str(c) for c in range(10)]
     assert sum(map(sum, s["confusion"]["rows"])) == s["metrics"]["test_rows"]
@@ -629,6 +631,32 @@ def test_the_summary_says_how_to_use_and_stop_the_served_model(capsys):
     assert "serve stop" not in out
     assert ("gate:      FAILED (accuracy 0.9700 < threshold 0.9800): the model was neither registered nor served\n"
             in out)
+    assert "next:" not in out  # a summary without advice (an older run's) gets no line for it
+    _print_summary({**s, "gate_passed": False, "gate": {"metric": "accuracy", "threshold": 0.98, "advice": "to pass"}})
+    assert ("the model was neither registered nor served\nnext:      to pass\n" in capsys.readouterr().out)
+
+
+def test_a_failed_gate_is_answered_with_what_to_rerun_with():
+    from kfp_pytorch.pipelines.local import gate_advice
+
+    values = {"epochs": 8, "lr": 0.005, "gate_metric": "accuracy", "class_weight": "none"}
+    assert gate_advice(values, {"gate_passed": True}) is None
+    assert gate_advice(values, {}) is None  # a run that never reached the gate
+    assert gate_advice({"threshold": 0.9}, {"gate_passed": False}) is None  # a pipeline without epochs
+    full = {"epochs_trained": 8, "exported_epoch": 8}
+    assert gate_advice(values, {"gate_passed": False, "training": full}) == (
+        "to pass the gate: train longer: -p epochs=16 (this run trained 8)")
+    # early stopping ended it: more epochs would stop at the same place
+    early = {"epochs_trained": 5, "exported_epoch": 2}
+    assert gate_advice(values, {"gate_passed": False, "training": early}) == (
+        "to pass the gate: training stopped early (validation loss last fell at epoch 2), so more epochs would "
+        "not help: try a lower -p lr (this run's: 0.005), another -p model_arch, or more data")
+    # a gate on the rare classes, with a loss that lets the common ones outweigh them
+    for metric in ("macro_f1", "min_recall"):
+        assert gate_advice({**values, "gate_metric": metric}, {"gate_passed": False, "training": full}).endswith(
+            "; -p class_weight=balanced, so that rare classes weigh as much in the loss")
+    assert "class_weight" not in gate_advice({**values, "gate_metric": "macro_f1", "class_weight": "balanced"},
+                                             {"gate_passed": False, "training": full})
 
 
 def test_a_steps_error_is_read_from_its_log_with_its_problems_and_hint():
