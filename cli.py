@@ -1767,7 +1767,7 @@ def _trace_said() -> str:
     "kfp-pytorch simulate --trace shared/traces/itp-2021/cluster07.csv",
     "kfp-pytorch simulate --trace cluster07.csv --policies fifo,fairshare --per-user --plot c07.png",
     "kfp-pytorch simulate --trace cluster07.csv --config scheduler.yaml --json | jq .fairshare"))
-@click.option("--trace", "trace", required=True, type=_said(_trace_said, click.Path(dir_okay=False)),
+@click.option("--trace", "trace", required=True, type=_said(_trace_said, click.Path()),
               help="Trace CSV (itp-2021 format), plain or gzip-compressed.")
 @click.option("--policies", default="all", show_default=True, shell_complete=_complete_policies,
               help="all, or a comma-separated list.")

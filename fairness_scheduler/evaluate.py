@@ -25,7 +25,8 @@ from .goals import (BASELINES, FAIR_BASELINES, GOALS, Check, baseline_checks, ch
                     missed, shared_misses)
 from .report import UserLookup, quiet_worker_signals, run_jobs, stop_pool_workers, trace_people, workers_problems
 from .simulator import METRICS
-from .trace import CUTS, PAIRS, TraceJob, capacity, cut, overlay, read_trace, trace_name, trace_users
+from .trace import (CUTS, PAIRS, TraceJob, capacity, cut, near_trace, overlay, read_trace, trace_name,
+                    trace_users)
 
 CACHE_VERSION = 2  # 2: every run's users (shares, tiers, quotas) are part of the key
 """Bump when a baseline's behaviour changes, so cached baseline metrics are not reused."""
@@ -106,7 +107,8 @@ def trace_files(paths: list[str | Path]) -> tuple[list[Path], list[str]]:
         elif p.is_file():
             files.append(p)
         else:
-            problems.append(f"--traces: {p} does not exist")
+            near = near_trace(p)
+            problems.append(f"--traces: {p} does not exist" + (f" (did you mean {near}?)" if near else ""))
     unique: dict[Path, Path] = {}  # each file once, in the order first named
     for f in files:
         unique.setdefault(f.resolve(), f)

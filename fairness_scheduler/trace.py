@@ -77,14 +77,47 @@ def _open_text(path: Path):
 _NOT_TEXT = "give a CSV, plain or gzip-compressed (extract a .tar.gz or .zip first)"
 
 
+def trace_files_in(folder: Path) -> list[str]:
+    """The names of the trace files (``*.csv``, ``*.csv.gz``) in ``folder``, sorted; none if unreadable."""
+    try:
+        return sorted(p.name for p in folder.iterdir() if p.name.endswith((".csv", ".csv.gz")) and p.is_file())
+    except OSError:
+        return []
+
+
+def near_trace(path: Path) -> Path | None:
+    """The trace beside ``path`` (which is not there) whose name is nearest its own: a typo such as
+    cluster7.csv for cluster07.csv. None when no name is near."""
+    import difflib
+
+    near = difflib.get_close_matches(path.name, trace_files_in(path.parent), n=1, cutoff=0.8)
+    return path.parent / near[0] if near else None
+
+
+def _missing_hint(path: Path) -> str:
+    """What to give for a trace ``path`` that is not there (or a folder): the trace it likely meant,
+    else what a trace holds and the CSVs its folder has."""
+    folder = path if path.is_dir() else path.parent
+    if not path.is_dir() and (near := near_trace(path)):
+        return f"did you mean {near}?"
+    hint, names = "give a CSV with columns " + ", ".join(COLUMNS), trace_files_in(folder)
+    if names:
+        hint += f"; {folder} holds " + ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        if path.is_dir():  # a folder of traces: goals takes it whole
+            hint += f" (`kfp-pytorch goals --traces {folder}` judges them all)"
+    return hint
+
+
 def read_trace(path: str | Path) -> list[TraceJob]:
     """Parse and validate. Every bad row is named (``file:line: what``) in one TraceError, so a
     trace is fixed in one pass rather than one error per run."""
     path = Path(path)
+    if path.is_dir():
+        raise TraceError(f"{path} is a folder: give one trace CSV in it", _missing_hint(path))
     try:
         f = _open_text(path)
     except FileNotFoundError as e:
-        raise TraceError(f"trace file not found: {path}", "give a CSV with columns " + ", ".join(COLUMNS)) from e
+        raise TraceError(f"trace file not found: {path}", _missing_hint(path)) from e
     except OSError as e:
         raise TraceError(f"cannot read trace {path}: {e.strerror or e}", "give a readable CSV file") from e
     jobs: list[TraceJob] = []

@@ -262,11 +262,14 @@ def test_goals_cli_bad_input_lists_every_problem(tmp_path):
     empty.mkdir()
     cfg = tmp_path / "c.yaml"
     cfg.write_text("fairshare: {weight_age: -1}\n")
-    out = _goals("--traces", str(empty), "--traces", str(tmp_path / "nope.csv"), "--seeds", "5-2",
+    (tmp_path / "cluster07.csv").write_text("job_id,submission_time,duration,num_gpu\n")
+    out = _goals("--traces", str(empty), "--traces", str(tmp_path / "nope.csv"), "--traces", str(tmp_path / "cluster7.csv"),
+                 "--seeds", "5-2",
                  "--sets", "full,quarters", "--config", str(cfg), "--workers", "0", "--plot", str(tmp_path / "g.txt"),
                  "--users", "0", "--load", "0", "--zipf", "-1", "--half-life", "soon")
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    for needle in (f"--traces: no *.csv or *.csv.gz in folder {empty}", "nope.csv does not exist", "--seeds: range '5-2' is empty",
+    for needle in (f"--traces: no *.csv or *.csv.gz in folder {empty}", "nope.csv does not exist\n",
+                   f"cluster7.csv does not exist (did you mean {tmp_path / 'cluster07.csv'}?)", "--seeds: range '5-2' is empty",
                    "--plot: ", "--users: must be from 1 to 100,000, got 0", "--load: must be a finite number > 0, got 0", "--zipf: must be >= 0",
                    "--half-life: must be a duration",
                    "--sets: unknown set 'quarters'", f"--config {cfg}: fairshare.weight_age: must be >= 0", "--workers: must be"):

@@ -67,6 +67,34 @@ def test_a_user_column_is_read_and_kept_by_cuts(tmp_path):
     assert trace_users(read_trace(TRACES / "cluster10.csv")) == []
 
 
+def test_a_trace_that_is_not_there_is_answered_with_the_one_meant(tmp_path):
+    # it was "trace file not found" for cluster7.csv beside cluster07.csv, and for a folder
+    # click's "File '...' is a directory."
+    for name in ("cluster07.csv", "cluster10.csv.gz", "notes.txt"):
+        (tmp_path / name).write_text("job_id,submission_time,duration,num_gpu\n")
+    with pytest.raises(TraceError) as e:
+        read_trace(tmp_path / "cluster7.csv")
+    assert str(e.value).startswith(f"trace file not found: {tmp_path / 'cluster7.csv'}")
+    assert e.value.hint == f"did you mean {tmp_path / 'cluster07.csv'}?"
+    with pytest.raises(TraceError) as e:
+        read_trace(tmp_path / "other.csv")  # nothing near: what a trace holds, and what is there
+    assert e.value.hint == (f"give a CSV with columns job_id, submission_time, duration, num_gpu; {tmp_path} "
+                            "holds cluster07.csv, cluster10.csv.gz")
+    out = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "simulate", "--trace", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"Error: {tmp_path} is a folder: give one trace CSV in it" in out.stderr
+    assert f"(`kfp-pytorch goals --traces {tmp_path}` judges them all)" in out.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(TraceError) as e:
+        read_trace(empty)
+    assert e.value.hint == "give a CSV with columns job_id, submission_time, duration, num_gpu"
+    with pytest.raises(TraceError) as e:
+        read_trace(tmp_path / "nope" / "cluster07.csv")  # a folder that is not there either
+    assert e.value.hint == "give a CSV with columns job_id, submission_time, duration, num_gpu"
+
+
 def test_every_bad_row_is_named_in_one_error(tmp_path):
     rows = "".join(f"j{i},{i},-1,1\n" for i in range(25))
     p = write(tmp_path, "job_id,submission_time,duration,num_gpu\na,0,10,1\nb,x,10,1\nc,1,5,1.5\n" + rows)
