@@ -1097,6 +1097,11 @@ def storage_rm(uri, recursive, dry_run):
     one = storage.stat(uri) if loc.key and not loc.key.endswith("/") else None
     under = storage.entries(uri) if recursive or not one else []
     if not one and not under:
+        if folder := storage.empty_folder(uri):  # one `ls` lists: it holds nothing, so no -r is needed
+            gone = [folder] if dry_run else storage.remove_empty_folders(folder, below=True)  # and those above
+            for f in gone:
+                click.echo(f"{'would remove' if dry_run else 'removed'} empty folder {f}")
+            return
         raise StorageNotFound(f"remove {uri}: nothing stored there", _ls_hint(uri))
     if not one and not recursive:  # as `aws s3 rm`: a prefix is removed only when asked for it
         raise click.UsageError(f"{uri} is a prefix with {len(under)} object(s) under it, not an object: "

@@ -571,10 +571,10 @@ class Storage:
             self._s3(sub, "delete", self.client.remove_object, sub.bucket, sub.key)
         self.remove_empty_folders(uri, below=True)
 
-    def remove_empty_folders(self, uri: str, below: bool = False) -> list[str]:
+    def remove_empty_folders(self, uri: str, below: bool = False, keep_depth: int = 0) -> list[str]:
         """Remove the folder ``uri`` names (an object's URI: its folder) and those above it, up to
         the bucket, while they hold nothing; with ``below``, first the empty folders under it too.
-        The folders removed, deepest first.
+        Folders ``keep_depth`` deep or less (``a/`` is 1 deep) stay. The folders removed, deepest first.
 
         SeaweedFS (KFP's default store) keeps a folder after its last object is removed, and drops
         it only minutes later, so `ls` after `rm -r` would go on listing a folder with nothing in it.
@@ -597,7 +597,7 @@ class Storage:
         parts = start.rstrip("/").split("/") if start else []
         folders += [key for i in range(len(parts), 0, -1) if (key := "/".join(parts[:i]) + "/") not in folders]
         removed = []
-        for key in filter(None, folders):  # never the bucket itself
+        for key in (k for k in folders if k.count("/") > keep_depth):  # never the bucket itself
             listed = self._s3(loc, "list", lambda k=key: [o.object_name for o in itertools.islice(
                 self.client.list_objects(loc.bucket, prefix=k), 2)])
             if listed == [key]:  # the folder, and nothing in it
@@ -606,6 +606,23 @@ class Storage:
             elif key.count("/") <= start.count("/"):
                 break  # start or a folder above it holds something, or is not there: those above stay
         return removed
+
+    def empty_folder(self, uri: str) -> str | None:
+        """``s3://BUCKET/KEY/`` when the folder ``uri`` names is listed and holds no object, only
+        folders as empty, if any (SeaweedFS keeps a folder for minutes after its last object goes);
+        None otherwise."""
+        loc = parse_uri(uri)
+        if not loc.is_s3 or not loc.key.strip("/"):
+            return None
+        key = loc.key.rstrip("/") + "/"
+
+        def look():
+            if any(not o.object_name.endswith("/")  # an object anywhere under it: not empty
+                   for o in self.client.list_objects(loc.bucket, prefix=key, recursive=True)):
+                return False
+            return next(iter(self.client.list_objects(loc.bucket, prefix=key.rstrip("/"))), None) is not None
+
+        return f"s3://{loc.bucket}/{key}" if self._s3(loc, "list", look) else None
 
     def buckets(self) -> list[Entry]:
         """Every bucket the credentials see, as ``s3://NAME/`` with its creation time, sorted."""
@@ -781,6 +798,7 @@ def check_access(uri: str = "", storage: "Storage | None" = None) -> list[tuple[
                            f"s3://{loc.bucket}` (or mc mb, or the MinIO console)", False)]
     results.append((f"bucket {loc.bucket!r} exists", True))
     probe = join(uri, f".kfp-pytorch-check-{uuid.uuid4().hex[:8]}")
+    made_below = _deepest_folder(storage, probe)  # the probe's folders below it are new: removed after
     try:
         storage.write_bytes(probe, b"ok")
         results.append((f"write permission under {uri}", True))
@@ -793,6 +811,20 @@ def check_access(uri: str = "", storage: "Storage | None" = None) -> list[tuple[
         results.append((f"cannot read under {uri}: {e.message} (grant s3:GetObject)", False))
     try:
         storage.delete(probe)
+        # SeaweedFS keeps the folders the probe made, so `ls` would list them: check leaves what it found
+        storage.remove_empty_folders(probe, keep_depth=made_below)
     except StorageError:
         results.append((f"note: could not delete the probe object {probe} (no s3:DeleteObject)", True))
     return results
+
+
+def _deepest_folder(storage: Storage, uri: str) -> int:
+    """How deep the deepest folder above the object ``uri`` is that holds anything now (0: none, the
+    bucket's top): the folders below it that writing ``uri`` makes are new."""
+    loc = parse_uri(uri)
+    parts = loc.key.split("/")[:-1]
+    for depth in range(len(parts), 0, -1):
+        key = "/".join(parts[:depth]) + "/"
+        if storage._s3(loc, "list", lambda k=key: next(iter(storage.client.list_objects(loc.bucket, prefix=k)), None)):
+            return depth
+    return 0

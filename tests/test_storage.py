@@ -469,6 +469,38 @@ def test_removing_objects_removes_the_folders_they_leave_empty_and_no_other(s3, 
     assert "GET /" in sent.getvalue() and "DELETE" not in sent.getvalue()
 
 
+def test_storage_check_leaves_the_bucket_as_it_found_it_and_rm_removes_an_empty_folder(s3, bucket):
+    import subprocess
+    import sys
+
+    from kfp_pytorch.components.storage import check_access
+
+    ls = lambda key="": [e.uri.split(f"{bucket}/", 1)[1] for e in s3.entries(f"s3://{bucket}/{key}", recursive=False)]  # noqa: E731
+    cli = lambda *a: subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "storage", *a],  # noqa: E731
+                                    capture_output=True, text=True)
+    # check's probe object made new/deep/er/ and SeaweedFS kept them: `ls` listed new/ ever after
+    assert all(good for _, good in check_access(f"s3://{bucket}/new/deep/er", storage=s3))
+    assert ls() == []
+    s3.write_bytes(f"s3://{bucket}/keep/a.txt", b"x")
+    assert all(good for _, good in check_access(f"s3://{bucket}/keep/x/y", storage=s3))
+    assert ls() == ["keep/"] and ls("keep") == ["keep/a.txt"]  # the folders it found stay, and only they
+    # a folder left empty (its objects removed by another tool) is listed, so rm takes it, with no -r:
+    # it was "nothing stored there"
+    s3.write_bytes(f"s3://{bucket}/old/run/m.pt", b"x")
+    s3.delete(f"s3://{bucket}/old/run/m.pt")
+    assert ls() == ["keep/", "old/"] and ls("old") == ["old/run/"]
+    r = cli("rm", "--dry-run", f"s3://{bucket}/old")
+    assert r.returncode == 0 and r.stdout == f"would remove empty folder s3://{bucket}/old/\n" and ls() == ["keep/", "old/"]
+    r = cli("rm", f"s3://{bucket}/old")
+    assert r.returncode == 0 and r.stdout == (f"removed empty folder s3://{bucket}/old/run/\n"
+                                              f"removed empty folder s3://{bucket}/old/\n"), r.stderr
+    assert ls() == ["keep/"]
+    r = cli("rm", f"s3://{bucket}/old")
+    assert r.returncode == 1 and f"remove s3://{bucket}/old: nothing stored there" in r.stderr
+    r = cli("rm", f"s3://{bucket}/keep")  # a folder with an object in it still needs -r
+    assert r.returncode == 2 and "add -r" in r.stderr and ls("keep") == ["keep/a.txt"]
+
+
 def test_a_table_on_this_machine_is_refused_for_a_kfp_server_run(tmp_path):
     import subprocess
     import sys
