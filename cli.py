@@ -997,7 +997,10 @@ _CP_SAID = ("Give SOURCE and DEST: kfp-pytorch storage cp iris.csv s3://BUCKET/d
 @storage_grp.command("cp", short_help="Copy files to, from or inside S3.")
 @click.argument("source", type=_said(_CP_SAID, _LOCAL_OR_URI))
 @click.argument("dest", type=_said(_CP_SAID, _LOCAL_OR_URI))
-def storage_cp(source, dest):
+@click.option("-r", "--recursive", is_flag=True,
+              help="Taken as mc cp -r and aws s3 cp --recursive take it: a directory or prefix is copied whole "
+                   "with or without it.")
+def storage_cp(source, dest, recursive):
     """Copy a file or a directory to S3 (SOURCE a local path, DEST s3://BUCKET/KEY or minio://), or
     from S3 (SOURCE an object or a prefix, DEST a local path): a table for a KFP run's dataset_uri,
     a model to look at; or from S3 to S3 inside the server (a dataset promoted to another bucket).

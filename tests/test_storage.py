@@ -257,6 +257,13 @@ def test_storage_cp_uploads_and_downloads_files_and_directories(s3, bucket, tmp_
     assert r.returncode == 0 and "uploaded 2 file(s), 10 B, to minio://" in r.stdout, r.stderr
     assert s3.list(f"s3://{bucket}/exports/table") == [f"s3://{bucket}/exports/table/_SUCCESS",
                                                        f"s3://{bucket}/exports/table/day=1/part-0.parquet"]
+    # -r, as mc cp -r and aws s3 cp --recursive take it (it was "No such option '-r'"): the same copy
+    for flag in ("-r", "--recursive"):
+        r = cp(flag, str(tmp_path / "table"), f"s3://{bucket}/again{flag}/table")
+        assert r.returncode == 0 and "uploaded 2 file(s), 10 B" in r.stdout, r.stderr
+        assert s3.list(f"s3://{bucket}/again{flag}/table") == [f"s3://{bucket}/again{flag}/table/_SUCCESS",
+                                                               f"s3://{bucket}/again{flag}/table/day=1/part-0.parquet"]
+        s3.delete_prefix(f"s3://{bucket}/again{flag}")
     # and back: an object into a directory, a prefix as a directory
     (tmp_path / "back").mkdir()
     r = cp(f"s3://{bucket}/datasets/iris.csv", str(tmp_path / "back"))
