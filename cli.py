@@ -228,7 +228,7 @@ class _SectionedGroup(click.Group):
         },
         "Serving and storage": {
             "serve": "Local model servers: list, start, stop, logs, predict.",
-            "storage": "MinIO / S3: check, ls, cp, cat, mb, rm.",
+            "storage": "MinIO / S3: check, ls, cp, cat, mb, rb, rm.",
         },
         "Fair-share scheduling": {
             "simulate": "Replay a GPU-cluster trace under six scheduling policies.",
@@ -1163,6 +1163,40 @@ def storage_mb(uri):
         raise click.UsageError(f"{uri} is not a bucket: give s3://BUCKET (or minio://BUCKET), without a key")
     made = Storage().ensure_bucket(uri)
     click.echo(f"made bucket s3://{loc.bucket}" if made else f"bucket s3://{loc.bucket} exists already")
+
+
+@storage_grp.command("rb", short_help="Remove an empty bucket (--force: with what is in it).")
+@click.argument("uri", type=_said("Name the bucket to remove: s3://NAME (kfp-pytorch storage ls lists them)."))
+@click.option("--force", is_flag=True, help="Remove every object in the bucket first, as mc rb --force does.")
+@click.option("--dry-run", is_flag=True, help="Say what would be removed, remove nothing.")
+def storage_rb(uri, force, dry_run):
+    """Remove the bucket URI (s3://BUCKET), as mc rb does: a bucket that holds objects is refused
+    unless --force, which removes them first, each listed. SeaweedFS, KFP's default store, would
+    remove a bucket with objects in it without a word: this checks first."""
+    from kfp_pytorch.components.errors import StorageNotFound
+    from kfp_pytorch.components.storage import Storage, parse_uri
+
+    loc = parse_uri(uri)
+    if not loc.is_s3 or loc.key.strip("/"):
+        raise click.UsageError(f"{uri} is not a bucket: give s3://BUCKET (or minio://BUCKET), without a key; "
+                               "storage rm -r removes a prefix")
+    storage = Storage()
+    bucket = f"s3://{loc.bucket}"
+    if not storage.bucket_exists(bucket):
+        raise StorageNotFound(f"remove bucket {bucket}: there is no such bucket",
+                              "`kfp-pytorch storage ls` lists the buckets")
+    held = [e for e in storage.entries(bucket) if not e.uri.endswith("/")]
+    if held and not force:
+        raise click.UsageError(f"{bucket} holds {len(held)} object(s), {_size(sum(e.size for e in held))}: add --force "
+                               "to remove them and the bucket (--dry-run lists them first)")
+    for e in held:
+        if not dry_run:
+            storage.delete(e.uri)
+        click.echo(f"{'would remove' if dry_run else 'removed'} {e.uri}")
+    if not dry_run:
+        storage.remove_bucket(bucket)  # checks again: an object written since is not lost with it
+    click.echo(f"{'would remove' if dry_run else 'removed'} bucket {bucket}"
+               + (f" and {len(held)} object(s), {_size(sum(e.size for e in held))}" if held else ""))
 
 
 def _namespace(ctx, param, value):

@@ -641,6 +641,22 @@ class Storage:
         self._s3(loc, "create bucket", self.client.make_bucket, loc.bucket)
         return True
 
+    def remove_bucket(self, uri: str) -> None:
+        """Remove the bucket of ``uri``, which must hold no object: the caller removes them first.
+        Checked here, not left to the server: SeaweedFS (KFP's default store) removes a bucket with
+        objects in it, where MinIO and AWS refuse. Empty folders in it go with it."""
+        loc = parse_uri(uri)
+        if not loc.is_s3 or loc.key.strip("/"):
+            raise StorageError(f"remove bucket {uri}: not a bucket", "give s3://BUCKET, without a key")
+        left = [e.uri for e in self.entries(f"s3://{loc.bucket}") if not e.uri.endswith("/")]
+        if left:
+            raise StorageError(f"remove bucket s3://{loc.bucket}: it holds {len(left)} object(s), such as {left[0]}",
+                               f"remove them first: `kfp-pytorch storage rm -r s3://{loc.bucket}`")
+        for e in self.entries(f"s3://{loc.bucket}"):  # folder markers a console made (MinIO would refuse)
+            self._s3(loc, "delete", self.client.remove_object, loc.bucket, parse_uri(e.uri).key)
+        self.remove_empty_folders(f"s3://{loc.bucket}", below=True)
+        self._s3(loc, "remove bucket", self.client.remove_bucket, loc.bucket)
+
     def bucket_exists(self, uri: str) -> bool:
         """Whether the bucket of the S3 ``uri`` is there (a local path: whether that folder is, as
         :meth:`ensure_bucket` makes it), asked before work whose result would go there."""

@@ -508,6 +508,40 @@ def test_storage_check_leaves_the_bucket_as_it_found_it_and_rm_removes_an_empty_
     assert r.returncode == 2 and "add -r" in r.stderr and ls("keep") == ["keep/a.txt"]
 
 
+def test_storage_rb_removes_a_bucket_only_when_told_what_goes_with_it(s3, bucket):
+    # there was mb and no rb; and SeaweedFS removes a bucket with objects in it without a word
+    import subprocess
+    import sys
+
+    from kfp_pytorch.components.errors import StorageError
+
+    rb = lambda *a: subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "storage", "rb", *a],  # noqa: E731
+                                   capture_output=True, text=True)
+    for key in ("runs/a/model.pt", "data.csv"):
+        s3.write_bytes(f"s3://{bucket}/{key}", b"12345")
+    with pytest.raises(StorageError, match="it holds 2 object"):  # the API checks, not the server
+        s3.remove_bucket(f"s3://{bucket}")
+    r = rb(f"s3://{bucket}")
+    assert r.returncode == 2 and f"s3://{bucket} holds 2 object(s), 10 B: add --force" in r.stderr
+    r = rb("--force", "--dry-run", f"s3://{bucket}")
+    assert r.returncode == 0 and r.stdout == (f"would remove s3://{bucket}/data.csv\nwould remove s3://{bucket}/runs/a/model.pt\n"
+                                              f"would remove bucket s3://{bucket} and 2 object(s), 10 B\n"), r.stderr
+    assert s3.bucket_exists(f"s3://{bucket}") and len(s3.list(f"s3://{bucket}")) == 2
+    r = rb(f"s3://{bucket}/runs")
+    assert r.returncode == 2 and "is not a bucket" in r.stderr and "storage rm -r" in r.stderr
+    r = rb("--force", f"s3://{bucket}")
+    assert r.returncode == 0 and r.stdout.endswith(f"removed bucket s3://{bucket} and 2 object(s), 10 B\n"), r.stderr
+    assert not s3.bucket_exists(f"s3://{bucket}")
+    r = rb(f"s3://{bucket}")
+    assert r.returncode == 1 and f"remove bucket s3://{bucket}: there is no such bucket" in r.stderr
+    # a bucket whose objects are gone, with the folders SeaweedFS keeps, is empty: no --force needed
+    s3.ensure_bucket(f"s3://{bucket}")
+    s3.write_bytes(f"s3://{bucket}/old/run/m.pt", b"x")
+    s3.delete(f"s3://{bucket}/old/run/m.pt")
+    r = rb(f"s3://{bucket}")
+    assert r.returncode == 0 and r.stdout == f"removed bucket s3://{bucket}\n" and not s3.bucket_exists(f"s3://{bucket}")
+
+
 def test_a_table_on_this_machine_is_refused_for_a_kfp_server_run(tmp_path):
     import subprocess
     import sys
