@@ -412,6 +412,14 @@ def _before_submit(values: dict, platform, notes: bool = True) -> None:
         if problems:
             raise ConfigError(problems, "the serve step would refuse these in KServe's "
                                         f"{'RawDeployment' if raw else 'Serverless'} mode", title="invalid parameters")
+    from kfp_pytorch.components.cluster import loopback_note
+
+    mlflow, minio = "http://mlflow.kubeflow:5000", "http://minio-service.kubeflow:9000"
+    for url, what, instead in ((values.get("tracking_uri") if notes else "", "tracking_uri", mlflow),
+                               (platform.mlflow_tracking_uri if platform else "", "--platform's mlflow_tracking_uri", mlflow),
+                               (platform.s3_endpoint if platform else "", "--platform's s3_endpoint", minio)):
+        if url and (note := loopback_note(url, what, instead)):
+            click.echo(f"note: {note}", err=True)
     if notes and "tracking_uri" in values and not values["tracking_uri"] and not (platform and platform.mlflow_tracking_uri):
         click.echo("note: tracking_uri is empty: each step's pod would keep its MLflow runs and the registered model "
                    "in an embedded sqlite store that goes with the pod; pass --param tracking_uri=http://MLFLOW:5000 "
@@ -1688,18 +1696,19 @@ def manifest_cmd(kind, params, namespace, image, run_id, fairness, platform_file
     import dataclasses
 
     from kfp_pytorch.components.cluster import (ClusterConfig, S3Access, dump_yaml, kfp_launcher_configmap,
-                                                kserve_s3_secret_and_sa, to_inference_service, to_pytorchjob,
-                                                to_trainjob)
+                                                kserve_s3_secret_and_sa, loopback_note, to_inference_service,
+                                                to_pytorchjob, to_trainjob)
     from kfp_pytorch.components.storage import join
     from kfp_pytorch.components.train import TrainSpec
     from kfp_pytorch.pipelines import get_pipeline
     from kfp_pytorch.pipelines.train_and_serve import TRAIN_SPEC_PARAMS
 
-    env = dict(os.environ)
+    env, platform = dict(os.environ), None
     if platform_file:  # what the pipeline's steps would pass on to the pods they create
         from kfp_pytorch.pipelines.platform import load_platform, platform_env
 
-        env.update(platform_env(load_platform(_read_yaml(platform_file, "--platform")), gpu=True))
+        platform = load_platform(_read_yaml(platform_file, "--platform"))
+        env.update(platform_env(platform, gpu=True))
     cfg = dataclasses.replace(ClusterConfig.from_env(env), image=image, namespace=namespace, fairness=fairness)
     if kind == "launcher-config":
         docs = [kfp_launcher_configmap(namespace, s3=None)]
@@ -1726,6 +1735,10 @@ def manifest_cmd(kind, params, namespace, image, run_id, fairness, platform_file
                           "this repository's Dockerfile, pushed where the cluster pulls from")
             raise
     click.echo(dump_yaml(docs), nl=False)
+    where = "--platform's s3_endpoint" if platform and platform.s3_endpoint else "AWS_ENDPOINT_URL"
+    if kind != "launcher-config" and (note := loopback_note((cfg.s3 or S3Access()).endpoint, where,
+                                                            "http://minio-service.kubeflow:9000 (s3_endpoint in --platform)")):
+        click.echo(f"note: {note}", err=True)
 
 
 @storage_grp.command("check", short_help="Check the endpoint, credentials, bucket and read/write.")

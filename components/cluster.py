@@ -48,6 +48,24 @@ def image_problem(image: str, what: str) -> str | None:
     return None
 
 
+def loopback_note(url: str, what: str, instead: str) -> str | None:
+    """A note when ``url`` (``http://HOST:PORT`` or ``HOST:PORT``) names this machine's loopback
+    (localhost, 127.0.0.0/8, ::1): in a pod that address is the pod itself, so a port-forward that
+    works here reaches nothing there. ``what`` names the setting, ``instead`` an address to give."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url if "://" in url else f"//{url}").hostname or ""
+    try:
+        loopback = host == "localhost" or host.endswith(".localhost") or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return None
+    if not loopback:
+        return None
+    return (f"{what} {url} is this machine's loopback address; in the cluster's pods it is the pod itself, "
+            f"so they would not reach it: give the Service's address in the cluster, e.g. {instead}")
+
+
 def is_dns1123_label(value: str | None, max_len: int = 63) -> bool:
     """A Kubernetes name of the label kind (namespaces, Services): lowercase alphanumerics and '-'."""
     return bool(value) and len(value) <= max_len and DNS1123_LABEL.match(value) is not None

@@ -718,6 +718,41 @@ def test_manifest_dry_runs_are_valid():
     assert r.returncode == 2 and "min_replicas: 0 (scale to zero) needs KServe's Serverless mode" in r.stderr
 
 
+def test_a_loopback_address_bound_for_the_clusters_pods_gets_a_note(kfp_server, tmp_path):
+    # a port-forward's http://127.0.0.1:9000 went into the pods' settings without a word: there it is the pod
+    from kfp_pytorch.components.cluster import loopback_note
+
+    for url in ("http://127.0.0.1:9000", "http://localhost:5000", "127.0.0.5:9000", "http://[::1]:9000",
+                "https://minio.localhost"):
+        assert loopback_note(url, "s3_endpoint", "X") == (
+            f"s3_endpoint {url} is this machine's loopback address; in the cluster's pods it is the pod itself, so "
+            "they would not reach it: give the Service's address in the cluster, e.g. X"), url
+    for url in ("http://minio-service.kubeflow:9000", "10.0.0.7:9000", "https://s3.example.com", "http://[fd00::1]:80"):
+        assert loopback_note(url, "s3_endpoint", "X") is None, url
+    r = cli("manifest", "pytorchjob", "--image", "reg/kfp-pytorch:0.1.0", env={"AWS_ENDPOINT_URL": "http://127.0.0.1:9000"})
+    assert r.returncode == 0 and next(yaml.safe_load_all(r.stdout))["kind"] == "PyTorchJob"
+    assert r.stderr == ("note: AWS_ENDPOINT_URL http://127.0.0.1:9000 is this machine's loopback address; in the "
+                        "cluster's pods it is the pod itself, so they would not reach it: give the Service's address in "
+                        "the cluster, e.g. http://minio-service.kubeflow:9000 (s3_endpoint in --platform)\n"), r.stderr
+    r = cli("manifest", "pytorchjob", "--image", "reg/kfp-pytorch:0.1.0",
+            env={"AWS_ENDPOINT_URL": "http://minio-service.kubeflow:9000"})
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    plat = tmp_path / "platform.yaml"
+    plat.write_text("s3_endpoint: http://localhost:9000\nmlflow_tracking_uri: http://127.0.0.1:5000\n")
+    r = cli("compile", "train_and_serve", "-o", str(tmp_path / "p.yaml"), "--platform", str(plat),
+            "-p", "tracking_uri=http://127.0.0.1:5000")  # a run form's default: not noted; the platform's: compiled in
+    assert r.returncode == 0, r.stderr
+    assert "note: --platform's mlflow_tracking_uri http://127.0.0.1:5000 is this machine's loopback" in r.stderr
+    assert "note: --platform's s3_endpoint http://localhost:9000 is this machine's loopback" in r.stderr
+    assert "note: tracking_uri" not in r.stderr
+    fake, url = kfp_server
+    r = cli("submit", "train_and_serve", "--host", url, "--no-wait", "-p", "tracking_uri=http://localhost:5000")
+    assert r.returncode == 0, r.stderr
+    assert ("note: tracking_uri http://localhost:5000 is this machine's loopback address; in the cluster's pods it is "
+            "the pod itself, so they would not reach it: give the Service's address in the cluster, e.g. "
+            "http://mlflow.kubeflow:5000") in r.stderr
+
+
 def test_a_manifest_dry_run_builds_the_job_the_train_step_would_from_every_training_parameter():
     # the dry run left out checkpoint_every_s: it showed the default 600 s for a pipeline that set 60
     from kfp_pytorch.components.ops.train import train_op
