@@ -571,6 +571,12 @@ class Storage:
             self._s3(sub, "delete", self.client.remove_object, sub.bucket, sub.key)
         self.remove_empty_folders(uri, below=True)
 
+    def _first_keys(self, loc: Location, prefix: str, n: int = 2) -> list[str]:
+        """The first ``n`` names one level under ``prefix`` in ``loc``'s bucket (objects, and folders
+        ending in /): enough to tell a folder that is there, empty or not, without listing it all."""
+        return self._s3(loc, "list", lambda: [o.object_name for o in itertools.islice(
+            self.client.list_objects(loc.bucket, prefix=prefix), n)])
+
     def remove_empty_folders(self, uri: str, below: bool = False, keep_depth: int = 0) -> list[str]:
         """Remove the folder ``uri`` names (an object's URI: its folder) and those above it, up to
         the bucket, while they hold nothing; with ``below``, first the empty folders under it too.
@@ -598,9 +604,7 @@ class Storage:
         folders += [key for i in range(len(parts), 0, -1) if (key := "/".join(parts[:i]) + "/") not in folders]
         removed = []
         for key in (k for k in folders if k.count("/") > keep_depth):  # never the bucket itself
-            listed = self._s3(loc, "list", lambda k=key: [o.object_name for o in itertools.islice(
-                self.client.list_objects(loc.bucket, prefix=k), 2)])
-            if listed == [key]:  # the folder, and nothing in it
+            if self._first_keys(loc, key) == [key]:  # the folder, and nothing in it
                 self._s3(loc, "delete", self.client.remove_object, loc.bucket, key)
                 removed.append(f"s3://{loc.bucket}/{key}")
             elif key.count("/") <= start.count("/"):
@@ -615,14 +619,9 @@ class Storage:
         if not loc.is_s3 or not loc.key.strip("/"):
             return None
         key = loc.key.rstrip("/") + "/"
-
-        def look():
-            if any(not o.object_name.endswith("/")  # an object anywhere under it: not empty
-                   for o in self.client.list_objects(loc.bucket, prefix=key, recursive=True)):
-                return False
-            return next(iter(self.client.list_objects(loc.bucket, prefix=key.rstrip("/"))), None) is not None
-
-        return f"s3://{loc.bucket}/{key}" if self._s3(loc, "list", look) else None
+        if any(not e.uri.endswith("/") for e in self.entries(f"s3://{loc.bucket}/{key}")):
+            return None  # an object somewhere under it
+        return f"s3://{loc.bucket}/{key}" if self._first_keys(loc, key.rstrip("/"), 1) else None
 
     def buckets(self) -> list[Entry]:
         """Every bucket the credentials see, as ``s3://NAME/`` with its creation time, sorted."""
@@ -648,11 +647,11 @@ class Storage:
         loc = parse_uri(uri)
         if not loc.is_s3 or loc.key.strip("/"):
             raise StorageError(f"remove bucket {uri}: not a bucket", "give s3://BUCKET, without a key")
-        left = [e.uri for e in self.entries(f"s3://{loc.bucket}") if not e.uri.endswith("/")]
-        if left:
+        found = self.entries(f"s3://{loc.bucket}")
+        if left := [e.uri for e in found if not e.uri.endswith("/")]:
             raise StorageError(f"remove bucket s3://{loc.bucket}: it holds {len(left)} object(s), such as {left[0]}",
                                f"remove them first: `kfp-pytorch storage rm -r s3://{loc.bucket}`")
-        for e in self.entries(f"s3://{loc.bucket}"):  # folder markers a console made (MinIO would refuse)
+        for e in found:  # folder markers a console made (MinIO would refuse the bucket's removal)
             self._s3(loc, "delete", self.client.remove_object, loc.bucket, parse_uri(e.uri).key)
         self.remove_empty_folders(f"s3://{loc.bucket}", below=True)
         self._s3(loc, "remove bucket", self.client.remove_bucket, loc.bucket)
@@ -841,6 +840,6 @@ def _deepest_folder(storage: Storage, uri: str) -> int:
     parts = loc.key.split("/")[:-1]
     for depth in range(len(parts), 0, -1):
         key = "/".join(parts[:depth]) + "/"
-        if storage._s3(loc, "list", lambda k=key: next(iter(storage.client.list_objects(loc.bucket, prefix=k)), None)):
+        if storage._first_keys(loc, key, 1):
             return depth
     return 0

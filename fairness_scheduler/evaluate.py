@@ -25,8 +25,8 @@ from .goals import (BASELINES, FAIR_BASELINES, GOALS, Check, baseline_checks, ch
                     missed, shared_misses)
 from .report import UserLookup, quiet_worker_signals, run_jobs, stop_pool_workers, trace_people, workers_problems
 from .simulator import METRICS
-from .trace import (CUTS, PAIRS, TraceJob, capacity, cut, near_trace, overlay, read_trace, trace_name,
-                    trace_users)
+from .trace import (CUTS, PAIRS, TraceJob, capacity, cut, near_trace, overlay, read_trace, trace_files_in,
+                    trace_name, trace_users)
 
 CACHE_VERSION = 2  # 2: every run's users (shares, tiers, quotas) are part of the key
 """Bump when a baseline's behaviour changes, so cached baseline metrics are not reused."""
@@ -100,7 +100,7 @@ def trace_files(paths: list[str | Path]) -> tuple[list[Path], list[str]]:
     problems: list[str] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted([*p.glob("*.csv"), *p.glob("*.csv.gz")])
+            found = [p / name for name in trace_files_in(p)]
             if not found:
                 problems.append(f"--traces: no *.csv or *.csv.gz in folder {p}")
             files += found
