@@ -412,9 +412,9 @@ def _before_submit(values: dict, platform, notes: bool = True) -> None:
         if problems:
             raise ConfigError(problems, "the serve step would refuse these in KServe's "
                                         f"{'RawDeployment' if raw else 'Serverless'} mode", title="invalid parameters")
-    from kfp_pytorch.components.cluster import loopback_note
+    from kfp_pytorch.components.cluster import S3Access, loopback_note
 
-    mlflow, minio = "http://mlflow.kubeflow:5000", "http://minio-service.kubeflow:9000"
+    mlflow, minio = "http://mlflow.kubeflow:5000", S3Access.endpoint  # the platform file's example, KFP's MinIO
     for url, what, instead in ((values.get("tracking_uri") if notes else "", "tracking_uri", mlflow),
                                (platform.mlflow_tracking_uri if platform else "", "--platform's mlflow_tracking_uri", mlflow),
                                (platform.s3_endpoint if platform else "", "--platform's s3_endpoint", minio)):
@@ -1737,7 +1737,7 @@ def manifest_cmd(kind, params, namespace, image, run_id, fairness, platform_file
     click.echo(dump_yaml(docs), nl=False)
     where = "--platform's s3_endpoint" if platform and platform.s3_endpoint else "AWS_ENDPOINT_URL"
     if kind != "launcher-config" and (note := loopback_note((cfg.s3 or S3Access()).endpoint, where,
-                                                            "http://minio-service.kubeflow:9000 (s3_endpoint in --platform)")):
+                                                            f"{S3Access.endpoint} (s3_endpoint in --platform)")):
         click.echo(f"note: {note}", err=True)
 
 
