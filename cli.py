@@ -271,20 +271,22 @@ def cli(ctx, debug):
 
 
 @cli.command("pipelines")
+@click.argument("names", nargs=-1, metavar="[PIPELINE]...", shell_complete=_complete_pipeline)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def pipelines_cmd(as_json):
-    """List pipelines and their parameters."""
-    from kfp_pytorch.pipelines import PIPELINES
+def pipelines_cmd(names, as_json):
+    """List the pipelines and their parameters (those named, or all)."""
+    from kfp_pytorch.pipelines import PIPELINES, get_pipeline
 
+    chosen = {e.name: e for e in map(get_pipeline, names)} if names else PIPELINES  # an unknown name: its error
     if as_json:
         click.echo(json.dumps({n: {p.name: {"type": p.type.__name__, "default": p.default, "help": p.description}
-                                   for p in e.params} for n, e in PIPELINES.items()}, indent=1))
+                                   for p in e.params} for n, e in chosen.items()}, indent=1))
         return
     import shutil
 
     # a terminal gets the descriptions wrapped to its width; a pipe, one line per parameter for grep
     width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
-    for name, entry in PIPELINES.items():
+    for name, entry in chosen.items():
         click.secho(f"{name}", bold=True, nl=False)
         click.echo(f"  {entry.summary}")
         for line in _param_lines(entry.params, width):

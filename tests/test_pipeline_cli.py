@@ -292,6 +292,13 @@ def test_pipelines_lists_parameters():
             text = " ".join([lines[i][help_at:]] + [line[indent:] for line in lines[i + 1:end]]).split()
             assert text == p.description.split(), (width, p.name)
             assert all(line[:indent].strip() == "" for line in lines[i + 1:end])
+    # one pipeline by name, as run takes it (it was "Got unexpected extra argument")
+    for name in ("train_and_serve", "train-and-serve"):
+        assert run_cli("pipelines", name).stdout == run_cli("pipelines").stdout
+        assert json.loads(run_cli("pipelines", name, "--json").stdout) == {"train_and_serve": params}
+    r = run_cli("pipelines", "train_and_serv")
+    assert r.returncode == 2 and "unknown pipeline 'train_and_serv'; did you mean 'train_and_serve'?" in r.stderr
+    assert r.stdout == ""
 
 
 def test_end_to_end_on_s3_and_mlflow_server(s3, bucket, mlflow_server):
