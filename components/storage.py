@@ -621,7 +621,9 @@ class Storage:
         key = loc.key.rstrip("/") + "/"
         if any(not e.uri.endswith("/") for e in self.entries(f"s3://{loc.bucket}/{key}")):
             return None  # an object somewhere under it
-        return f"s3://{loc.bucket}/{key}" if self._first_keys(loc, key.rstrip("/"), 1) else None
+        # listed under its own name: the folder itself when empty, else the empty folders in it (a
+        # prefix without the slash would match new.csv beside a new/ that is not there)
+        return f"s3://{loc.bucket}/{key}" if self._first_keys(loc, key, 1) else None
 
     def buckets(self) -> list[Entry]:
         """Every bucket the credentials see, as ``s3://NAME/`` with its creation time, sorted."""

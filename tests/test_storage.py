@@ -504,6 +504,12 @@ def test_storage_check_leaves_the_bucket_as_it_found_it_and_rm_removes_an_empty_
     assert ls() == ["keep/"]
     r = cli("rm", f"s3://{bucket}/old")
     assert r.returncode == 1 and f"remove s3://{bucket}/old: nothing stored there" in r.stderr
+    s3.write_bytes(f"s3://{bucket}/older.csv", b"x")  # a name that starts as the folder's is not it
+    for args in (["--dry-run"], []):
+        r = cli("rm", *args, f"s3://{bucket}/old")
+        assert r.returncode == 1 and f"remove s3://{bucket}/old: nothing stored there" in r.stderr, r.stdout
+    assert s3.exists(f"s3://{bucket}/older.csv")
+    s3.delete(f"s3://{bucket}/older.csv")
     r = cli("rm", f"s3://{bucket}/keep")  # a folder with an object in it still needs -r
     assert r.returncode == 2 and "add -r" in r.stderr and ls("keep") == ["keep/a.txt"]
 
