@@ -26,6 +26,7 @@ the credentials unset without a word).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import itertools
@@ -815,7 +816,10 @@ def check_access(uri: str = "", storage: "Storage | None" = None) -> list[tuple[
                            f"s3://{loc.bucket}` (or mc mb, or the MinIO console)", False)]
     results.append((f"bucket {loc.bucket!r} exists", True))
     probe = join(uri, f".kfp-pytorch-check-{uuid.uuid4().hex[:8]}")
-    made_below = _deepest_folder(storage, probe)  # the probe's folders below it are new: removed after
+    try:  # the probe's folders below this depth are new: removed after it
+        made_below = _deepest_folder(storage, probe)
+    except StorageError:  # listing denied (no s3:ListBucket): check the rest, and leave the folders be
+        made_below = None
     try:
         storage.write_bytes(probe, b"ok")
         results.append((f"write permission under {uri}", True))
@@ -828,10 +832,12 @@ def check_access(uri: str = "", storage: "Storage | None" = None) -> list[tuple[
         results.append((f"cannot read under {uri}: {e.message} (grant s3:GetObject)", False))
     try:
         storage.delete(probe)
-        # SeaweedFS keeps the folders the probe made, so `ls` would list them: check leaves what it found
-        storage.remove_empty_folders(probe, keep_depth=made_below)
     except StorageError:
-        results.append((f"note: could not delete the probe object {probe} (no s3:DeleteObject)", True))
+        return results + [(f"note: could not delete the probe object {probe} (no s3:DeleteObject)", True)]
+    if made_below is not None:
+        # SeaweedFS keeps the folders the probe made, so `ls` would list them: check leaves what it found
+        with contextlib.suppress(StorageError):  # a folder left is a nuisance, not a failed check
+            storage.remove_empty_folders(probe, keep_depth=made_below)
     return results
 
 

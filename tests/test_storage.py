@@ -491,6 +491,21 @@ def test_storage_check_leaves_the_bucket_as_it_found_it_and_rm_removes_an_empty_
     s3.write_bytes(f"s3://{bucket}/keep/a.txt", b"x")
     assert all(good for _, good in check_access(f"s3://{bucket}/keep/x/y", storage=s3))
     assert ls() == ["keep/"] and ls("keep") == ["keep/a.txt"]  # the folders it found stay, and only they
+    # credentials that may write and read but not list (no s3:ListBucket) are checked as before: the
+    # folder check is skipped, not the check failed. The test server has one identity with every
+    # right, so a Storage whose listing is refused stands in for them.
+    from kfp_pytorch.components.errors import StorageAuthError
+
+    class NoListing(type(s3)):
+        def _first_keys(self, loc, prefix, n=2):
+            raise StorageAuthError(f"list s3://{loc.bucket}/{prefix}: AccessDenied")
+
+    lines = check_access(f"s3://{bucket}/keep/z", storage=NoListing(s3.config))
+    assert [good for _, good in lines] == [True] * 5, lines
+    assert [line for line, _ in lines][-2:] == [f"write permission under s3://{bucket}/keep/z",
+                                                 f"read permission under s3://{bucket}/keep/z"]
+    assert ls("keep") == ["keep/a.txt", "keep/z/"]  # the probe's folder stays: it could not tell it was new
+    s3.remove_empty_folders(f"s3://{bucket}/keep/z/")
     # a folder left empty (its objects removed by another tool) is listed, so rm takes it, with no -r:
     # it was "nothing stored there"
     s3.write_bytes(f"s3://{bucket}/old/run/m.pt", b"x")
