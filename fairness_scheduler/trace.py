@@ -97,13 +97,14 @@ def near_trace(path: Path) -> Path | None:
 def _missing_hint(path: Path) -> str:
     """What to give for a trace ``path`` that is not there (or a folder): the trace it likely meant,
     else what a trace holds and the CSVs its folder has."""
-    folder = path if path.is_dir() else path.parent
-    if not path.is_dir() and (near := near_trace(path)):
+    is_dir = path.is_dir()
+    if not is_dir and (near := near_trace(path)):
         return f"did you mean {near}?"
+    folder = path if is_dir else path.parent
     hint, names = "give a CSV with columns " + ", ".join(COLUMNS), trace_files_in(folder)
     if names:
         hint += f"; {folder} holds " + ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-        if path.is_dir():  # a folder of traces: goals takes it whole
+        if is_dir:  # a folder of traces: goals takes it whole
             hint += f" (`kfp-pytorch goals --traces {folder}` judges them all)"
     return hint
 
