@@ -6,7 +6,7 @@ Every user mistake ends in a one-paragraph error with the next step and a non-ze
 import json
 import os
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path, PurePosixPath
 
 import click
@@ -721,7 +721,8 @@ def serve_start(names, start_all, port, model_uri, tracking_uri):
     for name in names:
         old_port = urlsplit((server_status(name) or {}).get("url") or "").port
         try:
-            ep, started = revive(name, port)
+            with _port_flag_hint():
+                ep, started = revive(name, port)
         except KfpPytorchError as e:  # (a model gone, a port taken) the others still start; each failure is told
             click.secho(f"{name}: {e}", fg="red", err=True)
             failed.append(name)
@@ -731,6 +732,18 @@ def serve_start(names, start_all, port, model_uri, tracking_uri):
         click.echo(f"{name}: {'started' if started else 'already up'} at {ep.infer_url} (pid {ep.pid}){moved}")
     if failed:
         raise ServingError(f"could not start {', '.join(map(repr, failed))}", "see each server's error above")
+
+
+@contextmanager
+def _port_flag_hint():
+    """A taken port's hint in the words of the command line (--port 0), not of the Python API (port=0)."""
+    from kfp_pytorch.components.errors import PortInUseError
+
+    try:
+        yield
+    except PortInUseError as e:
+        e.hint = "give another --port (--port 0: a free one), or stop the process using it"
+        raise
 
 
 def _serve_model_as(names, start_all, port, model_uri, tracking_uri) -> None:
@@ -758,8 +771,9 @@ def _serve_model_as(names, start_all, port, model_uri, tracking_uri) -> None:
             raise ServingError(f"{model_uri} is not a model directory (it has no metadata.json)",
                                "give a run's train-op.model directory (`kfp-pytorch runs --local` lists the runs), "
                                "or a registered version: models:/MODEL/VERSION")
-    ep = serve(ServeSpec(model_dir, name, port=port, registered_model=(
-        f"models:/{got['name']}/{got['version']}" if model_uri.startswith("models:") else "")))
+    with _port_flag_hint():
+        ep = serve(ServeSpec(model_dir, name, port=port, registered_model=(
+            f"models:/{got['name']}/{got['version']}" if model_uri.startswith("models:") else "")))
     before = ep.replaced  # read under the deploy's lock: a deploy of NAME beside this one came first
     replaced = (f"; it replaced the server of {before.get('registered_model') or before['model_uri']} at "
                 f"{before['infer_url']}" if before and before.get("model_uri") else "")

@@ -171,6 +171,33 @@ def port_is_free(host: str, port: int) -> bool:
             return False
 
 
+def port_holder(port: int) -> str:
+    """Who listens on ``port`` on this machine, for the error that says it is taken: another of
+    the local model servers (``the local model server 'iris'``), else the process (``pid 4242
+    (python -m http.server 8080)``); "" when the system will not tell (another user's process,
+    macOS without privileges)."""
+    import psutil
+
+    for info in list_servers():
+        if info.get("alive") and _port_of(info) == port:
+            return f"the local model server {info['name']!r} (`kfp-pytorch serve stop {info['name']}` stops it)"
+    try:
+        pids = {c.pid for c in psutil.net_connections(kind="tcp")
+                if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid}
+        for pid in sorted(pids):
+            cmd = " ".join(psutil.Process(pid).cmdline())
+            return f"pid {pid} ({cmd[:80] + '...' if len(cmd) > 80 else cmd})"
+    except (psutil.Error, OSError):
+        pass
+    return ""
+
+
+def port_taken(port: int, host: str, hint: str) -> PortInUseError:
+    """The error for a port another process holds, naming that process where it can."""
+    who = port_holder(port)
+    return PortInUseError(f"port {port} on {host} is already in use" + (f" by {who}" if who else ""), hint)
+
+
 def _pick_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -361,14 +388,14 @@ class LocalServeBackend:
 
     def _start(self, spec: ServeSpec, check: Callable[[Endpoint], None] | None) -> Endpoint:
         old = read_server(spec.model_name)
+        # a dead server's record stays until the new server's record replaces it: a start that
+        # fails (its port taken, its model unloadable) leaves it to `serve list` and `serve start`
         live = old if old is not None and _ours(old) else None
-        if old is not None and live is None:
-            stop_server(spec.model_name)  # a dead record
         port = spec.port or (live and _port_of(live)) or _pick_port(spec.host)
         take_over = live is not None and _port_of(live) == port
         if not take_over and not port_is_free(spec.host, port):
-            raise PortInUseError(f"port {port} on {spec.host} is already in use",
-                                 "choose another port (or port=0 for a free one), or stop the process using it")
+            raise port_taken(port, spec.host, "choose another port (or port=0 for a free one), or stop the process "
+                                              "using it")
         log = server_log(spec.model_name)
         # beside a live server, the new one logs apart until it takes over (the old one's log is open);
         # the server it replaces keeps its log as the previous one (why a server that died, died)

@@ -606,6 +606,7 @@ def test_an_unreadable_record_is_listed_and_removed_and_stop_all_stops_every_ser
 
 
 def test_a_server_that_died_is_started_again_with_its_model_on_its_port(endpoint, tmp_path):
+    import os
     import subprocess
     import sys
 
@@ -676,6 +677,11 @@ def test_a_server_that_died_is_started_again_with_its_model_on_its_port(endpoint
         squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the killed server's connections linger
         squatter.bind(("127.0.0.1", old_port))
         squatter.listen()
+        r = cli("start", "digits", "--port", str(old_port))  # the port asked for is taken: said in the CLI's words
+        assert r.returncode == 1 and f"already in use by pid {os.getpid()} (" in r.stderr, r.stderr
+        assert "hint: give another --port (--port 0: a free one)" in r.stderr and "port=0" not in r.stderr
+        # a start that failed keeps the dead server's record: still listed down, still to start again
+        assert [s["alive"] for s in list_servers() if s["name"] == "digits"] == [False]
         r = cli("start", "digits")
     [moved] = [s for s in list_servers() if s["name"] == "digits"]
     assert r.returncode == 0 and moved["alive"] and urlsplit(moved["url"]).port != old_port, r.stderr
@@ -730,14 +736,23 @@ def test_serve_logs_follow_goes_on_through_a_redeploy_and_ends_when_the_server_s
     assert r.returncode == 2 and "leave out --follow" in r.stderr
 
 
-def test_port_in_use_is_a_clear_error(trained_model):
+def test_port_in_use_is_a_clear_error_that_names_who_holds_the_port(trained_model, endpoint):
+    import os
+    from urllib.parse import urlsplit
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
         with pytest.raises(PortInUseError) as e:
             serve(ServeSpec(trained_model.model_uri, "busy", port=port))
-        assert f"port {port}" in str(e.value) and e.value.hint
+        assert e.value.message.startswith(f"port {port} on 127.0.0.1 is already in use by pid {os.getpid()} (")
+        assert "port=0" in e.value.hint
+    taken = urlsplit(endpoint.url).port  # another local model server's port: named, with how to stop it
+    with pytest.raises(PortInUseError) as e:
+        serve(ServeSpec(trained_model.model_uri, "busy", port=taken))
+    assert e.value.message == (f"port {taken} on 127.0.0.1 is already in use by the local model server 'digits' "
+                               "(`kfp-pytorch serve stop digits` stops it)")
     assert not [s for s in list_servers() if s["name"] == "busy"]
 
 
