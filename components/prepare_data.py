@@ -75,6 +75,8 @@ class PrepareSpec:
         problems = []
         if not self.dataset_uri:
             problems.append("dataset_uri: must be set (a path, s3://bucket/key or sample://digits)")
+        elif problem := sample_problem(self.dataset_uri):
+            problems.append(problem)
         if not self.output_uri:
             problems.append("output_uri: must be set")
         problems += columns_problems(self.label_column, self.feature_columns)
@@ -88,6 +90,18 @@ class PrepareSpec:
             problems.append(problem)
         if problems:
             raise ConfigError(problems, title="invalid prepare_data settings")
+
+
+def sample_problem(uri: str, name: str = "dataset_uri") -> str | None:
+    """What is wrong with a ``sample://`` URI that names no bundled sample (None when it is no
+    sample, or a known one): found with the other parameters, before any step runs."""
+    if not uri.startswith(SAMPLE_SCHEME) or (given := uri[len(SAMPLE_SCHEME):]) in SAMPLES:
+        return None
+    import difflib
+
+    near = difflib.get_close_matches(given, SAMPLES, n=1, cutoff=0.75)
+    return (f"{name}: unknown sample dataset {given!r}; " + (f"did you mean {SAMPLE_SCHEME}{near[0]}?" if near else
+            f"the samples: {', '.join(SAMPLE_SCHEME + s for s in SAMPLES)} (or give a table: a path or s3://BUCKET/KEY)"))
 
 
 def parse_columns(text: str) -> tuple[str, ...]:
@@ -142,9 +156,8 @@ def load_table(uri: str, storage: Storage | None = None, label_column: str = "la
     are text, as the parameters that name them are (a Parquet file's may be numbers). ``what``:
     the name the user gave the table by (a parameter, a CLI argument), for the hint of a missing one."""
     if uri.startswith(SAMPLE_SCHEME):
-        name = uri[len(SAMPLE_SCHEME):]
-        if name != "digits":
-            raise DatasetError(f"unknown sample dataset {name!r}", f"available samples: {', '.join(SAMPLES)}")
+        if problem := sample_problem(uri, what):
+            raise DatasetError(problem)
         from sklearn.datasets import load_digits
 
         bunch = load_digits(as_frame=True)

@@ -12,7 +12,7 @@ from kfp import dsl
 from kfp_pytorch.components.cluster import replicas_problems
 from kfp_pytorch.components.evaluate import GATE_METRICS
 from kfp_pytorch.components.ops.evaluate import evaluate_op
-from kfp_pytorch.components.prepare_data import columns_problems, parse_columns, seed_problem
+from kfp_pytorch.components.prepare_data import columns_problems, parse_columns, sample_problem, seed_problem
 from kfp_pytorch.components.storage import StorageError, parse_uri
 from kfp_pytorch.components.tracking import tracking_uri_problem
 from kfp_pytorch.components.train import BUILTIN_MODELS, gpu_share_problem, training_settings_problems
@@ -100,6 +100,8 @@ def validate_params(p: dict) -> list[str]:
     problems = []
     if not p["dataset_uri"]:
         problems.append("dataset_uri: must be set (a path, s3://bucket/key.csv or sample://digits)")
+    elif problem := sample_problem(p["dataset_uri"]):
+        problems.append(problem)
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", p["model_name"]):
         problems.append(f"model_name: must be a DNS-1123 label (lower-case letters, digits, '-'), got {p['model_name']!r}")
     if p["model_arch"] not in BUILTIN_MODELS and ":" not in p["model_arch"]:

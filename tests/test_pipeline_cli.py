@@ -702,6 +702,11 @@ def test_failed_task_is_read_from_kfp_locals_coloured_message():
     (["run", "train_and_serve", "--local", "--param", "model_arch=nosuchpkg_q.models:net"],
      "cannot import model factory module 'nosuchpkg_q.models'"),
     (["run", "train_and_serve", "--local", "--param", "batch_size"], "expected key=value"),
+    # a sample there is not: it was found by the prepare step, with its traceback in the step's log
+    (["run", "train_and_serve", "--local", "-p", "dataset_uri=sample://digit"],
+     "dataset_uri: unknown sample dataset 'digit'; did you mean sample://digits?"),
+    (["submit", "train_and_serve", "--host", "http://127.0.0.1:9", "-p", "dataset_uri=sample://iris"],
+     "dataset_uri: unknown sample dataset 'iris'; the samples: sample://digits (or give a table"),
     (["run", "train_and_serve", "--local", "--param", "epochs=3", "--param", "epochs=30"],
      "--param epochs: given twice ('3' and '30'); give it once"),
     (["run", "train_and_serve", "--local", "--param", "model_arch=factories:three_outputs"],

@@ -99,8 +99,9 @@ def test_all_problems_reported_together(tmp_path):
 def test_missing_dataset_and_bad_settings(tmp_path):
     with pytest.raises(DatasetError, match="dataset not found"):
         prepare_data(PrepareSpec(str(tmp_path / "nope.csv"), str(tmp_path / "o")))
-    with pytest.raises(DatasetError, match="unknown sample"):
-        prepare_data(PrepareSpec("sample://mnist", str(tmp_path / "o")))
+    with pytest.raises(ConfigError, match="dataset_uri: unknown sample dataset 'mnist'; the samples: sample://digits"):
+        prepare_data(PrepareSpec("sample://mnist", str(tmp_path / "o")))  # before anything is read or written
+    assert not (tmp_path / "o").exists()
     with pytest.raises(ConfigError) as e:
         prepare_data(PrepareSpec("sample://digits", str(tmp_path / "o"), val_fraction=0.7, shard_rows=0, seed=-1))
     assert "val_fraction" in str(e.value) and "shard_rows" in str(e.value)
