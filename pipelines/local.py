@@ -307,6 +307,9 @@ def run_result(summary: dict) -> dict:
         out["gate_passed"] = summary["gate_passed"]
     if summary.get("model"):
         out["model"] = {k: summary["model"].get(k) for k in ("registry_uri", "champion")}
+    if summary.get("failed_task"):  # why it failed, at a glance: the error's own line (its log has the rest)
+        error = (summary.get("error") or "").strip().splitlines()
+        out["failed"] = summary["failed_task"] + (f": {error[0].strip()}" if error else "")
     return out
 
 
@@ -326,6 +329,8 @@ def result_line(result: dict, params: dict | None = None, champion_until: int | 
         m = result["model"]
         until = "" if champion_until is None else f" until version {champion_until}"
         parts.append(m["registry_uri"] + (f" (champion{until})" if m.get("champion") else ""))
+    if isinstance(failed := result.get("failed"), str):
+        parts.append(f"failed in {failed if len(failed) <= 120 else failed[:117] + '...'}")
     return ", ".join(parts)
 
 

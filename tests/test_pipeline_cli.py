@@ -446,6 +446,12 @@ def test_a_step_that_fails_is_named_and_its_partial_outputs_removed(tmp_path):
     record = json.loads((run_dir / "run.json").read_text())
     assert record["status"] == "FAILED" and record["failed_task"] == "train-op"
     assert record["params"]["model_arch"] == "badfactory:net"
+    # and `runs --local` says why it failed, on the run's line: no opening of its log to find out
+    why = ("train-op: TrainingError: training workers failed (torchrun exit code 1): ModelFactoryError: model "
+           "factory 'badfactory:net' returned int, not a torch.nn.Module")
+    assert record["result"]["failed"] == why
+    [line] = [ln for ln in run_cli("runs", "--local").stdout.splitlines() if ln.startswith(run_dir.name)]
+    assert line.split()[1] == "FAILED" and line.endswith(f"  failed in {why[:117]}...")
 
 
 def test_local_runs_are_listed_and_pruned_but_a_served_model_and_a_running_run_are_kept(trained_model):
