@@ -130,7 +130,8 @@ def test_the_top_level_help_lists_every_command_once_by_section():
     import click
     from click.testing import CliRunner
 
-    from kfp_pytorch.cli import _SectionedGroup, cli
+    from kfp_pytorch.cli import cli
+    from kfp_pytorch.cli._app import _SectionedGroup
 
     sections = _SectionedGroup.SECTIONS
     listed = [name for rows in sections.values() for name in rows]
@@ -276,7 +277,7 @@ def test_pipelines_lists_parameters():
         assert len(starts) == 1, (field, rows)
     # a terminal's width: each description wrapped under itself, or below its row when the columns
     # leave it too little room; a pipe (above) keeps one line per parameter
-    from kfp_pytorch.cli import _param_lines
+    from kfp_pytorch.cli.pipelines import _param_lines
     from kfp_pytorch.pipelines.registry import PIPELINES
 
     entry = PIPELINES["train_and_serve"]
@@ -600,7 +601,7 @@ def test_the_end_of_a_run_notes_local_runs_that_piled_up(tmp_path):
 
 
 def test_the_summary_says_how_to_use_and_stop_the_served_model(capsys):
-    from kfp_pytorch.cli import _print_summary
+    from kfp_pytorch.cli.pipelines import _print_summary
 
     s = {"pipeline": "train_and_serve", "status": "SUCCEEDED", "gate_passed": True,
          "metrics": {"accuracy": 0.97, "accuracy_ci95_low": 0.944, "accuracy_ci95_high": 0.985, "test_rows": 270},
