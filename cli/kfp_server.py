@@ -359,8 +359,11 @@ def runs_cmd(host, namespace, experiment, token, ca_cert, limit, as_json, local,
     runs, total = listed
     more = (f"the newest {len(runs)} of {total} runs; --limit N lists more, --limit 0 all"
             if total > len(runs) else None)
+    # a failed run says why on its line (the failed task and its error), as the KFP UI's run list
+    # does not: no opening of each run to find out
     rows = [{"run_id": r.run_id, "name": r.display_name, "state": str(r.state), "created_at": str(r.created_at),
-             "duration_s": _run_seconds(r)} for r in runs]
+             "duration_s": _run_seconds(r),
+             "failure": "; ".join(KfpApi.failure_lines(r)) if str(r.state) == "FAILED" else None} for r in runs]
     if as_json:
         click.echo(json.dumps(rows, indent=1))
         if why_none != "no runs" and not rows:
@@ -376,7 +379,8 @@ def runs_cmd(host, namespace, experiment, token, ca_cert, limit, as_json, local,
         click.echo(f"{'RUN ID':<{len(rows[0]['run_id'])}}  {'STATE':<10} {'CREATED':<26} {'TOOK':>8}  NAME")
     for r in rows:
         took = format_duration(r["duration_s"]) if r["duration_s"] is not None else "-"
-        click.echo(f"{r['run_id']}  {r['state']:<10} {r['created_at']:<26} {took:>8}  {r['name']}")
+        why = f"  ({r['failure']})" if r["failure"] else ""
+        click.echo(f"{r['run_id']}  {r['state']:<10} {r['created_at']:<26} {took:>8}  {r['name']}{why}")
     if more:
         click.echo(more)
 

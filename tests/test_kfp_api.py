@@ -216,6 +216,13 @@ def test_a_run_submitted_without_waiting_is_followed_later_by_its_id(kfp_server)
     r = cli("follow", failed, "--host", url)
     assert r.returncode == 1 and r.stdout == f"run {failed}: FAILED\n"
     assert "failed task: train-op: training diverged" in r.stderr and f"{url}/#/runs/details/{failed}" in r.stderr
+    # the run list says why it failed, on its line and in --json; a run that did not fail says nothing
+    rows = {x["run_id"]: x for x in json.loads(cli("runs", "--host", url, "--json").stdout)}
+    assert rows[failed]["failure"] == ("error: task train-op failed; failed task: train-op: training diverged: the "
+                                       "loss became nan in epoch 1") and rows[run_id]["failure"] is None
+    [line] = [ln for ln in cli("runs", "--host", url).stdout.splitlines() if ln.startswith(failed)]
+    assert line.split()[1] == "FAILED" and line.endswith(
+        "  (error: task train-op failed; failed task: train-op: training diverged: the loss became nan in epoch 1)")
     gets = fake.run_gets
     r = cli("follow", "0b5c8c4e-0000-4000-8000-000000000000", "--host", url)
     assert r.returncode == 3 and "Traceback" not in r.stderr
