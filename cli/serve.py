@@ -20,7 +20,8 @@ def _servers_said() -> str:
     if not names:
         return ("There are no local model servers here: a pipeline's serve step starts one "
                 "(kfp-pytorch run train_and_serve --local).")
-    return f"Name one of the local model servers: {', '.join(names)} (kfp-pytorch serve list shows them)."
+    listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")  # a line, not a page
+    return f"Name one of the local model servers: {listed} (kfp-pytorch serve list shows them)."
 
 
 def _complete_server(ctx, param, incomplete):

@@ -783,6 +783,15 @@ def test_a_missing_name_or_id_says_where_to_find_it():
     r = run_cli("serve", "logs")
     assert r.returncode == 2 and ("Missing argument 'NAME'. Name one of the local model servers: digits, iris "
                                   "(kfp-pytorch serve list shows them).") in r.stderr, r.stderr
+    many = [f"m{i:02d}" for i in range(12)]
+    for name in many:
+        _pidfile(name).write_text(json.dumps({"name": name, "url": "http://127.0.0.1:9", "pid": None,
+                                              "infer_url": f"http://127.0.0.1:9/v2/models/{name}/infer"}))
+    r = run_cli("serve", "logs")  # a dozen more: the first eight, and how many else
+    assert ("Name one of the local model servers: digits, iris, m00, m01, m02, m03, m04, m05 and 6 more "
+            "(kfp-pytorch serve list shows them).") in r.stderr, r.stderr
+    for name in many:
+        _pidfile(name).unlink()
     # serve stop|start with neither names nor --all: the servers there are, up and down
     from kfp_pytorch.components.serve import _start_ticks
 
