@@ -14,14 +14,13 @@ from .pipelines import _counted_classes, _weakest_line
 
 
 def _servers_said() -> str:
-    from kfp_pytorch.components.serve import list_servers
+    from kfp_pytorch.components.serve import list_servers, some_names
 
     names = [s["name"] for s in list_servers()]
     if not names:
         return ("There are no local model servers here: a pipeline's serve step starts one "
                 "(kfp-pytorch run train_and_serve --local).")
-    listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")  # a line, not a page
-    return f"Name one of the local model servers: {listed} (kfp-pytorch serve list shows them)."
+    return f"Name one of the local model servers: {some_names(names)} (kfp-pytorch serve list shows them)."
 
 
 def _complete_server(ctx, param, incomplete):

@@ -184,18 +184,25 @@ def port_holder(port: int) -> str:
     try:
         pids = {c.pid for c in psutil.net_connections(kind="tcp")
                 if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid}
-        for pid in sorted(pids):
-            cmd = " ".join(psutil.Process(pid).cmdline())
+        if pids:
+            cmd = " ".join(psutil.Process(pid := min(pids)).cmdline())
             return f"pid {pid} ({cmd[:80] + '...' if len(cmd) > 80 else cmd})"
     except (psutil.Error, OSError):
         pass
     return ""
 
 
-def port_taken(port: int, host: str, hint: str) -> PortInUseError:
-    """The error for a port another process holds, naming that process where it can."""
+def port_taken(port: int, host: str, hint: str, what: str = "port") -> PortInUseError:
+    """The error for a port another process holds, naming that process where it can; ``what``:
+    the name the user gave the port by (``serve_port``)."""
     who = port_holder(port)
-    return PortInUseError(f"port {port} on {host} is already in use" + (f" by {who}" if who else ""), hint)
+    return PortInUseError(f"{what} {port} on {host} is already in use" + (f" by {who}" if who else ""), hint)
+
+
+def some_names(names, most: int = 8) -> str:
+    """``a, b, c and 4 more``: the first ``most`` names and how many else, for a message's one line."""
+    names = list(names)
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _pick_port(host: str) -> int:
@@ -675,7 +682,7 @@ def unknown_server(names, said: str | None = None) -> str:
         return f"{said}; did you mean {' or '.join(map(repr, dict.fromkeys(near)))}?"
     if not known:
         return f"{said}; there are no local model servers"
-    return f"{said}; the servers: {', '.join(known[:8])}{' ...' if len(known) > 8 else ''}"
+    return f"{said}; the servers: {some_names(known)}"
 
 
 def stop_server(name: str) -> bool:

@@ -16,9 +16,9 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kfp_pytorch.components.errors import ConfigError, KfpPytorchError, PortInUseError, RegistryError
+from kfp_pytorch.components.errors import ConfigError, KfpPytorchError, RegistryError
 from kfp_pytorch.components.paths import home
-from kfp_pytorch.components.serve import port_holder, port_is_free, read_server
+from kfp_pytorch.components.serve import port_is_free, port_taken, read_server
 from kfp_pytorch.components.storage import Storage
 from kfp_pytorch.components.tracking import resolve_tracking_uri, tracking_uri_problem
 
@@ -68,9 +68,8 @@ def preflight(params: dict, storage: Storage | None = None) -> None:
     if port:
         mine = read_server(params.get("model_name", ""))
         if not port_is_free("127.0.0.1", port) and not (mine and mine.get("url", "").endswith(f":{port}")):
-            who = port_holder(port)
-            raise PortInUseError(f"serve_port {port} on 127.0.0.1 is already in use" + (f" by {who}" if who else ""),
-                                 "pass --param serve_port=0 for a free port, or stop the process using it")
+            raise port_taken(port, "127.0.0.1", "pass --param serve_port=0 for a free port, or stop the process using it",
+                             what="serve_port")
 
 
 def check_tracking_server(uri: str, timeout: float = 5.0) -> None:

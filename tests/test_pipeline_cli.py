@@ -790,6 +790,9 @@ def test_a_missing_name_or_id_says_where_to_find_it():
     r = run_cli("serve", "logs")  # a dozen more: the first eight, and how many else
     assert ("Name one of the local model servers: digits, iris, m00, m01, m02, m03, m04, m05 and 6 more "
             "(kfp-pytorch serve list shows them).") in r.stderr, r.stderr
+    r = run_cli("serve", "logs", "zzz")  # a name there is not: the same eight
+    assert r.returncode == 1 and "no log for a local model server named 'zzz' (" in r.stderr
+    assert "; the servers: digits, iris, m00, m01, m02, m03, m04, m05 and 6 more\n" in r.stderr, r.stderr
     for name in many:
         _pidfile(name).unlink()
     # serve stop|start with neither names nor --all: the servers there are, up and down
