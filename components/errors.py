@@ -88,6 +88,10 @@ class ServingError(KfpPytorchError):
     """The model server could not start or answer."""
 
 
+class PipelineFailed(KfpPytorchError):
+    """A local pipeline run failed: the failed step and its error; the run's log holds the rest."""
+
+
 class PortInUseError(ServingError):
     """The requested port is taken by another process."""
 

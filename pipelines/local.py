@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kfp_pytorch.components.errors import ConfigError, KfpPytorchError, RegistryError
+from kfp_pytorch.components.errors import ConfigError, KfpPytorchError, PipelineFailed, RegistryError, ServingError
 from kfp_pytorch.components.paths import home
 from kfp_pytorch.components.serve import port_is_free, port_taken, read_server
 from kfp_pytorch.components.storage import Storage
@@ -99,6 +99,20 @@ class LocalRun:
     elapsed_s: float = 0.0
     error: str | None = None
     """The failed task's own error (its last exception line, list items and hint), from its log."""
+
+    def raise_for_status(self) -> "LocalRun":
+        """This run, when it succeeded; else :class:`PipelineFailed` with the failed step, its error and
+        the run's log, for code (a notebook) that goes on to read the run's outputs."""
+        if self.succeeded:
+            return self
+        raise PipelineFailed(failure_line(self.pipeline, self.failed_task, self.error),
+                             f"the run's whole log: {self.run_dir / RUN_LOG}")
+
+
+def failure_line(pipeline: str, failed_task: str | None, error: str | None) -> str:
+    """``pipeline train_and_serve failed in train-op:`` and the step's error below it. Pure."""
+    said = f"pipeline {pipeline} failed" + (f" in {failed_task}" if failed_task else "")
+    return said + (":\n" + "\n".join(f"  {line}" for line in error.splitlines()) if error else "")
 
 
 RUN_LOG = "run.log"
@@ -618,6 +632,29 @@ def summarize(run: LocalRun) -> dict:
     return s
 
 
+def served_url(summary: dict) -> str:
+    """The base URL of the model server a run's :func:`summarize` names; else a
+    :class:`ServingError` that says why the run served nothing (a failed step, the gate, an older
+    champion) instead of a KeyError."""
+    if summary.get("server_url"):
+        return summary["server_url"]
+    if summary["status"] != "SUCCEEDED":
+        raise PipelineFailed(failure_line(summary["pipeline"], summary.get("failed_task"), summary.get("error")),
+                             f"the run's whole log: {summary['log']}" if summary.get("log") else None)
+    if summary.get("gate_passed") is False:
+        read = ", ".join(f"{k}={v:.4f}" for k, v in summary.get("metrics", {}).items()
+                         if k in ("accuracy", "macro_f1", "min_recall"))
+        raise ServingError("the run's gate failed, so the model was neither registered nor served"
+                           + (f" ({read})" if read else ""),
+                           "train longer (epochs), or lower the pipeline's threshold parameter; "
+                           "`kfp-pytorch run ... --local` says which parameters most often lift the gate metric")
+    if "not_served" in summary:
+        raise ServingError(f"the run served nothing: {summary['not_served']}",
+                           "`kfp-pytorch serve list` shows the local model servers")
+    raise ServingError(f"pipeline {summary['pipeline']} serves no model",
+                       "train_and_serve serves the model it trains; `kfp-pytorch serve start` serves a model directory")
+
+
 def gate_advice(values: dict, summary: dict) -> str | None:
     """What to rerun with when the gate failed: the parameters that most often lift the gate metric,
     given what this run did. None when the gate passed (or the pipeline has no such parameters)."""
@@ -635,5 +672,5 @@ def gate_advice(values: dict, summary: dict) -> str | None:
     return "to pass the gate: " + "; ".join(tips)
 
 
-__all__ = ["preflight", "run_local", "summarize", "gate_advice", "error_of", "LocalRun", "KfpPytorchError", "local_runs",
+__all__ = ["preflight", "run_local", "summarize", "served_url", "gate_advice", "error_of", "LocalRun", "KfpPytorchError", "local_runs",
            "prune_local_runs", "LocalRunInfo"]

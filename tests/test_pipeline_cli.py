@@ -673,6 +673,37 @@ def test_a_failed_gate_is_answered_with_what_to_rerun_with():
                                              {"gate_passed": False, "training": full})
 
 
+def test_code_that_reads_a_runs_outputs_is_told_why_there_are_none(tmp_path):
+    # the notebook read summary["metrics"] and summary["server_url"]: a failed step, a failed gate
+    # or an older champion ended in a KeyError, not in what happened
+    from kfp_pytorch.components.errors import PipelineFailed, ServingError
+    from kfp_pytorch.pipelines.local import LocalRun, served_url
+
+    ok = LocalRun("train_and_serve", tmp_path, True)
+    assert ok.raise_for_status() is ok
+    failed = LocalRun("train_and_serve", tmp_path, False, failed_task="train-op",
+                      error="TrainingError: training workers failed\n  hint: see the log")
+    with pytest.raises(PipelineFailed) as e:
+        failed.raise_for_status()
+    assert str(e.value) == ("pipeline train_and_serve failed in train-op:\n  TrainingError: training workers failed\n"
+                            f"    hint: see the log\n  hint: the run's whole log: {tmp_path / 'run.log'}")
+
+    base = {"pipeline": "train_and_serve", "status": "SUCCEEDED"}
+    assert served_url({**base, "server_url": "http://127.0.0.1:8080"}) == "http://127.0.0.1:8080"
+    with pytest.raises(PipelineFailed, match=r"^pipeline train_and_serve failed in evaluate-op:\n  ValueError: x\n"
+                                             r"  hint: the run's whole log: /r/run.log$"):
+        served_url({**base, "status": "FAILED", "failed_task": "evaluate-op", "error": "ValueError: x",
+                    "log": "/r/run.log"})
+    with pytest.raises(ServingError, match=r"gate failed, so the model was neither registered nor served "
+                                           r"\(accuracy=0\.4200\)\n  hint: train longer"):
+        served_url({**base, "gate_passed": False, "metrics": {"accuracy": 0.42, "test_rows": 90}})
+    with pytest.raises(ServingError, match=r"^the run served nothing: version 3 did not beat the champion"):
+        served_url({**base, "gate_passed": True,
+                    "not_served": "version 3 did not beat the champion (only a new champion is served)"})
+    with pytest.raises(ServingError, match="pipeline train_only serves no model"):
+        served_url({"pipeline": "train_only", "status": "SUCCEEDED"})
+
+
 def test_a_steps_error_is_read_from_its_log_with_its_problems_and_hint():
     from kfp_pytorch.pipelines.local import error_of
 
