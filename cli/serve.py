@@ -80,7 +80,7 @@ def serve_list(as_json):
 
 def _names_or_all(verb: str, both: bool) -> str:
     """``serve stop|start`` with neither names nor --all (or both): which servers there are to name."""
-    from kfp_pytorch.components.serve import list_servers
+    from kfp_pytorch.components.serve import list_servers, some_names
 
     if both:
         return f"give the names of the servers to {verb}, or --all, not both"
@@ -90,8 +90,8 @@ def _names_or_all(verb: str, both: bool) -> str:
     if not servers:
         return f"give the names of the servers to {verb}, or --all; there are no local model servers here"
     if verb == "start" and not down:
-        return f"give the names of the servers to {verb}, or --all; every local model server is up ({', '.join(up)})"
-    listed = "; ".join(f"{state}: {', '.join(names)}" for state, names in (("down", down), ("up", up))
+        return f"give the names of the servers to {verb}, or --all; every local model server is up ({some_names(up)})"
+    listed = "; ".join(f"{state}: {some_names(names)}" for state, names in (("down", down), ("up", up))
                        if names and (verb == "stop" or state == "down"))
     return f"give the names of the servers to {verb} ({listed}), or --all"
 

@@ -824,6 +824,9 @@ def test_a_missing_name_or_id_says_where_to_find_it():
     r = run_cli("serve", "logs", "zzz")  # a name there is not: the same eight
     assert r.returncode == 1 and "no log for a local model server named 'zzz' (" in r.stderr
     assert "; the servers: digits, iris, m00, m01, m02, m03, m04, m05 and 6 more\n" in r.stderr, r.stderr
+    r = run_cli("serve", "stop")  # and the servers to name, when none is
+    assert r.returncode == 2 and ("give the names of the servers to stop (down: digits, iris, m00, m01, m02, m03, m04, "
+                                  "m05 and 6 more), or --all") in r.stderr, r.stderr
     for name in many:
         _pidfile(name).unlink()
     # serve stop|start with neither names nor --all: the servers there are, up and down
