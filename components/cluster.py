@@ -698,6 +698,16 @@ def kfp_launcher_configmap(namespace: str, pipeline_root: str = "minio://mlpipel
                      "providers": yaml.safe_dump({scheme: provider}, sort_keys=False)}}
 
 
+def output_key(output_uri: str) -> str:
+    """The job's run id for a train step not given the KFP run's (a user's pipeline that calls
+    train_op without ``run_id``): 12 hex digits of its output URI, which KFP makes per run and task.
+    A fixed one named every such run's job alike, and the next run adopted the last one's finished
+    job (and its model) as a retry of its own. Pure."""
+    import hashlib
+
+    return hashlib.sha256(output_uri.encode()).hexdigest()[:12]
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """Infrastructure settings of the cluster backends, from the step's environment (never from
@@ -820,7 +830,7 @@ class ClusterConfig:
         if train.gpus_per_node:
             resources["gpu"] = train.gpus_per_node
         gpu = train.gpus_per_node > 0  # GPU placement for GPU pods only (CPU jobs stay off GPU nodes)
-        return ClusterTrainSpec(train=train, image=self.image, namespace=self.namespace, run_id=train.run_id or "run",
+        return ClusterTrainSpec(train=train, image=self.image, namespace=self.namespace, run_id=train.run_id or output_key(train.output_uri),
                                 task=train.task, user=self.user, nodes=train.nodes, resources=resources, s3=self.s3,
                                 fairness=self.fairness, pod_labels=self.pod_labels, kueue_queue=self.kueue_queue,
                                 kueue_priority_class=self.kueue_priority_class, istio_sidecar=self.istio_sidecar,

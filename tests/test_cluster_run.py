@@ -1087,6 +1087,47 @@ def test_train_runtime_uses_the_cluster_backend(k8s, _fake_k8s_server, s3, bucke
     assert e.value.message == f"the training job finished but exported no model ({out}-2/model/metadata.json is missing)"
 
 
+def test_train_steps_given_no_run_id_name_their_jobs_by_their_output(k8s, _fake_k8s_server, s3, bucket, tmp_path,
+                                                                    monkeypatch):
+    # A user's pipeline that calls train_op without run_id: every run's job had one name, so with
+    # the job kept (a failed one, or KFP_PYTORCH_DELETE_POLICY=never) the next run adopted it as a
+    # retry of its own and reported another run's training.
+    import json
+
+    from kfp_pytorch.components.cluster import output_key
+    from kfp_pytorch.components.train import train
+
+    fake, _ = k8s
+    monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path, _fake_k8s_server[1])))
+    monkeypatch.setenv("KFP_PYTORCH_IMAGE", "reg/kfp-pytorch:0.1.0")
+    monkeypatch.setenv("KFP_PYTORCH_NAMESPACE", NS)
+    monkeypatch.setenv("KFP_PYTORCH_DELETE_POLICY", "never")
+
+    def kubelet(out, loss):  # the new job's pod "runs" the worker: it writes its history, then succeeds
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not [p for p in fake.list("pods", NS) if p["status"].get("phase")
+                                                   in (None, "Pending")]:
+            time.sleep(0.02)
+        pod = [p["metadata"]["name"] for p in fake.list("pods", NS) if p["status"].get("phase") in (None, "Pending")][0]
+        fake.set_pod_phase(NS, pod, "Running")
+        s3.write_bytes(f"{out}/history.json", json.dumps([{"epoch": 1, "loss": loss, "seconds": 1.0}]).encode())
+        s3.write_bytes(f"{out}/model/metadata.json", json.dumps({"training": {"exported_epoch": 1}}).encode())
+        fake.set_pod_phase(NS, pod, "Succeeded")
+
+    losses = {}
+    for run, loss in (("a", 0.3), ("b", 0.2)):
+        out = f"s3://{bucket}/v2/artifacts/mine/{run}/train-op/model"
+        threading.Thread(target=kubelet, args=(out, loss), daemon=True).start()
+        result = train(TrainSpec(f"s3://{bucket}/data", out, workers=1, backend="cluster", task="train-op",
+                                 timeout_s=20))
+        losses[run] = result.history[0]["loss"]
+    assert losses == {"a": 0.3, "b": 0.2}  # each run's own training, not the first's twice
+    jobs = sorted(j["metadata"]["name"] for j in fake.list("pytorchjobs", NS))
+    assert len(jobs) == 2 and [r for r in fake.requests if r == ("create", "pytorchjobs")] == [("create", "pytorchjobs")] * 2
+    key = output_key(f"s3://{bucket}/v2/artifacts/mine/a/train-op/model")
+    assert len(key) == 12 and any(key in j for j in jobs)  # a retry of the same task: the same name, adopted
+
+
 def test_the_serve_step_in_a_pod_smoke_tests_the_in_cluster_address(k8s, _fake_k8s_server, trained_model, tmp_path,
                                                                      monkeypatch):
     # status.url is the ingress host (example.com unless the domain is configured), which a pod
