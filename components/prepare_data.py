@@ -651,6 +651,11 @@ def read_metadata(data_uri: str, storage: Storage | None = None) -> dict:
     try:
         return json.loads(storage.read_bytes(join(data_uri, METADATA_FILE)))
     except StorageNotFound as e:
+        if storage.stat(data_uri) is not None:  # a file or an object: a table, not prepare_data's folder
+            raise DatasetError(f"{data_uri} is a file, not a prepared dataset (prepare_data's output: a folder of "
+                               f"shards and {METADATA_FILE})",
+                               f"prepare it first (the pipeline's prepare step, or prepare_data(PrepareSpec({data_uri!r}, "
+                               "OUTPUT_URI))) and give its output") from e
         raise DatasetError(f"no prepared dataset at {data_uri} ({METADATA_FILE} missing)",
                            "run prepare_data first, or point at its output") from e
 

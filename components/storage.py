@@ -433,7 +433,7 @@ class Storage:
         if not loc.is_s3:
             try:
                 return loc.path.read_bytes()
-            except FileNotFoundError as e:
+            except (FileNotFoundError, NotADirectoryError) as e:  # the second: a folder on the way is a file
                 raise StorageNotFound(f"read {loc}: no such file", "check the path") from e
 
         def _get() -> bytes:
@@ -452,7 +452,7 @@ class Storage:
         if not loc.is_s3:
             try:
                 f = open(loc.path, "rb")
-            except FileNotFoundError as e:
+            except (FileNotFoundError, NotADirectoryError) as e:
                 raise StorageNotFound(f"read {loc}: no such file", "check the path") from e
             with f:
                 while chunk := f.read(chunk_size):

@@ -489,9 +489,14 @@ def train(spec: TrainSpec, storage: Storage | None = None) -> TrainResult:
     """Validate, resolve the model factory here (fail fast), run the backend, read the history."""
     from .models import resolve_factory
 
+    from .prepare_data import read_metadata
+
     spec.validate()
     resolve_factory(spec.model)
     storage = storage or Storage()
+    # the dataset before the workers (or a cluster job) start: a wrong path failed in every rank,
+    # seconds later, under torchrun's failure report
+    read_metadata(spec.dataset_uri, storage)
     _check_resumable(spec, storage)
     t0 = time.perf_counter()
     BACKENDS[spec.backend]().run(spec)

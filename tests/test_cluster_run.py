@@ -1059,6 +1059,7 @@ def test_train_runtime_uses_the_cluster_backend(k8s, _fake_k8s_server, s3, bucke
     out = f"s3://{bucket}/run"
     ts = TrainSpec(f"s3://{bucket}/data", out, workers=2, nodes=2, gpus_per_node=1, backend="cluster",
                    run_id="8f14e45f", task="train-op", timeout_s=20)
+    s3.write_bytes(f"s3://{bucket}/data/metadata.json", b'{"num_features": 64}')  # prepare_data's, read first
 
     def kubelet(out=out, export=True):  # the pods "run" the worker: they write the history, then succeed
         deadline = time.monotonic() + 10
@@ -1114,6 +1115,7 @@ def test_train_steps_given_no_run_id_name_their_jobs_by_their_output(k8s, _fake_
         s3.write_bytes(f"{out}/model/metadata.json", json.dumps({"training": {"exported_epoch": 1}}).encode())
         fake.set_pod_phase(NS, pod, "Succeeded")
 
+    s3.write_bytes(f"s3://{bucket}/data/metadata.json", b'{"num_features": 64}')
     losses = {}
     for run, loss in (("a", 0.3), ("b", 0.2)):
         out = f"s3://{bucket}/v2/artifacts/mine/{run}/train-op/model"

@@ -375,6 +375,23 @@ def test_unimportable_factory_fails_before_any_worker(name, msg):
     assert msg in str(e.value) and e.value.hint
 
 
+def test_a_dataset_that_is_not_prepared_fails_before_any_worker(tmp_path):
+    # it failed in every rank, seconds later, under torchrun's failure report; a raw table as well,
+    # with NotADirectoryError
+    from kfp_pytorch.components.errors import DatasetError
+
+    table = tmp_path / "rows.csv"
+    table.write_text("a,label\n1,0\n")
+    for data, says, hint in ((tmp_path / "missing", f"no prepared dataset at {tmp_path / 'missing'} (metadata.json "
+                              "missing)", "run prepare_data first"),
+                             (table, f"{table} is a file, not a prepared dataset (prepare_data's output: a folder of "
+                              "shards and metadata.json)", f"prepare_data(PrepareSpec('{table}', OUTPUT_URI))")):
+        with pytest.raises(DatasetError) as e:
+            train(TrainSpec(str(data), str(tmp_path / "out"), epochs=1, workers=1, progress="off"))
+        assert e.value.message == says and hint in e.value.hint
+        assert not (tmp_path / "out").exists() and not _worker_pids()  # no worker ever started
+
+
 def test_factory_results_are_checked():
     with pytest.raises(ModelFactoryError, match="always fails"):
         build_model("factories:broken", 4, 2)
