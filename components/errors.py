@@ -92,6 +92,13 @@ class PipelineFailed(KfpPytorchError):
     """A local pipeline run failed: the failed step and its error; the run's log holds the rest."""
 
 
+class ModelNotFound(ServingError):
+    """No trained model where a model URI points (nothing there, a file, a dataset): evaluate,
+    register and a local server say so before they load or start anything."""
+
+    exit_code = 2
+
+
 class PortInUseError(ServingError):
     """The requested port is taken by another process."""
 

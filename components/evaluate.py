@@ -48,8 +48,10 @@ def load_program(model_uri: str, storage: Storage | None = None):
     """Load the exported program as a callable module, plus its metadata."""
     import torch
 
+    from .predictor import read_model_metadata
+
     storage = storage or Storage()
-    meta = json.loads(storage.read_bytes(join(model_uri, "metadata.json")))
+    meta = read_model_metadata(model_uri, storage)
     program = torch.export.load(io.BytesIO(storage.read_bytes(join(model_uri, meta.get("program", "model.pt2")))))
     return program.module(), meta
 

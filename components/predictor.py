@@ -7,12 +7,33 @@ the serving benchmark; the MLflow pyfunc (:mod:`.mlflow_model`) runs the same
 """
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
-from .errors import ServingError
+from .errors import ModelNotFound, StorageNotFound
 from .exported_model import ExportedModel, names_of  # noqa: F401  (names_of: the servers' import)
 from .storage import Storage, join, parse_uri
+
+MODEL_HINT = "point model_uri at the model/ directory written by train (train_op's model output)"
+
+
+def read_model_metadata(model_uri: str, storage: Storage | None = None) -> dict:
+    """A trained model directory's ``metadata.json``; :class:`ModelNotFound` that says what is
+    there instead (nothing, a file, a prepared dataset), before anything loads or starts."""
+    storage = storage or Storage()
+    try:
+        meta = json.loads(storage.read_bytes(join(model_uri, "metadata.json")))
+    except StorageNotFound as e:
+        there = ("it is a file; a trained model is a folder: model.pt2 and metadata.json"
+                 if storage.stat(model_uri) is not None else "metadata.json missing")
+        raise ModelNotFound(f"no trained model at {model_uri} ({there})", MODEL_HINT) from e
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelNotFound(f"no trained model at {model_uri} (its metadata.json is not readable JSON: {e})",
+                            MODEL_HINT) from e
+    if not isinstance(meta, dict) or "shards" in meta:  # prepare_data's metadata: the dataset, not the model
+        raise ModelNotFound(f"no trained model at {model_uri} (it is a prepared dataset)", MODEL_HINT)
+    return meta
 
 
 class ModelRunner(ExportedModel):
@@ -31,8 +52,10 @@ class ModelRunner(ExportedModel):
         try:
             super().__init__(root)
         except FileNotFoundError as e:
-            raise ServingError(f"no trained model at {model_uri} ({Path(e.filename).name} missing)",
-                               "point model_uri at the model/ directory written by train") from e
+            raise ModelNotFound(f"no trained model at {model_uri} ({Path(e.filename).name} missing)", MODEL_HINT) from e
+        except NotADirectoryError as e:  # a file given for the folder
+            raise ModelNotFound(f"no trained model at {model_uri} (it is a file; a trained model is a folder: model.pt2 "
+                                "and metadata.json)", MODEL_HINT) from e
 
 
 def model_dir_uri(uri: str) -> str:

@@ -39,8 +39,11 @@ class RegisterSpec:
 
 
 def register(spec: RegisterSpec, storage: Storage | None = None) -> dict:
+    from .predictor import read_model_metadata
+
     spec.validate()
     storage = storage or Storage()
+    read_model_metadata(spec.model_uri, storage)  # a wrong URI is named, not registered as an empty model
     tracker = Tracker(spec.tracking_uri or None)
     with tempfile.TemporaryDirectory(prefix="kfp-pytorch-register-") as tmp:
         local = storage.download_dir(spec.model_uri, Path(tmp) / "model")

@@ -744,13 +744,18 @@ def serve(spec: ServeSpec, sample_row: list[float] | None = None) -> Endpoint:
     before the endpoint is handed over: a local redeploy whose smoke test fails leaves the server
     it was to replace serving."""
     spec.validate()
+    meta: dict | None = None
+    if spec.backend == "local":  # before a process starts: a wrong URI is named here, not in a server's log
+        from .predictor import read_model_metadata
+
+        meta = read_model_metadata(spec.model_uri)
 
     def smoke(ep: Endpoint) -> None:
         row = sample_row
-        if row is None:  # read once the server is up: a missing model is its error, with its log
-            from .storage import Storage, join
+        if row is None:  # on a cluster, read once the server is up: a missing model is its error, with its log
+            from .predictor import read_model_metadata
 
-            row = json.loads(Storage().read_bytes(join(spec.model_uri, "metadata.json")))["normalization"]["mean"]
+            row = (meta or read_model_metadata(spec.model_uri))["normalization"]["mean"]
         resp = infer(ep.url, ep.name, [row])
         ep.smoke_test = {"label": resp["outputs"][1]["data"][0] if len(resp["outputs"]) > 1 else None}
 

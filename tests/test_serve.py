@@ -1,6 +1,7 @@
 """The local model server (KServe ModelServer + our TorchPredictor) over real HTTP."""
 import json
 import re
+import shutil
 import socket
 
 import numpy as np
@@ -237,8 +238,11 @@ def test_a_failed_redeploy_leaves_the_running_server_serving(trained_model, tmp_
     row = [[0.0] * 64]
     old = serve(ServeSpec(trained_model.model_uri, "swap"))
     try:
-        with pytest.raises(ServingError) as e:
+        with pytest.raises(ServingError) as e:  # nothing there: said before a server starts
             serve(ServeSpec(str(tmp_path / "nothing"), "swap"))
+        assert str(e.value).startswith(f"no trained model at {tmp_path / 'nothing'}")
+        with pytest.raises(ServingError) as e:  # a model the new server cannot load
+            serve(ServeSpec(_broken_model(trained_model.model_uri, tmp_path / "broken"), "swap"))
         assert "exited" in str(e.value) and f"the server already serving swap keeps serving: {old.infer_url}" in str(e.value)
         assert infer(old.url, "swap", row)["model_name"] == "swap"
         [info] = [s for s in list_servers() if s["name"] == "swap"]
@@ -255,6 +259,14 @@ def test_a_failed_redeploy_leaves_the_running_server_serving(trained_model, tmp_
         assert str(old.pid) in (home() / "servers" / "swap.previous.log").read_text()
     finally:
         stop_server("swap")
+
+
+def _broken_model(model_uri: str, to) -> str:
+    """A copy of the model at ``model_uri`` whose program does not load: its server starts, then
+    exits (a model that is missing altogether is refused before any server starts)."""
+    shutil.copytree(model_uri, to)
+    (to / "model.pt2").write_bytes(b"not a program")
+    return str(to)
 
 
 def _another_model(model_uri: str, to) -> str:
@@ -285,7 +297,7 @@ def test_a_redeploy_keeps_the_url_and_the_old_model_serves_until_the_new_one_pas
         before = infer(old.url, "keep", row)["model_version"]
         assert before and len(before) == 12
         with pytest.raises(ServingError) as e:
-            serve(ServeSpec(str(tmp_path / "nothing"), "keep", port=pinned))
+            serve(ServeSpec(_broken_model(trained_model.model_uri, tmp_path / "broken"), "keep", port=pinned))
         assert f"the server already serving keep keeps serving: {old.infer_url}" in str(e.value)
         assert infer(old.url, "keep", row)["model_version"] == before and _predictors("keep") == [old.pid]
 
@@ -756,10 +768,10 @@ def test_port_in_use_is_a_clear_error_that_names_who_holds_the_port(trained_mode
     assert not [s for s in list_servers() if s["name"] == "busy"]
 
 
-def test_missing_model_fails_fast_without_orphans(tmp_path):
+def test_a_model_that_does_not_load_fails_fast_without_orphans(trained_model, tmp_path):
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(ServingError, match="exited"):
-        serve(ServeSpec(str(tmp_path / "nothing"), "ghost"))
+        serve(ServeSpec(_broken_model(trained_model.model_uri, tmp_path / "broken"), "ghost"))
     after = {p.pid for p in psutil.Process().children(recursive=True) if _running(p)}
     assert after <= before
 
@@ -802,6 +814,30 @@ def test_a_bad_thread_count_stops_the_predictor_with_its_name(trained_model):
     assert "Traceback" not in r.stderr
 
 
+def test_a_uri_that_holds_no_trained_model_is_named_before_anything_loads_or_starts(digits_data, tmp_path):
+    # a dataset, a file or nothing given for the model: evaluate and register failed with a bare
+    # "read .../metadata.json: no such file", and a local server started, then died with a traceback
+    from kfp_pytorch.components.errors import ModelNotFound
+    from kfp_pytorch.components.evaluate import EvaluateSpec, evaluate
+    from kfp_pytorch.components.register import RegisterSpec, register
+    from kfp_pytorch.components.serve import ServeSpec, list_servers, serve
+
+    table = tmp_path / "rows.csv"
+    table.write_text("a,label\n1,0\n")
+    cases = {str(tmp_path / "none"): "metadata.json missing",
+             str(table): "it is a file; a trained model is a folder: model.pt2 and metadata.json",
+             digits_data: "it is a prepared dataset"}
+    for uri, there in cases.items():
+        for step in (lambda: evaluate(EvaluateSpec(digits_data, uri)),
+                     lambda: register(RegisterSpec(uri, "digits", {"accuracy": 0.95}, True)),
+                     lambda: serve(ServeSpec(uri, "digits"))):
+            with pytest.raises(ModelNotFound) as e:
+                step()
+            assert e.value.message == f"no trained model at {uri} ({there})"
+            assert e.value.hint == "point model_uri at the model/ directory written by train (train_op's model output)"
+    assert list_servers() == []  # no server was started to fail
+
+
 def test_a_predictor_without_its_model_says_so_in_its_log_not_a_traceback(tmp_path):
     # an InferenceService whose storage initializer fetched nothing: the container log is what
     # `kubectl logs` shows the user
@@ -813,6 +849,12 @@ def test_a_predictor_without_its_model_says_so_in_its_log_not_a_traceback(tmp_pa
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     assert f"Error: no trained model at {tmp_path} (metadata.json missing)" in r.stderr
     assert "hint: point model_uri at the model/ directory written by train" in r.stderr
+    table = tmp_path / "model.csv"  # a file for the folder: no NotADirectoryError traceback either
+    table.write_text("a\n1\n")
+    r = subprocess.run([sys.executable, "-m", "kfp_pytorch.components.kserve_predictor", "--model_name", "x",
+                        "--model_uri", str(table)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert f"Error: no trained model at {table} (it is a file; a trained model is a folder" in r.stderr
     # KServe's own layout: no --model_uri and no STORAGE_URI, so /mnt/models, which the storage
     # initializer was to fill; the hint points at it rather than at train
     import os
