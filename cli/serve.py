@@ -186,7 +186,6 @@ def _serve_model_as(names, start_all, port, model_uri, tracking_uri) -> None:
     """``serve start NAME --model-uri URI``: a registered version (downloaded once under
     KFP_PYTORCH_HOME/registry_models) or a model directory, served as NAME and smoke-tested."""
     from kfp_pytorch.components.serve import ServeSpec, serve
-    from kfp_pytorch.components.storage import Storage, join
 
     if start_all or len(names) != 1:
         raise click.UsageError("--model-uri serves one model: give one NAME (the endpoint's name), not --all")
@@ -200,13 +199,16 @@ def _serve_model_as(names, start_all, port, model_uri, tracking_uri) -> None:
         what = f"models:/{got['name']}/{got['version']}" + (f" (@{got['alias']})" if got["alias"] else "")
         model_dir = str(got["model_dir"])
     else:
-        model_dir = model_uri
-        if not Storage().exists(join(model_dir, "metadata.json")):
-            from kfp_pytorch.components.errors import ServingError
+        from kfp_pytorch.components.errors import ModelNotFound
+        from kfp_pytorch.components.predictor import read_model_metadata
 
-            raise ServingError(f"{model_uri} is not a model directory (it has no metadata.json)",
-                               "give a run's train-op.model directory (`kfp-pytorch runs --local` lists the runs), "
-                               "or a registered version: models:/MODEL/VERSION")
+        model_dir = model_uri
+        try:  # nothing, a file or a dataset there: said in the words of this command
+            read_model_metadata(model_dir)
+        except ModelNotFound as e:
+            e.hint = ("give a run's train-op.model directory (`kfp-pytorch runs --local` lists the runs), "
+                      "or a registered version: models:/MODEL/VERSION")
+            raise
     with _port_flag_hint():
         ep = serve(ServeSpec(model_dir, name, port=port, registered_model=(
             f"models:/{got['name']}/{got['version']}" if model_uri.startswith("models:") else "")))

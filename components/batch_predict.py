@@ -11,7 +11,6 @@ directory is known (a local server's record has it), else from the server's own 
 """
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, NamedTuple, NoReturn
@@ -21,7 +20,7 @@ import numpy as np
 from .errors import DatasetError, ServingError
 from .exported_model import lacking, probability_columns
 from .serve import infer, model_inputs, server_status, unknown_server
-from .storage import Storage, join
+from .storage import Storage
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -82,18 +81,13 @@ def model_features(model_uri: str, storage: Storage | None = None) -> dict:
     """The model's metadata (features, class names) from its directory, or from a registered
     version (``models:/NAME/VERSION``, ``models:/NAME@ALIAS``: downloaded once, as ``serve start``
     does, from the registry MLFLOW_TRACKING_URI names, else the embedded one)."""
-    from .predictor import model_dir_uri
+    from .predictor import model_dir_uri, read_model_metadata
 
     if model_uri.startswith("models:"):
         from .tracking import Tracker
 
         model_uri = str(Tracker(None, experiment=None).fetch_model(model_uri)["model_dir"])
-    storage = storage or Storage()
-    try:
-        return json.loads(storage.read_bytes(join(model_dir_uri(model_uri), "metadata.json")))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ServingError(f"the model's metadata at {model_uri} is not readable JSON ({e})",
-                           "point --model-uri at the model/ directory written by train") from e
+    return read_model_metadata(model_dir_uri(model_uri), storage or Storage())
 
 
 def feature_matrix(table, features: list[str] | None, label_column: str, source: str) -> tuple[np.ndarray, list]:

@@ -1158,7 +1158,8 @@ def test_a_registered_version_or_an_older_runs_model_is_served_by_name(mlflow_se
         r = start("rollback", "--model-uri", "models:rollback-digits")
         assert r.returncode == 2 and "write models:/MODEL/VERSION or models:/MODEL@ALIAS" in r.stderr
         r = start("rollback", "--model-uri", str(tmp_path))
-        assert r.returncode == 1 and "is not a model directory (it has no metadata.json)" in r.stderr
+        assert r.returncode == 2 and f"no trained model at {tmp_path} (metadata.json missing)" in r.stderr
+        assert "hint: give a run's train-op.model directory (`kfp-pytorch runs --local` lists the runs)" in r.stderr
         r = start("Rollback", "--model-uri", f"models:/rollback-digits/{v1}")
         assert r.returncode == 2 and "model_name: must be a DNS-1123 label" in r.stderr
         assert start("a", "b", "--model-uri", trained_model.model_uri).returncode == 2
