@@ -366,7 +366,11 @@ class Storage:
                                 f"({e.reason})", "the server's log says why (a full disk, a missing bucket on "
                                 "some servers, a backend down); try again once it is fixed")
         if _local_file_error(e):  # this machine's disk, not the network: a path, a permission, the space left
-            in_the_way = " (a file stands where that path needs a folder)" if e.errno in (errno.EEXIST, errno.ENOTDIR) else ""
+            in_the_way = ""
+            if e.errno in (errno.EEXIST, errno.ENOTDIR):  # named: the deepest path is in the error, not the file
+                file = next((p for p in (Path(e.filename or ""), *Path(e.filename or "").parents) if p.is_file()), None)
+                in_the_way = f" ({file} is a file, where that path needs a folder)" if file else (
+                    " (a file stands where that path needs a folder)")
             # minio writes a download into NAME.<etag>.part.minio first: the user gave NAME
             shown = re.sub(r"\.[0-9a-f]*\.part\.minio$", "", str(e.filename)) if e.filename else None
             return StorageError(f"{where}: {e.strerror or type(e).__name__}"
@@ -388,6 +392,16 @@ class Storage:
             import urllib3
 
             if isinstance(e, (S3Error, urllib3.exceptions.HTTPError, OSError)):
+                raise self._map_error(e, loc, action) from e
+            raise
+
+    def _local(self, loc: Location, action: str, fn, *args, **kwargs):
+        """A file operation on this machine: a file where the path needs a folder, a permission, a
+        full disk are StorageErrors that name the path, as the same faults of an S3 download are."""
+        try:
+            return fn(*args, **kwargs)
+        except OSError as e:
+            if _local_file_error(e):
                 raise self._map_error(e, loc, action) from e
             raise
 
@@ -435,6 +449,10 @@ class Storage:
                 return loc.path.read_bytes()
             except (FileNotFoundError, NotADirectoryError) as e:  # the second: a folder on the way is a file
                 raise StorageNotFound(f"read {loc}: no such file", "check the path") from e
+            except OSError as e:  # a folder given for the file, a permission
+                if _local_file_error(e):
+                    raise self._map_error(e, loc, "read") from e
+                raise
 
         def _get() -> bytes:
             resp = self.client.get_object(loc.bucket, loc.key)
@@ -470,7 +488,7 @@ class Storage:
     def write_bytes(self, uri: str, data: bytes, content_type: str = "application/octet-stream") -> None:
         loc = self._object(uri, "write")
         if not loc.is_s3:
-            _atomic_write_local(loc.path, data)
+            self._local(loc, "write", _atomic_write_local, loc.path, data)
             return
         self._s3(loc, "write", self.client.put_object, loc.bucket, loc.key, io.BytesIO(data), len(data),
                  content_type=content_type)
@@ -479,10 +497,13 @@ class Storage:
         """``path`` to ``uri``; ``progress``, if given, is called with the bytes of each chunk sent."""
         loc = self._object(uri, "upload")
         if not loc.is_s3:
-            loc.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = loc.path.with_name(f".{loc.path.name}.tmp-{os.getpid()}")
-            shutil.copyfile(path, tmp)
-            os.replace(tmp, loc.path)
+            def put():
+                loc.path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = loc.path.with_name(f".{loc.path.name}.tmp-{os.getpid()}")
+                shutil.copyfile(path, tmp)
+                os.replace(tmp, loc.path)
+
+            self._local(loc, "upload", put)
             if progress:
                 progress(loc.path.stat().st_size)
             return
@@ -496,14 +517,17 @@ class Storage:
         loc = self._object(uri, "upload")
         counted = _CountingReader(stream)
         if not loc.is_s3:
-            loc.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = loc.path.with_name(f".{loc.path.name}.tmp-{os.getpid()}")
-            try:
-                with open(tmp, "wb") as f:
-                    shutil.copyfileobj(counted, f)
-                os.replace(tmp, loc.path)
-            finally:
-                tmp.unlink(missing_ok=True)
+            def put():
+                loc.path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = loc.path.with_name(f".{loc.path.name}.tmp-{os.getpid()}")
+                try:
+                    with open(tmp, "wb") as f:
+                        shutil.copyfileobj(counted, f)
+                    os.replace(tmp, loc.path)
+                finally:
+                    tmp.unlink(missing_ok=True)
+
+            self._local(loc, "upload", put)
             return counted.bytes
         self._s3(loc, "upload", self.client.put_object, loc.bucket, loc.key, counted, -1,
                  content_type=content_type, part_size=_STREAM_PART)
@@ -522,7 +546,7 @@ class Storage:
         if not loc.is_s3:
             if not loc.path.exists():
                 raise StorageNotFound(f"read {loc}: no such file", "check the path")
-            shutil.copyfile(loc.path, path)
+            self._local(loc, "download", shutil.copyfile, loc.path, path)
             if progress:
                 progress(path.stat().st_size)
             return path
@@ -557,7 +581,14 @@ class Storage:
         """Remove one object (or local file); one that is not there is no error, as in S3."""
         loc = self._object(uri, "delete")
         if not loc.is_s3:
-            loc.path.unlink(missing_ok=True)
+            try:
+                loc.path.unlink(missing_ok=True)
+            except NotADirectoryError:  # a file where a folder on the way would be: nothing there to delete
+                pass
+            except OSError as e:
+                if _local_file_error(e):
+                    raise self._map_error(e, loc, "delete") from e
+                raise
             return
         self._s3(loc, "delete", self.client.remove_object, loc.bucket, loc.key)
 
@@ -636,7 +667,7 @@ class Storage:
         loc = parse_uri(uri)
         if not loc.is_s3:
             made = not loc.path.is_dir()
-            loc.path.mkdir(parents=True, exist_ok=True)
+            self._local(loc, "create folder", loc.path.mkdir, parents=True, exist_ok=True)
             return made
         if self.bucket_exists(uri):
             return False
@@ -680,7 +711,7 @@ class Storage:
                 if progress:
                     progress(os.path.getsize(dst))
 
-            shutil.copytree(loc.path, dest, dirs_exist_ok=True, copy_function=copy)
+            self._local(loc, "download", shutil.copytree, loc.path, dest, dirs_exist_ok=True, copy_function=copy)
             return dest
         base = loc.key.rstrip("/") + "/" if loc.key else ""  # a whole bucket: keys are relative as they are
         found = [u for u in self.list(uri) if not u.endswith("/")]  # not the empty "folder" markers of S3 consoles

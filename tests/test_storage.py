@@ -1,4 +1,6 @@
 """The storage edge against a real S3 server (SeaweedFS), and its local-path twin."""
+import io
+
 import pytest
 
 from kfp_pytorch.components.errors import StorageAuthError, StorageError, StorageNotFound, StorageUnreachable
@@ -589,7 +591,7 @@ def test_a_problem_with_a_local_file_is_not_taken_for_an_unreachable_server(s3, 
          f"upload s3://{bucket}/z: No such file or directory: {tmp_path / 'missing.csv'}"),
         (lambda: s3.upload_file(tmp_path / "dir", f"s3://{bucket}/z"), f"Is a directory: {tmp_path / 'dir'}"),
         (lambda: s3.download_file(f"s3://{bucket}/k.csv", tmp_path / "a-file" / "k.csv"),
-         f"File exists: {tmp_path / 'a-file'} (a file stands where that path needs a folder)"),
+         f"File exists: {tmp_path / 'a-file'} ({tmp_path / 'a-file'} is a file, where that path needs a folder)"),
         # /proc takes no new file: the path given, not minio's NAME.<etag>.part.minio beside it
         (lambda: s3.download_file(f"s3://{bucket}/k.csv", tmp_path.root + "proc/kfp-pytorch-k.csv"),
          "No such file or directory: /proc/kfp-pytorch-k.csv"),
@@ -605,6 +607,34 @@ def test_a_problem_with_a_local_file_is_not_taken_for_an_unreachable_server(s3, 
     assert s3.list(f"s3://{bucket}") == [f"s3://{bucket}/k.csv"] and (tmp_path / "a-file").read_text() == "x"
     with pytest.raises(StorageNotFound, match="no such file"):  # a bare FileNotFoundError before
         list(s3.iter_chunks(str(tmp_path / "missing.csv")))
+
+
+def test_a_local_path_with_a_file_in_the_way_is_a_storage_error_that_names_the_file(tmp_path):
+    # a local output under a file (a table's path given for a folder): bare NotADirectoryError and
+    # FileExistsError tracebacks from every write, and from train's workers
+    st = Storage()
+    table = tmp_path / "rows.csv"
+    table.write_text("a\n1\n")
+    (tmp_path / "dir").mkdir()
+    below = table / "out"
+    for call, needle in [
+        (lambda: st.write_bytes(str(below / "train" / "shard.npz"), b"x"),
+         f"write {below / 'train' / 'shard.npz'}: Not a directory: {below / 'train'} ({table} is a file, where that "
+         "path needs a folder)"),
+        (lambda: st.write_bytes(str(table / "a"), b"x"), f"File exists: {table} ({table} is a file"),
+        (lambda: st.upload_file(table, str(below / "k.csv")), f"upload {below / 'k.csv'}: "),
+        (lambda: st.upload_stream(io.BytesIO(b"x"), str(below / "k.csv")), f"({table} is a file"),
+        (lambda: st.download_dir(str(tmp_path / "dir"), below / "d"), f"({table} is a file"),
+        (lambda: st.ensure_bucket(str(below)), f"create folder {below}: "),
+        (lambda: st.read_bytes(str(tmp_path / "dir")), f"read {tmp_path / 'dir'}: Is a directory"),
+    ]:
+        with pytest.raises(StorageError) as e:
+            call()
+        assert needle in str(e.value) and "free disk space" in e.value.hint, str(e.value)
+    st.delete(str(below / "gone.json"))  # nothing there to delete: no error, as in S3
+    with pytest.raises(StorageNotFound, match="no such file"):
+        st.read_bytes(str(below / "metadata.json"))
+    assert table.read_text() == "a\n1\n"  # nothing was lost
 
 
 def test_storage_mb_makes_the_bucket_an_upload_to_a_missing_one_asks_for(s3, tmp_path):

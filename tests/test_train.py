@@ -392,6 +392,23 @@ def test_a_dataset_that_is_not_prepared_fails_before_any_worker(tmp_path):
         assert not (tmp_path / "out").exists() and not _worker_pids()  # no worker ever started
 
 
+def test_an_output_that_cannot_be_written_fails_before_any_worker(digits_data, s3, tmp_path):
+    # a file where the output folder would be, or a bucket that is not there: each rank failed
+    # with NotADirectoryError (or NoSuchBucket) under torchrun's failure report
+    from kfp_pytorch.components.errors import StorageError, StorageNotFound
+
+    table = tmp_path / "rows.csv"
+    table.write_text("a,label\n1,0\n")
+    with pytest.raises(StorageError) as e:
+        train(TrainSpec(digits_data, str(table / "out"), epochs=1, workers=1, progress="off"))
+    assert e.value.message == f"write {table / 'out'}: {table} is a file, where that path needs a folder"
+    with pytest.raises(StorageNotFound) as e:
+        train(TrainSpec(digits_data, "s3://no-such-bucket-kfp/out", epochs=1, workers=1, progress="off"))
+    assert e.value.message == "write s3://no-such-bucket-kfp/out: there is no bucket 'no-such-bucket-kfp'"
+    assert "kfp-pytorch storage mb s3://no-such-bucket-kfp" in e.value.hint
+    assert not _worker_pids() and table.read_text() == "a,label\n1,0\n"
+
+
 def test_factory_results_are_checked():
     with pytest.raises(ModelFactoryError, match="always fails"):
         build_model("factories:broken", 4, 2)
