@@ -743,18 +743,15 @@ def serve(spec: ServeSpec, sample_row: list[float] | None = None) -> Endpoint:
     """Start the backend and smoke-test one prediction (a row of the training mean by default)
     before the endpoint is handed over: a local redeploy whose smoke test fails leaves the server
     it was to replace serving."""
-    spec.validate()
-    meta: dict | None = None
-    if spec.backend == "local":  # before a process starts: a wrong URI is named here, not in a server's log
-        from .predictor import read_model_metadata
+    from .predictor import read_model_metadata
 
-        meta = read_model_metadata(spec.model_uri)
+    spec.validate()
+    # locally, before a process starts: a wrong URI is named here, not in a server's log
+    meta = read_model_metadata(spec.model_uri) if spec.backend == "local" else None
 
     def smoke(ep: Endpoint) -> None:
         row = sample_row
         if row is None:  # on a cluster, read once the server is up: a missing model is its error, with its log
-            from .predictor import read_model_metadata
-
             row = (meta or read_model_metadata(spec.model_uri))["normalization"]["mean"]
         resp = infer(ep.url, ep.name, [row])
         ep.smoke_test = {"label": resp["outputs"][1]["data"][0] if len(resp["outputs"]) > 1 else None}
