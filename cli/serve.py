@@ -182,6 +182,20 @@ def _port_flag_hint():
         raise
 
 
+@contextmanager
+def _model_flag_hint():
+    """A URI with no trained model, hinted in the words of the command line (--model-uri), not of
+    the Python API (model_uri)."""
+    from kfp_pytorch.components.errors import ModelNotFound
+
+    try:
+        yield
+    except ModelNotFound as e:
+        e.hint = ("give --model-uri a run's train-op.model directory (`kfp-pytorch runs --local` lists the runs), "
+                  "or a registered version: models:/MODEL/VERSION")
+        raise
+
+
 def _serve_model_as(names, start_all, port, model_uri, tracking_uri) -> None:
     """``serve start NAME --model-uri URI``: a registered version (downloaded once under
     KFP_PYTORCH_HOME/registry_models) or a model directory, served as NAME and smoke-tested."""
@@ -199,16 +213,11 @@ def _serve_model_as(names, start_all, port, model_uri, tracking_uri) -> None:
         what = f"models:/{got['name']}/{got['version']}" + (f" (@{got['alias']})" if got["alias"] else "")
         model_dir = str(got["model_dir"])
     else:
-        from kfp_pytorch.components.errors import ModelNotFound
         from kfp_pytorch.components.predictor import read_model_metadata
 
         model_dir = model_uri
-        try:  # nothing, a file or a dataset there: said in the words of this command
+        with _model_flag_hint():  # nothing, a file or a dataset there
             read_model_metadata(model_dir)
-        except ModelNotFound as e:
-            e.hint = ("give a run's train-op.model directory (`kfp-pytorch runs --local` lists the runs), "
-                      "or a registered version: models:/MODEL/VERSION")
-            raise
     with _port_flag_hint():
         ep = serve(ServeSpec(model_dir, name, port=port, registered_model=(
             f"models:/{got['name']}/{got['version']}" if model_uri.startswith("models:") else "")))
@@ -303,7 +312,8 @@ def serve_predict(name, table, url, model_uri, host_header, token, label_column,
     target = resolve_target(name, url, model_uri, host_header, token)
     frame = _stdin_table() if table == "-" else load_table(table, label_column=label_column or "label", what="TABLE")
     show = sys.stderr.isatty() and len(frame) > batch_size
-    with click.progressbar(length=len(frame), label="predicting", file=sys.stderr) if show else nullcontext() as bar:
+    with (click.progressbar(length=len(frame), label="predicting", file=sys.stderr) if show else nullcontext() as bar,
+          _model_flag_hint()):
         result = predict_table(target, frame, label_column, source="stdin" if table == "-" else table,
                                batch_size=batch_size,
                                on_batch=bar.update if bar is not None else None, probabilities=probabilities)

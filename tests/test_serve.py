@@ -836,6 +836,14 @@ def test_a_uri_that_holds_no_trained_model_is_named_before_anything_loads_or_sta
             assert e.value.message == f"no trained model at {uri} ({there})"
             assert e.value.hint == "point model_uri at the model/ directory written by train (train_op's model output)"
     assert list_servers() == []  # no server was started to fail
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "serve", "predict", "digits", "sample://digits",
+                        "--url", "http://127.0.0.1:9", "--model-uri", f"{digits_data}/model"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"no trained model at {digits_data}/model (metadata.json missing)" in r.stderr
+    assert "hint: give --model-uri a run's train-op.model directory" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_a_predictor_without_its_model_says_so_in_its_log_not_a_traceback(tmp_path):
@@ -1159,7 +1167,7 @@ def test_a_registered_version_or_an_older_runs_model_is_served_by_name(mlflow_se
         assert r.returncode == 2 and "write models:/MODEL/VERSION or models:/MODEL@ALIAS" in r.stderr
         r = start("rollback", "--model-uri", str(tmp_path))
         assert r.returncode == 2 and f"no trained model at {tmp_path} (metadata.json missing)" in r.stderr
-        assert "hint: give a run's train-op.model directory (`kfp-pytorch runs --local` lists the runs)" in r.stderr
+        assert "hint: give --model-uri a run's train-op.model directory (`kfp-pytorch runs --local` lists the runs)" in r.stderr
         r = start("Rollback", "--model-uri", f"models:/rollback-digits/{v1}")
         assert r.returncode == 2 and "model_name: must be a DNS-1123 label" in r.stderr
         assert start("a", "b", "--model-uri", trained_model.model_uri).returncode == 2
