@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Protocol
 
 from .errors import ConfigError, StorageError, StorageNotFound, TrainingError
-from .prepare_data import seed_problem
+from .prepare_data import read_metadata, seed_problem
 from .storage import Storage, join, parse_uri
 
 WORKER_MODULE = "kfp_pytorch.components.train_worker"
@@ -508,8 +508,6 @@ def _check_output(output_uri: str, storage: Storage) -> None:
 def train(spec: TrainSpec, storage: Storage | None = None) -> TrainResult:
     """Validate, resolve the model factory here (fail fast), run the backend, read the history."""
     from .models import resolve_factory
-
-    from .prepare_data import read_metadata
 
     spec.validate()
     resolve_factory(spec.model)
