@@ -216,20 +216,6 @@ def cli(ctx, debug):
     ctx.obj = {"debug": debug}
 
 
-def _need_bucket(storage, uri: str, what: str) -> None:
-    """Refuse to write where there is no bucket. MinIO and AWS say NoSuchBucket only after the data
-    was sent, and SeaweedFS (KFP's default store) makes the bucket on the first PUT, so a typo in the
-    bucket's name would leave the data in a new bucket that nothing reads (mc cp refuses, too)."""
-    from kfp_pytorch.components.errors import StorageNotFound
-    from kfp_pytorch.components.storage import parse_uri
-
-    if not storage.bucket_exists(uri):
-        bucket = parse_uri(uri).bucket
-        raise StorageNotFound(f"{what}: there is no bucket {bucket!r}",
-                              f"create it: `kfp-pytorch storage mb s3://{bucket}` (or check the name: "
-                              "`kfp-pytorch storage ls` lists the buckets)")
-
-
 def _namespace(ctx, param, value):
     """A Kubernetes namespace is a DNS-1123 label: refused here, not after a round trip to KFP."""
     from kfp_pytorch.components.cluster import is_dns1123_label

@@ -9,7 +9,7 @@ from click.core import ParameterSource
 
 from kfp_pytorch.components.errors import KfpPytorchError
 
-from ._app import _echo_columns, _examples, _LOCAL_OR_URI, _need_bucket, _output_problem, _said, cli
+from ._app import _echo_columns, _examples, _LOCAL_OR_URI, _output_problem, _said, cli
 from .pipelines import _counted_classes, _weakest_line
 
 
@@ -379,5 +379,5 @@ def _check_predictions_output(output: str) -> bool:
     if not loc.key or loc.key.endswith("/"):
         raise ConfigError([f"-o/--output: {output!r} names no object"], f"give the object's key, e.g. "
                                                                           f"s3://{loc.bucket}/predictions.csv")
-    _need_bucket(Storage(), output, "-o/--output")
+    Storage().check_writable(output, "-o/--output")
     return True

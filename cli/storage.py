@@ -4,7 +4,7 @@ from pathlib import PurePosixPath
 
 import click
 
-from ._app import _LOCAL_OR_URI, _need_bucket, _said, _size, cli
+from ._app import _LOCAL_OR_URI, _said, _size, cli
 
 
 @cli.group("storage")
@@ -101,7 +101,7 @@ def storage_cp(source, dest, recursive):
         if not loc.is_s3 or not loc.key or loc.key.endswith("/"):
             raise click.UsageError(f"with SOURCE '-' (stdin), DEST must name an object: s3://BUCKET/KEY, got {dest}")
         storage = Storage()
-        _need_bucket(storage, dest, f"copy to {dest}")
+        storage.check_writable(dest, f"copy to {dest}")
         sent = storage.upload_stream(sys.stdin.buffer, dest)
         click.echo(f"uploaded {_size(sent)} from stdin to {dest}")
         return
@@ -110,7 +110,7 @@ def storage_cp(source, dest, recursive):
         raise click.UsageError("SOURCE or DEST must be s3:// (or minio://); copy between local paths with cp")
     storage = Storage()
     if src.is_s3 and dst.is_s3:  # inside the server, as `aws s3 cp s3://a s3://b` and `mc cp` do
-        _need_bucket(storage, dest, f"copy to {dest}")
+        storage.check_writable(dest, f"copy to {dest}")
         name = PurePosixPath(src.key.rstrip("/")).name
         if src.key and not src.key.endswith("/") and (entry := storage.stat(source)):
             target = join(dest, name) if dest.endswith("/") or not dst.key else dest
@@ -135,7 +135,7 @@ def storage_cp(source, dest, recursive):
         files = [src.path] if src.path.is_file() else sorted(p for p in src.path.rglob("*") if p.is_file())
         if not files:
             raise StorageNotFound(f"copy {source}: the directory holds no files", "check the path")
-        _need_bucket(storage, dest, f"copy to {dest}")
+        storage.check_writable(dest, f"copy to {dest}")
         if dest.endswith("/") or not dst.key:
             dest = join(dest, src.path.name)
         size = sum(p.stat().st_size for p in files)

@@ -16,6 +16,7 @@ from .exported_model import ExportedModel, names_of  # noqa: F401  (names_of: th
 from .storage import Storage, join, parse_uri
 
 MODEL_HINT = "point model_uri at the model/ directory written by train (train_op's model output)"
+IS_A_FILE = "it is a file; a trained model is a folder: model.pt2 and metadata.json"
 
 
 def read_model_metadata(model_uri: str, storage: Storage | None = None) -> dict:
@@ -25,8 +26,7 @@ def read_model_metadata(model_uri: str, storage: Storage | None = None) -> dict:
     try:
         meta = json.loads(storage.read_bytes(join(model_uri, "metadata.json")))
     except StorageNotFound as e:
-        there = ("it is a file; a trained model is a folder: model.pt2 and metadata.json"
-                 if storage.stat(model_uri) is not None else "metadata.json missing")
+        there = IS_A_FILE if storage.stat(model_uri) is not None else "metadata.json missing"
         raise ModelNotFound(f"no trained model at {model_uri} ({there})", MODEL_HINT) from e
     except (ValueError, UnicodeDecodeError) as e:
         raise ModelNotFound(f"no trained model at {model_uri} (its metadata.json is not readable JSON: {e})",
@@ -54,8 +54,7 @@ class ModelRunner(ExportedModel):
         except FileNotFoundError as e:
             raise ModelNotFound(f"no trained model at {model_uri} ({Path(e.filename).name} missing)", MODEL_HINT) from e
         except NotADirectoryError as e:  # a file given for the folder
-            raise ModelNotFound(f"no trained model at {model_uri} (it is a file; a trained model is a folder: model.pt2 "
-                                "and metadata.json)", MODEL_HINT) from e
+            raise ModelNotFound(f"no trained model at {model_uri} ({IS_A_FILE})", MODEL_HINT) from e
 
 
 def model_dir_uri(uri: str) -> str:

@@ -690,6 +690,28 @@ class Storage:
         self.remove_empty_folders(f"s3://{loc.bucket}", below=True)
         self._s3(loc, "remove bucket", self.client.remove_bucket, loc.bucket)
 
+    def check_writable(self, uri: str, what: str) -> None:
+        """Refuse, before work whose result would go to ``uri``, a place it cannot be written: an S3
+        URI whose bucket is not there (MinIO and AWS say NoSuchBucket only after the data was sent,
+        and SeaweedFS, KFP's default store, makes the bucket on the first PUT, so a typo in its name
+        would leave the data where nothing reads it; mc cp refuses too), or a local path whose
+        nearest existing folder is a file or not writable by this user. Makes nothing."""
+        loc = parse_uri(uri)
+        if loc.is_s3:
+            if not self.bucket_exists(uri):
+                raise StorageNotFound(f"{what}: there is no bucket {loc.bucket!r}",
+                                      f"create it: `kfp-pytorch storage mb s3://{loc.bucket}` (or check the name: "
+                                      "`kfp-pytorch storage ls` lists the buckets)")
+            return
+        path = loc.path.absolute()
+        there = next(p for p in (path, *path.parents) if p.exists())
+        if not there.is_dir():
+            raise StorageError(f"{what}: {there} is a file, where that path needs a folder",
+                               "give a path under a folder (the file stays as it is)")
+        if not os.access(there, os.W_OK | os.X_OK):
+            raise StorageError(f"{what}: this user may not write in {there}",
+                               "give a path this user can write, or change that folder's permissions")
+
     def bucket_exists(self, uri: str) -> bool:
         """Whether the bucket of the S3 ``uri`` is there (a local path: whether that folder is, as
         :meth:`ensure_bucket` makes it), asked before work whose result would go there."""

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from .errors import ConfigError, StorageError, StorageNotFound, TrainingError
+from .errors import ConfigError, TrainingError
 from .prepare_data import read_metadata, seed_problem
-from .storage import Storage, join, parse_uri
+from .storage import Storage, join
 
 WORKER_MODULE = "kfp_pytorch.components.train_worker"
 BUILTIN_MODELS = ("mlp", "cnn")
@@ -485,26 +485,6 @@ def _check_resumable(spec: TrainSpec, storage: Storage) -> None:
                             "to train on for more epochs, keep the other settings")
 
 
-def _check_output(output_uri: str, storage: Storage) -> None:
-    """The output can be written (a local path: its nearest existing folder is a folder this user
-    may write in; S3: its bucket is there), checked before any worker starts, and without making
-    anything: a file in the way or a missing bucket failed in every rank, under torchrun's report."""
-    loc = parse_uri(output_uri)
-    if not loc.is_s3:
-        path = loc.path.absolute()
-        there = next(p for p in (path, *path.parents) if p.exists())
-        if not there.is_dir():
-            raise StorageError(f"write {output_uri}: {there} is a file, where that path needs a folder",
-                               "give output_uri a path under a folder (the file stays as it is)")
-        if not os.access(there, os.W_OK | os.X_OK):
-            raise StorageError(f"write {output_uri}: this user may not write in {there}",
-                               "give output_uri a path this user can write, or change that folder's permissions")
-    elif not storage.bucket_exists(output_uri):
-        raise StorageNotFound(f"write {output_uri}: there is no bucket {loc.bucket!r}",
-                              f"create it: `kfp-pytorch storage mb s3://{loc.bucket}` (or check the name: "
-                              "`kfp-pytorch storage ls` lists the buckets)")
-
-
 def train(spec: TrainSpec, storage: Storage | None = None) -> TrainResult:
     """Validate, resolve the model factory here (fail fast), run the backend, read the history."""
     from .models import resolve_factory
@@ -515,7 +495,8 @@ def train(spec: TrainSpec, storage: Storage | None = None) -> TrainResult:
     # the dataset before the workers (or a cluster job) start: a wrong path failed in every rank,
     # seconds later, under torchrun's failure report
     read_metadata(spec.dataset_uri, storage)
-    _check_output(spec.output_uri, storage)
+    # the output too: a file in the way or a missing bucket failed in every rank as well
+    storage.check_writable(spec.output_uri, f"write {spec.output_uri}")
     _check_resumable(spec, storage)
     t0 = time.perf_counter()
     BACKENDS[spec.backend]().run(spec)
