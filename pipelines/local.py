@@ -642,8 +642,9 @@ def served_url(summary: dict) -> str:
         raise PipelineFailed(failure_line(summary["pipeline"], summary.get("failed_task"), summary.get("error")),
                              f"the run's whole log: {summary['log']}" if summary.get("log") else None)
     if summary.get("gate_passed") is False:
-        read = ", ".join(f"{k}={v:.4f}" for k, v in summary.get("metrics", {}).items()
-                         if k in ("accuracy", "macro_f1", "min_recall"))
+        from kfp_pytorch.components.evaluate import GATE_METRICS
+
+        read = ", ".join(f"{k}={v:.4f}" for k, v in summary.get("metrics", {}).items() if k in GATE_METRICS)
         raise ServingError("the run's gate failed, so the model was neither registered nor served"
                            + (f" ({read})" if read else ""),
                            "train longer (epochs), or lower the pipeline's threshold parameter; "
