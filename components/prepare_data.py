@@ -598,6 +598,9 @@ def prepare_data(spec: PrepareSpec, storage: Storage | None = None) -> dict:
 
     spec.validate()
     storage = storage or Storage()
+    # where the shards go, before a large table is read and split: a file in the way or a missing
+    # bucket failed only at the first shard's write (and SeaweedFS made a misspelt bucket instead)
+    storage.check_writable(spec.output_uri, f"write {spec.output_uri}")
     df = load_table(spec.dataset_uri, storage, spec.label_column)
     check_table(spec.dataset_uri, df, spec.label_column, spec.val_fraction, spec.test_fraction, spec.feature_columns)
     features = feature_names(df, spec.label_column, spec.feature_columns)

@@ -109,6 +109,23 @@ def test_missing_dataset_and_bad_settings(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_an_output_that_cannot_be_written_is_refused_before_the_table_is_read(s3, tmp_path):
+    # a file where the shards' folder would be failed only at the first shard's write, after the
+    # whole table was read and split; a misspelt bucket was made by SeaweedFS on that write
+    from kfp_pytorch.components.errors import StorageError, StorageNotFound
+
+    table = tmp_path / "rows.csv"
+    table.write_text("a,label\n1,0\n")
+    with pytest.raises(StorageError) as e:
+        prepare_data(PrepareSpec("sample://digits", str(table / "out")))
+    assert e.value.message == f"write {table / 'out'}: {table} is a file, where that path needs a folder"
+    with pytest.raises(StorageNotFound) as e:
+        prepare_data(PrepareSpec("sample://digits", "s3://no-such-bucket-prep/out"))
+    assert e.value.message == "write s3://no-such-bucket-prep/out: there is no bucket 'no-such-bucket-prep'"
+    assert "kfp-pytorch storage mb s3://no-such-bucket-prep" in e.value.hint
+    assert not s3.bucket_exists("s3://no-such-bucket-prep") and table.read_text() == "a,label\n1,0\n"
+
+
 def test_a_table_too_small_to_split_says_how_many_rows_it_needs(tmp_path):
     from kfp_pytorch.components.prepare_data import _split, _split_sizes
 
