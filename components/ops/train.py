@@ -18,7 +18,10 @@ def train_op(dataset: Input[Dataset], model: Output[Model], metrics: Output[Metr
     """Distributed training as a PyTorchJob-shaped job; logs per-epoch metrics to KFP and MLflow.
     ``early_stopping_patience`` > 0: stop once that many epochs have not lowered the validation
     loss, and export the best epoch's weights. ``class_weight="balanced"``: a rare class's rows weigh
-    more in the loss, as much in all as a common class's."""
+    more in the loss, as much in all as a common class's. ``run_id`` and ``task_name`` name the
+    cluster job (``backend="cluster"``): pass ``dsl.PIPELINE_JOB_ID_PLACEHOLDER``
+    and ``dsl.PIPELINE_TASK_NAME_PLACEHOLDER``, so that the job is found by its run in ``kubectl``;
+    left empty, it is named from this step's output URI, which is as unique."""
     from collections import namedtuple
 
     from kfp_pytorch.components._kfp import artifact_store_uri
