@@ -46,6 +46,11 @@ demo: setup
 test: setup
 	$(PY) -m pytest
 
+## The fair-share benchmark: six scheduling policies side by side on one trace (TRACE=FILE).
+TRACE ?= ../shared/traces/itp-2021/cluster07.csv
+simulate: setup
+	$(VENV)/bin/kfp-pytorch simulate --trace $(TRACE)
+
 ## Benchmarks: ratios against the named baselines, measured side by side in one run.
 bench: setup
 	$(PY) tests/bench.py
