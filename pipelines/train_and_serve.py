@@ -184,10 +184,11 @@ PARAM_DOCS = {
     "threshold": "minimum test gate_metric for register and serve to run",
     "storage_root": "s3://bucket/prefix for shards, checkpoints and models (empty: the KFP artifact store)",
     "tracking_uri": "MLflow tracking URI (empty: embedded sqlite under KFP_PYTORCH_HOME)",
-    "train_backend": "local (torchrun here) or cluster (PyTorchJob)",
+    "train_backend": "local (torchrun here) or cluster (a PyTorchJob, or a Trainer v2 TrainJob where the step's env sets "
+                     "KFP_PYTORCH_TRAIN_KIND=TrainJob)",
     "serve_backend": "local (model server here) or cluster (KServe InferenceService)",
     "serve_port": "local model server port (0: the port of the server already serving model_name, so its URL stays; else a free one)",
-    "nodes": "pods of the PyTorchJob (cluster backend); workers are spread over them",
+    "nodes": "pods of the PyTorchJob or TrainJob (cluster backend); workers are spread over them",
     "gpus_per_node": "GPUs per pod (cluster backend)",
     "canary_traffic_percent": "KServe canary share for the new version (-1: all traffic)",
     "serve_min_replicas": "KServe predictor replicas at least (cluster serving)",
