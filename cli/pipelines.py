@@ -201,6 +201,11 @@ def run_cmd(pipeline, local, params, predict, as_json, verbose):
 
     entry = get_pipeline(pipeline)
     values = _resolve_params(entry, params)
+    # kfp.local's steps (python -m kfp.dsl.executor_main) and torchrun's workers (python -m) import
+    # from the current folder, as a notebook does; the console script's own sys.path lacks it, so
+    # model_arch=mymodels:build beside the user failed the checks made before any step
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     preflight(values)
     # with --json, stdout is the summary alone (`| jq` reads it); the steps' lines go to stderr
     run = run_local(entry, values, verbose=verbose, out=sys.stderr if as_json else None)

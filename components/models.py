@@ -88,7 +88,7 @@ def resolve_factory(name: str) -> Callable[..., nn.Module]:
     except Exception as e:  # ImportError, or any error raised while the module imports
         raise ModelFactoryError(f"cannot import model factory module {mod_name!r}: {type(e).__name__}: {e}",
                                 "check the spelling and that the module is installed in the training image "
-                                "(or on PYTHONPATH locally)") from e
+                                "(locally: a module in the current folder, or on PYTHONPATH)") from e
     fn = getattr(module, fn_name, None)
     if fn is None or not callable(fn):
         raise ModelFactoryError(f"module {mod_name!r} has no callable {fn_name!r}",

@@ -429,8 +429,11 @@ def test_a_step_that_fails_is_named_and_its_partial_outputs_removed(tmp_path):
     (tmp_path / "badfactory.py").write_text(
         "import os\nfrom torch import nn\n\n\ndef net(input_dim, num_classes, image_shape=None):\n"
         "    return 42 if 'RANK' in os.environ else nn.Linear(input_dim, num_classes)\n")
-    r = run_cli("run", "train_and_serve", "--local", "--param", "model_arch=badfactory:net", "--param", "epochs=1",
-                env={"PYTHONPATH": str(tmp_path)})
+    # the factory's module is in the current folder, as a notebook's is: the console script (whose
+    # sys.path, unlike python -m's, lacks that folder) imports it there as the steps and workers do
+    script = Path(sys.executable).parent / "kfp-pytorch"
+    r = subprocess.run([str(script), "run", "train_and_serve", "--local", "--param", "model_arch=badfactory:net",
+                        "--param", "epochs=1"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 1
     # the summary at the end says why, in the words of the step's own error: no scrolling up the log
     summary = r.stdout[r.stdout.index("== train_and_serve: FAILED =="):]
