@@ -83,6 +83,12 @@ def resolve_factory(name: str) -> Callable[..., nn.Module]:
         raise ModelFactoryError(f"unknown model {name!r}",
                                 f"use one of {', '.join(ZOO)} or a factory 'package.module:function'")
     mod_name, _, fn_name = name.partition(":")
+    if mod_name in ("__main__", "__mp_main__"):  # a notebook's or script's own: found here, not in a worker
+        raise ModelFactoryError(f"model factory {name!r} is defined in the notebook or script that runs this, "
+                                "which the training workers (processes of their own, or a cluster's pods) cannot "
+                                "import: theirs is another __main__",
+                                f"move {fn_name or 'the factory'} into a module file (mymodels.py beside the notebook; "
+                                f"in the training image on a cluster) and pass 'mymodels:{fn_name or 'build'}'")
     try:
         module = importlib.import_module(mod_name)
     except Exception as e:  # ImportError, or any error raised while the module imports

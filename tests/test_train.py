@@ -5,6 +5,7 @@ import math
 import os
 import re
 import signal
+import sys
 import threading
 import time
 
@@ -373,6 +374,18 @@ def test_unimportable_factory_fails_before_any_worker(name, msg):
     with pytest.raises(ModelFactoryError) as e:
         resolve_factory(name)
     assert msg in str(e.value) and e.value.hint
+
+
+def test_a_factory_defined_in_the_notebook_is_refused_with_where_to_put_it(monkeypatch):
+    # "__main__:build" resolved in the notebook, and every rank then failed with "module '__main__'
+    # has no callable 'build'" (a worker's __main__ is its own), under torchrun's failure report
+    monkeypatch.setattr(sys.modules["__main__"], "build", lambda input_dim, num_classes: None, raising=False)
+    with pytest.raises(ModelFactoryError) as e:
+        resolve_factory("__main__:build")
+    assert e.value.message == ("model factory '__main__:build' is defined in the notebook or script that runs this, "
+                               "which the training workers (processes of their own, or a cluster's pods) cannot "
+                               "import: theirs is another __main__")
+    assert "pass 'mymodels:build'" in e.value.hint
 
 
 def test_a_dataset_that_is_not_prepared_fails_before_any_worker(tmp_path):
