@@ -81,6 +81,9 @@ def _check_sqlite_file(url: str) -> None:
         if not db.is_absolute() and Path("/", db).is_file():  # SQLAlchemy's classic: three slashes, a relative path
             hint = (f"sqlite:///{db} names a path relative to this folder; the absolute path /{db} takes four "
                     f"slashes: --ledger sqlite:////{db}")
+        if db.is_dir():
+            raise LedgerError(f"{where} is a folder, not a usage ledger",
+                              f"give the ledger's file in it: --ledger sqlite:///{db}/FILE.db")
         raise LedgerError(f"no usage ledger at {where}", hint)
 
 

@@ -129,6 +129,10 @@ def test_ledger_cli_refuses_what_is_not_a_ledger_and_creates_nothing(tmp_path, c
     rc, _, err = _run(capsys, "ledger", "show", "--ledger", str(missing))
     assert rc == 1 and f"no usage ledger at {missing}" in err and "hint: check --ledger" in err
     assert not missing.exists()
+    # a folder (the ledger's own, its file left off): "no usage ledger at" it read as a typo
+    rc, _, err = _run(capsys, "ledger", "show", "--ledger", f"sqlite:///{tmp_path}")
+    assert rc == 1 and f"Error: {tmp_path} is a folder, not a usage ledger" in err
+    assert f"hint: give the ledger's file in it: --ledger sqlite:///{tmp_path}/FILE.db" in err
     empty = tmp_path / "other.db"
     sqlite3.connect(empty).close()
     rc, _, err = _run(capsys, "ledger", "compact", "--ledger", f"sqlite:///{empty}", "--older-than", "30d")
