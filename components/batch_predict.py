@@ -81,13 +81,13 @@ def model_features(model_uri: str, storage: Storage | None = None) -> dict:
     """The model's metadata (features, class names) from its directory, or from a registered
     version (``models:/NAME/VERSION``, ``models:/NAME@ALIAS``: downloaded once, as ``serve start``
     does, from the registry MLFLOW_TRACKING_URI names, else the embedded one)."""
-    from .predictor import model_dir_uri, read_model_metadata
+    from .predictor import read_model_metadata
 
     if model_uri.startswith("models:"):
         from .tracking import Tracker
 
         model_uri = str(Tracker(None, experiment=None).fetch_model(model_uri)["model_dir"])
-    return read_model_metadata(model_dir_uri(model_uri), storage or Storage())
+    return read_model_metadata(model_uri, storage or Storage())
 
 
 def feature_matrix(table, features: list[str] | None, label_column: str, source: str) -> tuple[np.ndarray, list]:

@@ -26,7 +26,12 @@ def read_model_metadata(model_uri: str, storage: Storage | None = None) -> dict:
     try:
         meta = json.loads(storage.read_bytes(join(model_uri, "metadata.json")))
     except StorageNotFound as e:
-        there = IS_A_FILE if storage.stat(model_uri) is not None else "metadata.json missing"
+        if storage.stat(model_uri) is not None:
+            there = IS_A_FILE
+        elif storage.exists(join(model_uri, "model", "metadata.json")):  # train's output_uri, given for its model/
+            there = f"it is train's output folder: its model is {join(model_uri, 'model')}"
+        else:
+            there = "metadata.json missing"
         raise ModelNotFound(f"no trained model at {model_uri} ({there})", MODEL_HINT) from e
     except (ValueError, UnicodeDecodeError) as e:
         raise ModelNotFound(f"no trained model at {model_uri} (its metadata.json is not readable JSON: {e})",
@@ -56,7 +61,3 @@ class ModelRunner(ExportedModel):
         except NotADirectoryError as e:  # a file given for the folder
             raise ModelNotFound(f"no trained model at {model_uri} ({IS_A_FILE})", MODEL_HINT) from e
 
-
-def model_dir_uri(uri: str) -> str:
-    """Accept the train output root or its ``model/`` directory."""
-    return uri if uri.rstrip("/").endswith("model") else join(uri, "model")

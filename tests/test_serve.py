@@ -846,6 +846,34 @@ def test_a_uri_that_holds_no_trained_model_is_named_before_anything_loads_or_sta
     assert "hint: give --model-uri a run's train-op.model directory" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_trains_output_folder_given_for_its_model_names_the_model_folder(digits_data, trained_model):
+    # train's output_uri (checkpoints/, history.json, model/) given for the model: "metadata.json
+    # missing" left the user to guess, and `serve predict --model-uri` alone took it (and showed a
+    # dataset as ".../model": metadata.json missing)
+    import subprocess
+    import sys
+
+    from kfp_pytorch.components.errors import ModelNotFound
+    from kfp_pytorch.components.evaluate import EvaluateSpec, evaluate
+    from kfp_pytorch.components.serve import ServeSpec, list_servers, serve
+
+    root = trained_model.model_uri.rsplit("/", 1)[0]
+    says = f"no trained model at {root} (it is train's output folder: its model is {root}/model)"
+    for step in (lambda: evaluate(EvaluateSpec(digits_data, root)), lambda: serve(ServeSpec(root, "digits"))):
+        with pytest.raises(ModelNotFound) as e:
+            step()
+        assert e.value.message == says
+    assert list_servers() == []
+    for args in (["serve", "start", "digits", "--model-uri", root],
+                 ["serve", "predict", "digits", "sample://digits", "--url", "http://127.0.0.1:9", "--model-uri", root]):
+        r = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "serve", "predict", "digits", "sample://digits",
+                        "--url", "http://127.0.0.1:9", "--model-uri", digits_data], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and f"no trained model at {digits_data} (it is a prepared dataset)" in r.stderr
+
+
 def test_a_predictor_without_its_model_says_so_in_its_log_not_a_traceback(tmp_path):
     # an InferenceService whose storage initializer fetched nothing: the container log is what
     # `kubectl logs` shows the user
