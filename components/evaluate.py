@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ConfigError, DatasetError
+from .errors import ConfigError, DatasetError, KfpPytorchError, ModelNotFound
 from .exported_model import logits_in_chunks
 from .prepare_data import duplicates_note, load_split, read_metadata
 from .storage import Storage, join
@@ -389,6 +389,16 @@ def render_report(metrics: dict, history: list[dict], classes: list, gate: dict,
             + f"<table>{rows}</table>{figs}</body></html>")
 
 
+def _holds_model(uri: str, storage: Storage) -> bool:
+    from .predictor import read_model_metadata
+
+    try:
+        read_model_metadata(uri, storage)
+    except KfpPytorchError:
+        return False
+    return True
+
+
 def evaluate(spec: EvaluateSpec, storage: Storage | None = None) -> dict:
     """Returns ``{"metrics", "gate", "gate_note", "report_html", "classes", "class_names", "roc",
     "per_class", "calibration"}``."""
@@ -396,7 +406,13 @@ def evaluate(spec: EvaluateSpec, storage: Storage | None = None) -> dict:
 
     spec.validate()
     storage = storage or Storage()
-    module, model_meta = load_program(spec.model_uri, storage)
+    try:
+        module, model_meta = load_program(spec.model_uri, storage)
+    except ModelNotFound as e:  # EvaluateSpec(model, dataset): its fields are dataset first
+        if _holds_model(spec.dataset_uri, storage):
+            e.hint = (f"dataset_uri and model_uri are the other way round: EvaluateSpec(dataset_uri={spec.model_uri!r}, "
+                      f"model_uri={spec.dataset_uri!r})")
+        raise
     data_meta = read_metadata(spec.dataset_uri, storage)
     x, y = load_split(spec.dataset_uri, "test", storage, data_meta)
     x = to_model_scale(x, data_meta, model_meta, spec)

@@ -62,6 +62,18 @@ def test_evaluate_metrics_gate_and_report(digits_data, trained_model):
     assert m["roc_auc"] == pytest.approx(roc_auc_score(y, probs, multi_class="ovr"), abs=1e-4) and res["roc"] is None
 
 
+def test_evaluate_with_the_dataset_and_the_model_swapped_says_so(digits_data, trained_model):
+    # EvaluateSpec(model, data) by position (its fields are dataset first): "no trained model at DATA
+    # (it is a prepared dataset)" with the generic hint left the swap to be seen
+    from kfp_pytorch.components.errors import ModelNotFound
+
+    with pytest.raises(ModelNotFound) as e:
+        evaluate(EvaluateSpec(trained_model.model_uri, digits_data))
+    assert e.value.message == f"no trained model at {digits_data} (it is a prepared dataset)"
+    assert e.value.hint == ("dataset_uri and model_uri are the other way round: "
+                            f"EvaluateSpec(dataset_uri={digits_data!r}, model_uri={trained_model.model_uri!r})")
+
+
 def test_roc_auc_is_scikit_learns_and_the_two_class_curve_is_drawn_from_it():
     from sklearn.metrics import roc_auc_score
 
