@@ -17,7 +17,8 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 
 WORKDIR /opt/kfp-pytorch
-COPY pyproject.toml README.md __init__.py cli.py ./
+COPY pyproject.toml README.md __init__.py __main__.py ./
+COPY cli ./cli
 COPY .ci/constraints.txt ./constraints.txt
 COPY components ./components
 COPY pipelines ./pipelines
