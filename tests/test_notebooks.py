@@ -107,3 +107,73 @@ def test_the_readmes_own_pipeline_example_compiles_and_runs(tmp_path, monkeypatc
     assert params["task_name"] == {"runtimeValue": {"constant": "{{$.pipeline_task_name}}"}}
     runs = list((tmp_path / "local_outputs").glob("my-training-*"))
     assert len(runs) == 1 and (runs[0] / "train-op" / "model").exists()
+
+
+def _readme_commands(text: str) -> list[str]:
+    """The ``kfp-pytorch ...`` lines of the bash blocks, continuations joined, comments and pipes cut;
+    lines with placeholders (``...``, ``[--flag]``) left out."""
+    import re
+
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("  #")[0].strip()
+            if "| kfp-pytorch " in line:
+                line = line[line.index("kfp-pytorch "):]
+            line = line.split(" | ")[0]
+            if line.startswith("kfp-pytorch ") and "..." not in line and not re.search(r"\s\[", line):
+                out.append(line)
+    return out
+
+
+def test_every_command_the_readmes_and_help_show_parses_against_the_cli(tmp_path, monkeypatch):
+    # an option renamed or a command moved leaves a README line that fails for whoever copies it:
+    # each line is parsed as the CLI would parse it (files it names are made empty), none is run
+    import re
+    import shlex
+
+    import click
+
+    from kfp_pytorch.cli import cli
+
+    def parse(cmd, name, args, parent=None):
+        if isinstance(cmd, click.Group):
+            ctx = cmd.make_context(name, [], parent=parent, resilient_parsing=True)
+            sub_name, sub, rest = cmd.resolve_command(ctx, args)
+            return parse(sub, sub_name, rest, ctx)
+        with cmd.make_context(name, args, parent=parent):
+            return cmd.name
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    text = (NB.parent / "README.md").read_text() + (NB / "README.md").read_text()
+    lines = _readme_commands(text)
+    assert len(lines) >= 30
+
+    def epilogs(cmd):  # each command's --help examples too
+        yield cmd.epilog or ""
+        for sub in getattr(cmd, "commands", {}).values():
+            yield from epilogs(sub)
+
+    shown = [ln.split("  #")[0].strip() for e in epilogs(cli) for ln in e.splitlines()]
+    examples = [ln for ln in shown if ln.startswith("kfp-pytorch ") and "..." not in ln and " [" not in ln]
+    assert len(examples) >= 10
+    lines += [ln.split(" | ")[0] for ln in examples]
+    seen, wrong = set(), []
+    placeholders = {"URL": "http://127.0.0.1:8080"}  # the examples' names for what the user fills in
+    for line in lines:
+        args = [placeholders.get(a, a) for a in shlex.split(line)[1:]]
+        for a in args:  # a file the example names (a config, a trace): there, empty, as the user's would be
+            if re.fullmatch(r"[\w./-]+\.(yaml|csv|db)", a) and not (cwd / a).exists():
+                assert (cwd / a).resolve().is_relative_to(tmp_path), a
+                (cwd / a).parent.mkdir(parents=True, exist_ok=True)
+                (cwd / a).touch()
+        try:
+            seen.add(parse(cli, "kfp-pytorch", args))
+        except click.exceptions.Exit:  # --help, --version
+            pass
+        except click.ClickException as e:
+            wrong.append(f"{line}\n  {e.format_message()}")
+    assert not wrong, "\n".join(wrong)
+    assert {"run", "compile", "submit", "simulate", "goals", "show", "predict", "cp"} <= seen
