@@ -38,6 +38,10 @@ from .storage import Storage, join, parse_uri
 SAMPLE_SCHEME = "sample://"
 SAMPLES = ("digits",)
 METADATA_FILE = "metadata.json"
+SHARD_BYTES = 16 << 20
+"""About how large a shard is by default: few enough requests that a split reads at the store's
+throughput (16384-row shards read 28 MB in 0.1 s from SeaweedFS, 512-row ones in 1 s), small
+enough to stream."""
 SPLITS = ("train", "val", "test")
 
 
@@ -68,8 +72,9 @@ class PrepareSpec:
     test_fraction: float = 0.15
     seed: int = 42
     """Seed of the stratified split: same seed and input -> byte-identical shards."""
-    shard_rows: int = 512
-    """Rows per shard: small enough to stream, large enough to keep request counts low."""
+    shard_rows: int = 0
+    """Rows per shard; 0: as many as make about :data:`SHARD_BYTES` (a shard is one GET per rank:
+    small ones cost a request each, and 512-row shards of a 500k-row table read 8x slower)."""
 
     def validate(self) -> None:
         problems = []
@@ -84,8 +89,9 @@ class PrepareSpec:
             v = getattr(self, name)
             if not 0 < v < 0.5:
                 problems.append(f"{name}: must be in (0, 0.5), got {v}")
-        if self.shard_rows < 1:
-            problems.append(f"shard_rows: must be >= 1, got {self.shard_rows}")
+        if self.shard_rows < 0:
+            problems.append(f"shard_rows: must be >= 1, or 0 for shards of about {SHARD_BYTES >> 20} MiB, "
+                            f"got {self.shard_rows}")
         if problem := seed_problem(self.seed):
             problems.append(problem)
         if problems:
@@ -632,17 +638,19 @@ def prepare_data(spec: PrepareSpec, storage: Storage | None = None) -> dict:
         "rows": {},
         "shards": {},
     }
+    # float32 features and an int64 label a row
+    shard_rows = spec.shard_rows or max(1, SHARD_BYTES // (4 * len(features) + 8))
     for split in SPLITS:
         ids = parts[split]
         xs = ((x[ids] - mean) / std).astype(np.float32)
         ys = y[ids]
         meta["rows"][split] = int(len(ids))
         meta["shards"][split] = []
-        for i, start in enumerate(range(0, len(ids), spec.shard_rows)):
-            blob = _npz_bytes(xs[start:start + spec.shard_rows], ys[start:start + spec.shard_rows])
+        for i, start in enumerate(range(0, len(ids), shard_rows)):
+            blob = _npz_bytes(xs[start:start + shard_rows], ys[start:start + shard_rows])
             rel = f"{split}/shard-{i:05d}.npz"
             storage.write_bytes(join(spec.output_uri, rel), blob)
-            meta["shards"][split].append({"path": rel, "rows": int(len(ys[start:start + spec.shard_rows])),
+            meta["shards"][split].append({"path": rel, "rows": int(len(ys[start:start + shard_rows])),
                                           "sha256": hashlib.sha256(blob).hexdigest()})
     storage.write_bytes(join(spec.output_uri, METADATA_FILE), json.dumps(meta, indent=1).encode(),
                         content_type="application/json")
@@ -663,19 +671,31 @@ def read_metadata(data_uri: str, storage: Storage | None = None) -> dict:
                            "run prepare_data first, or point at its output") from e
 
 
+READ_CONCURRENCY = 8
+"""Shards a split is read with at once, so that a pod waits one network round trip for several
+(a dataset prepared with small ``shard_rows``: thousands of GETs per rank). On loopback, where
+a GET's cost is CPU, not latency, it gains little: 684 shards, 28 MB, 1.05 s -> 0.9 s."""
+
+
 def load_split(data_uri: str, split: str, storage: Storage | None = None, meta: dict | None = None,
                verify: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Stream a split's shards from the store and concatenate them; checksums are verified."""
+    """Read a split's shards from the store, several at once, and concatenate them in order;
+    checksums are verified."""
+    from concurrent.futures import ThreadPoolExecutor
+
     storage = storage or Storage()
     meta = meta or read_metadata(data_uri, storage)
-    xs, ys = [], []
-    for shard in meta["shards"][split]:
-        blob = storage.read_bytes(join(data_uri, shard["path"]))
+
+    def read(shard: dict) -> tuple[np.ndarray, np.ndarray]:
+        blob = storage.read_bytes(join(data_uri, shard["path"]))  # the minio client is thread-safe
         if verify and hashlib.sha256(blob).hexdigest() != shard["sha256"]:
             raise DatasetError(f"shard {shard['path']} under {data_uri} is corrupt (checksum mismatch)",
                                "run prepare_data again to rewrite the shards")
         with np.load(io.BytesIO(blob)) as z:
-            xs.append(z["x"])
-            ys.append(z["y"])
-    return np.concatenate(xs), np.concatenate(ys)
+            return z["x"], z["y"]
+
+    shards = meta["shards"][split]
+    with ThreadPoolExecutor(max_workers=max(1, min(READ_CONCURRENCY, len(shards)))) as pool:
+        parts = list(pool.map(read, shards))  # in the shards' order; the first error is raised
+    return np.concatenate([x for x, _ in parts]), np.concatenate([y for _, y in parts])
 

@@ -8,9 +8,10 @@ from .._kfp import COMPONENT_KW
 @dsl.component(**COMPONENT_KW)
 def prepare_data_op(dataset_uri: str, dataset: Output[Dataset], label_column: str = "label",
                     feature_columns: str = "", val_fraction: float = 0.15, test_fraction: float = 0.15, seed: int = 42,
-                    shard_rows: int = 512, storage_root: str = ""):
+                    shard_rows: int = 0, storage_root: str = ""):
     """Validate a table, split it (seeded, stratified), normalise and write shards. ``feature_columns``:
-    comma-separated names (empty: every column but the label)."""
+    comma-separated names (empty: every column but the label). ``shard_rows``: rows per shard (0:
+    shards of about 16 MiB, read with one request each)."""
     import sys
 
     from kfp_pytorch.components._kfp import artifact_store_uri
