@@ -311,11 +311,15 @@ def weakest_label(frame: "pd.DataFrame") -> dict | None:
     labels, or when every class was found."""
     if "label" not in frame:
         return None
-    from sklearn.metrics import confusion_matrix
+    import pandas as pd
 
     from .evaluate import weakest_class
 
     labelled = frame[frame["label"].notna()]
-    truth, pred = labelled["label"].astype(str).to_numpy(), labelled["prediction"].astype(str).to_numpy()
-    names = sorted(set(truth) | set(pred), key=lambda c: (not c.isdigit(), int(c) if c.isdigit() else 0, c))
-    return weakest_class(names, confusion_matrix(truth, pred, labels=names).tolist() if names else [])
+    truth, pred = labelled["label"].astype(str), labelled["prediction"].astype(str)
+    names = sorted(set(pd.unique(truth)) | set(pd.unique(pred)),
+                   key=lambda c: (not c.isdigit(), int(c) if c.isdigit() else 0, c))
+    # counted by class index: scikit-learn's confusion_matrix sorted the 500k labels as strings (3 s)
+    index, k = {n: i for i, n in enumerate(names)}, len(names)
+    cells = truth.map(index).to_numpy(np.int64) * k + pred.map(index).to_numpy(np.int64)
+    return weakest_class(names, np.bincount(cells, minlength=k * k).reshape(k, k).tolist() if names else [])
