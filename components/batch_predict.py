@@ -131,11 +131,24 @@ def predict_rows(target: Target, x: np.ndarray, batch_size: int = 256,
     if batch_size < 1:
         raise ServingError(f"batch size must be >= 1, got {batch_size}")
     labels, names, conf, all_probs = [], [], [], []
+    binary = True  # the rows as raw FP32 (see infer); JSON from the first batch a server refuses that way
+
+    def send(rows: np.ndarray) -> dict:
+        return infer(target.url, target.name, rows if binary else rows.tolist(), timeout=60.0,
+                     host_header=target.host_header, token=target.token, binary=binary)
+
     for start in range(0, len(x), batch_size):
         rows = x[start:start + batch_size]
         try:
-            resp = infer(target.url, target.name, rows.tolist(), timeout=60.0, host_header=target.host_header,
-                         token=target.token)
+            try:
+                resp = send(rows)
+            except ServingError:
+                if not (binary and start == 0):
+                    raise
+                # an OIP server without the binary tensor extension: the same rows as JSON numbers,
+                # and every batch after (a refusal of the rows themselves is then JSON's to say)
+                binary = False
+                resp = send(rows)
         except ServingError as e:
             if start and (now := _replaced(target)):
                 raise ServingError(f"rows {start + 1}-{start + len(rows)}: the local model server {target.name!r} was "

@@ -375,6 +375,64 @@ def test_a_smoke_test_that_fails_otherwise_also_leaves_the_running_server_servin
     assert "keeps serving" not in str(e.value) and not [s for s in list_servers() if s["name"] == "smoke"]
 
 
+def test_rows_sent_as_binary_tensors_get_the_answer_json_rows_get(endpoint, digits_data):
+    # the protocol's binary tensor extension (raw FP32 after the JSON header): KServe's server reads
+    # it as it reads JSON numbers, so batch prediction sends it (JSON encoding was half its time)
+    rows, _ = _raw_rows(digits_data, 40)
+    as_json = infer(endpoint.url, "digits", rows.tolist())
+    as_binary = infer(endpoint.url, "digits", rows, binary=True)
+    assert as_binary["outputs"] == as_json["outputs"] and {o["name"] for o in as_json["outputs"]} >= {"label", "probabilities"}
+    with pytest.raises(ServingError, match="no rows to send"):
+        infer(endpoint.url, "digits", np.zeros((0, 64)), binary=True)
+
+
+def test_a_server_without_binary_tensors_is_sent_json_from_the_first_batch_on():
+    # another OIP server (one without the binary extension) refuses the raw rows with a 400: the same
+    # batch goes again as JSON numbers, and every batch after it
+    import http.server
+    import threading
+
+    from kfp_pytorch.components.batch_predict import Target, predict_rows
+
+    seen = []
+
+    class JsonOnly(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(self.headers["Content-Type"])
+            if "Inference-Header-Content-Length" in self.headers:
+                self.send_response(400)
+                self.end_headers()
+                self.wfile.write(b'{"error": "binary data is not supported"}')
+                return
+            inp = json.loads(body)["inputs"][0]
+            n = inp["shape"][0]
+            data = np.asarray(inp["data"]).reshape(n, -1)
+            label = (data[:, 0] > 0).astype(int)  # a model of the first feature's sign
+            probs = np.stack([1.0 - label, label.astype(float)], axis=1)
+            out = json.dumps({"outputs": [
+                {"name": "label", "shape": [n], "datatype": "INT64", "data": label.tolist()},
+                {"name": "probabilities", "shape": [n, 2], "datatype": "FP32", "data": probs.ravel().tolist()}]})
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(out.encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), JsonOnly)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        x = np.array([[1.0, 5.0], [-2.0, 0.0], [3.0, 1.0], [-1.0, 2.0], [0.5, 0.5]], dtype=np.float32)
+        got = predict_rows(Target(f"http://127.0.0.1:{server.server_address[1]}", "stub"), x, batch_size=2)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert got["label"] == [1, 0, 1, 0, 1] and got["confidence"] == [1.0] * 5
+    assert seen == ["application/octet-stream"] + ["application/json"] * 3  # one binary try, then JSON
+
+
 def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_model, tmp_path):
     import subprocess
     import sys
