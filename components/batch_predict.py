@@ -125,13 +125,13 @@ def feature_matrix(table, features: list[str] | None, label_column: str, source:
 
 
 def predict_rows(target: Target, x: np.ndarray, batch_size: int = 256,
-                 on_batch: Callable[[int], None] | None = None) -> dict:
+                 on_batch: Callable[[int], None] | None = None, binary: bool = True) -> dict:
     """Send ``x`` in batches; returns ``label`` (ids), ``class`` (names, or None), ``confidence``
-    and ``probabilities`` (``[n, classes]``)."""
+    and ``probabilities`` (``[n, classes]``). ``binary``: the rows as raw FP32 (see
+    :func:`~.serve.infer`), JSON from the first batch a server refuses that way; False: JSON."""
     if batch_size < 1:
         raise ServingError(f"batch size must be >= 1, got {batch_size}")
     labels, names, conf, all_probs = [], [], [], []
-    binary = True  # the rows as raw FP32 (see infer); JSON from the first batch a server refuses that way
 
     def send(rows: np.ndarray) -> dict:
         return infer(target.url, target.name, rows if binary else rows.tolist(), timeout=60.0,

@@ -22,9 +22,11 @@ Figures (issue #2):
 - train:    local backend of `train` vs a hand-written torchrun script (tests/bench_baseline_ddp.py),
             same model, data, seed and steps; ratio of training-loop seconds (target <= 1.10).
 - data:     reading a 100 MB shard through the storage module from the S3 server vs a bare
-            minio get_object of the same object; ratio of throughputs (target >= 0.8).
+            minio get_object of the same object; ratio of throughputs (target >= 0.8). And a
+            prepared train split read back: default shards vs 512-row ones.
 - serve:    p50/p99 latency and requests/s of the local model server at concurrency 1 and 16 vs
-            an in-process call of the same model (target: p50 overhead <= 3 ms at concurrency 1).
+            an in-process call of the same model (target: p50 overhead <= 3 ms at concurrency 1);
+            and rows/s of a table through it (serve predict), rows as binary tensors vs JSON.
 - pipeline: wall time of `make demo` after setup, and of one kfp.local pipeline run.
 """
 import argparse
@@ -158,6 +160,23 @@ def bench_data(tmp: Path) -> None:
         mb = len(blob) / 2**20
         o, b = mb / statistics.median(ours), mb / statistics.median(base)
         row("S3 read MB/s (storage module / bare minio)", o, b, o / b, ">= 0.8", o / b >= 0.8, "MB/s")
+        # a prepared split read back as each training rank reads it: the default shards (about
+        # 16 MiB) vs the 512-row shards that were the default before
+        import pandas as pd
+
+        from kfp_pytorch.components.prepare_data import PrepareSpec, load_split, prepare_data
+
+        rng = np.random.default_rng(0)
+        frame = pd.DataFrame(rng.normal(size=(300_000, 20)).astype(np.float32), columns=[f"f{i}" for i in range(20)])
+        frame.assign(label=rng.integers(0, 5, len(frame))).to_parquet(tmp / "table.parquet")
+        secs = {}
+        for rows in (0, 512):
+            prepare_data(PrepareSpec(str(tmp / "table.parquet"), f"s3://bench/prepared-{rows}", shard_rows=rows), st)
+            load_split(f"s3://bench/prepared-{rows}", "train", st)  # warm
+            secs[rows] = statistics.median(timeit.repeat(lambda: load_split(f"s3://bench/prepared-{rows}", "train", st),
+                                                         number=1, repeat=3))
+        row("train split load s, 210k rows (16 MiB shards / 512-row shards)", secs[0], secs[512], secs[0] / secs[512],
+            "report", None, "s")
     finally:
         s3.stop()
 
@@ -255,6 +274,20 @@ def bench_serve(tmp: Path) -> None:
         row("serve p99 ms, concurrency 16", np.percentile(lat16, 99) * 1e3, np.percentile(inproc, 99) * 1e3,
             None, "report", None, "ms")
         row("serve req/s, concurrency 16", len(lat16) / wall, 1 / statistics.mean(inproc), None, "report", None, "1/s")
+        # a table through the server (serve predict): rows as binary FP32 tensors vs as JSON numbers,
+        # 256-row batches, interleaved rounds
+        from kfp_pytorch.components.batch_predict import Target, predict_rows
+
+        table = np.tile(np.asarray(runner.mean, dtype=np.float32), (20000, 1))
+        table += np.random.default_rng(0).normal(size=table.shape).astype(np.float32)
+        target, secs = Target(ep.url, ep.name), {True: [], False: []}
+        for _ in range(3):
+            for binary in (True, False):
+                t0 = time.perf_counter()
+                predict_rows(target, table, binary=binary)
+                secs[binary].append(time.perf_counter() - t0)
+        b, j = len(table) / statistics.median(secs[True]), len(table) / statistics.median(secs[False])
+        row("serve predict rows/s, 64 features (binary tensors / JSON)", b, j, b / j, "report", None, "1/s")
     finally:
         stop_server("bench")
 
