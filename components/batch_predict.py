@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, NoReturn
 
 import numpy as np
 
-from .errors import DatasetError, ServingError
+from .errors import DatasetError, RequestRefused, ServingError
 from .exported_model import lacking, probability_columns
 from .serve import infer, model_inputs, server_status, unknown_server
 from .storage import Storage
@@ -142,11 +142,12 @@ def predict_rows(target: Target, x: np.ndarray, batch_size: int = 256,
         try:
             try:
                 resp = send(rows)
-            except ServingError:
+            except RequestRefused:
                 if not (binary and start == 0):
                     raise
-                # an OIP server without the binary tensor extension: the same rows as JSON numbers,
-                # and every batch after (a refusal of the rows themselves is then JSON's to say)
+                # a server that answered with an error: one without the binary tensor extension gets
+                # the same rows as JSON numbers, and every batch after (a refusal of the rows themselves
+                # is then JSON's to say). One that could not be reached, or timed out, is not asked twice.
                 binary = False
                 resp = send(rows)
         except ServingError as e:

@@ -88,6 +88,14 @@ class ServingError(KfpPytorchError):
     """The model server could not start or answer."""
 
 
+class RequestRefused(ServingError):
+    """The model server answered an inference request with an HTTP error status (``status``)."""
+
+    def __init__(self, message: str, status: int, hint: str | None = None):
+        super().__init__(message, hint)
+        self.status = status
+
+
 class PipelineFailed(KfpPytorchError):
     """A local pipeline run failed: the failed step and its error; the run's log holds the rest."""
 

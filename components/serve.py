@@ -28,7 +28,7 @@ from typing import Callable
 import requests
 from urllib3.util.wait import wait_for_read
 
-from .errors import ConfigError, KfpPytorchError, PortInUseError, ServingError
+from .errors import ConfigError, KfpPytorchError, PortInUseError, RequestRefused, ServingError
 from .paths import home
 
 PREDICTOR_MODULE = "kfp_pytorch.components.kserve_predictor"
@@ -290,7 +290,7 @@ def infer(url: str, name: str, rows, timeout: float = 10.0, host_header: str | N
                            f"{', '.join(map(repr, served)) or 'none'})",
                            "give the name the model is served under (the InferenceService's name)")
     if status != 200:
-        raise ServingError(f"inference request failed: HTTP {status}: {data[:300].decode(errors='replace')}")
+        raise RequestRefused(f"inference request failed: HTTP {status}: {data[:300].decode(errors='replace')}", status)
     return json.loads(data)
 
 

@@ -433,6 +433,35 @@ def test_a_server_without_binary_tensors_is_sent_json_from_the_first_batch_on():
     assert seen == ["application/octet-stream"] + ["application/json"] * 3  # one binary try, then JSON
 
 
+def test_a_server_that_drops_the_request_is_not_asked_again_as_json():
+    # only an answered refusal means "no binary tensors here": a server that cannot be reached or
+    # hangs (60 s a batch) is not asked a second time, which would double the wait before the error
+    import http.server
+    import threading
+
+    from kfp_pytorch.components.batch_predict import Target, predict_rows
+
+    seen = []
+
+    class Drops(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append(self.headers["Content-Type"])
+            self.close_connection = True  # no answer: the client sees the connection closed
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Drops)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ServingError, match="rows 1-2: could not reach the model server"):
+            predict_rows(Target(f"http://127.0.0.1:{server.server_address[1]}", "stub"), np.ones((3, 2)), batch_size=2)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen == ["application/octet-stream"]
+
+
 def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_model, tmp_path):
     import subprocess
     import sys
