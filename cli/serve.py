@@ -293,13 +293,17 @@ def serve_logs(name, tail, previous, follow):
                    "was trained to predict (its metadata's), else 'label'.")
 @click.option("--batch-size", default=256, show_default=True, type=click.IntRange(1, 65536),
               help="Rows sent in each inference request.")
+@click.option("--encoding", type=click.Choice(["binary", "json"]), default="binary", show_default=True,
+              help="How rows and answers travel: binary tensors (the Open Inference Protocol's extension, which "
+                   "KServe and Triton read; JSON for a server that refuses them), or JSON numbers.")
 @click.option("--probabilities", is_flag=True,
               help="Add each class's probability as a column p_<class> (its name where the model's metadata is "
                    "known: a local server, or --model-uri; else its id).")
 @click.option("-o", "--output", metavar="FILE|URI", default=None, type=_LOCAL_OR_URI,
               help="Write the predictions here: a file, or s3://BUCKET/KEY, as CSV or, by the name's suffix, "
                    "Parquet, JSON Lines (.jsonl), JSON or Feather (default, or '-': CSV on stdout).")
-def serve_predict(name, table, url, model_uri, host_header, token, label_column, batch_size, probabilities, output):
+def serve_predict(name, table, url, model_uri, host_header, token, label_column, batch_size, encoding, probabilities,
+                  output):
     """Predict every row of TABLE (CSV, Parquet, JSON Lines or Feather: a path, s3://..., sample://digits, or '-' for a
     CSV on stdin) with the
     model server NAME, and write row, prediction, confidence (and the row's label) as CSV (or, by
@@ -316,7 +320,8 @@ def serve_predict(name, table, url, model_uri, host_header, token, label_column,
           _model_flag_hint()):
         result = predict_table(target, frame, label_column, source="stdin" if table == "-" else table,
                                batch_size=batch_size,
-                               on_batch=bar.update if bar is not None else None, probabilities=probabilities)
+                               on_batch=bar.update if bar is not None else None, probabilities=probabilities,
+                               binary=encoding == "binary")
     preds, accuracy, label_column = result.frame, result.accuracy, result.label_column
     if to_s3:
         from kfp_pytorch.components.storage import Storage

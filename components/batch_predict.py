@@ -127,8 +127,9 @@ def feature_matrix(table, features: list[str] | None, label_column: str, source:
 def predict_rows(target: Target, x: np.ndarray, batch_size: int = 256,
                  on_batch: Callable[[int], None] | None = None, binary: bool = True) -> dict:
     """Send ``x`` in batches; returns ``label`` (ids), ``class`` (names, or None), ``confidence``
-    and ``probabilities`` (``[n, classes]``). ``binary``: the rows as raw FP32 (see
-    :func:`~.serve.infer`), JSON from the first batch a server refuses that way; False: JSON."""
+    and ``probabilities`` (``[n, classes]``). ``binary``: the rows, and the answers, as raw
+    tensors (see :func:`~.serve.infer`), JSON from the first batch a server refuses that way;
+    False: JSON."""
     if batch_size < 1:
         raise ServingError(f"batch size must be >= 1, got {batch_size}")
     labels, names, conf, all_probs = [], [], [], []
@@ -230,12 +231,13 @@ class Predictions(NamedTuple):
 
 def predict_table(target: Target, table, label_column: str | None = None, source: str = "the table",
                   batch_size: int = 256, on_batch: Callable[[int], None] | None = None,
-                  storage: Storage | None = None, probabilities: bool = False) -> Predictions:
+                  storage: Storage | None = None, probabilities: bool = False, binary: bool = True) -> Predictions:
     """Predict every row of ``table``.
 
     Accuracy is given when the table has the label column: a predicted class name (or id, for a
     model trained on numeric labels) against the row's label. ``label_column`` None: the column
-    the model was trained to predict (its metadata's), else ``label``."""
+    the model was trained to predict (its metadata's), else ``label``. ``binary``: as
+    :func:`predict_rows` has it (False: JSON requests and answers)."""
     import pandas as pd
 
     if target.model_uri:
@@ -245,7 +247,7 @@ def predict_table(target: Target, table, label_column: str | None = None, source
                                          token=target.token)}
     label_column = label_column or meta.get("label_column") or "label"
     x, truth = feature_matrix(table, meta.get("features"), label_column, source)
-    res = predict_rows(target, x, batch_size, on_batch)
+    res = predict_rows(target, x, batch_size, on_batch, binary=binary)
     shown = res["class"] if res["class"] is not None else res["label"]
     out = pd.DataFrame({"row": np.arange(1, len(x) + 1), "prediction": shown,
                         "confidence": np.round(res["confidence"], 4)})

@@ -73,19 +73,23 @@ class TorchPredictor(kserve.Model):
         names = names_of(labels, self.runner.class_names)
         if not isinstance(payload, InferRequest):
             return {"predictions": names if names is not None else labels.tolist()}
+        # binary: the request's binary_data_output parameter (the protocol's binary tensor extension,
+        # as Triton honours it): raw outputs after the JSON header, which KServe's to_rest lays out
+        binary = bool(payload.use_binary_outputs)
         out_p = InferOutput(name="probabilities", shape=list(probs.shape), datatype="FP32")
-        out_p.set_data_from_numpy(probs.astype(np.float32), binary_data=False)
+        out_p.set_data_from_numpy(probs.astype(np.float32), binary_data=binary)
         out_l = InferOutput(name="label", shape=list(labels.shape), datatype="INT64")
-        out_l.set_data_from_numpy(labels, binary_data=False)
+        out_l.set_data_from_numpy(labels, binary_data=binary)
         outputs = [out_p, out_l]
         if names is not None:  # a model of named classes also answers with the names
             out_c = InferOutput(name="class", shape=[len(names)], datatype="BYTES")
-            out_c.set_data_from_numpy(np.asarray(names, dtype=np.object_), binary_data=False)
+            out_c.set_data_from_numpy(np.asarray(names, dtype=np.object_), binary_data=binary)
             outputs.append(out_c)
         # model_version: the model's content fingerprint, so a client reading a table in batches
         # sees when another model answers (a local redeploy on the same URL, a KServe canary)
         return InferResponse(model_name=self.name, model_version=self.runner.fingerprint,
-                             infer_outputs=_requested(payload, outputs), response_id=request_id or str(uuid.uuid4()))
+                             infer_outputs=_requested(payload, outputs), response_id=request_id or str(uuid.uuid4()),
+                             use_binary_outputs=binary)
 
 
 def _requested(payload: InferRequest, outputs: list[InferOutput]) -> list[InferOutput]:
