@@ -291,8 +291,9 @@ def serve_logs(name, tail, previous, follow):
 @click.option("--label-column", default=None,
               help="Compared with the predictions when present; never sent. Default: the column the model "
                    "was trained to predict (its metadata's), else 'label'.")
-@click.option("--batch-size", default=256, show_default=True, type=click.IntRange(1, 65536),
-              help="Rows sent in each inference request.")
+@click.option("--batch-size", default=None, type=click.IntRange(1, 65536),
+              help="Rows sent in each inference request (default: about 4 MiB of features, at most 4096 rows: "
+                   "4096 for 64 features, 1337 for 784).")
 @click.option("--encoding", type=click.Choice(["binary", "json"]), default="binary", show_default=True,
               help="How rows and answers travel: binary tensors (the Open Inference Protocol's extension, which "
                    "KServe and Triton read; JSON for a server that refuses them), or JSON numbers.")
@@ -308,14 +309,15 @@ def serve_predict(name, table, url, model_uri, host_header, token, label_column,
     CSV on stdin) with the
     model server NAME, and write row, prediction, confidence (and the row's label) as CSV (or, by
     -o's suffix, Parquet, JSON Lines, JSON or Feather)."""
-    from kfp_pytorch.components.batch_predict import predict_table, resolve_target, table_bytes, weakest_label
+    from kfp_pytorch.components.batch_predict import (default_batch_rows, predict_table, resolve_target, table_bytes,
+                                                      weakest_label)
     from kfp_pytorch.components.prepare_data import load_table
 
     output = None if output == "-" else output  # '-': stdout, as click's File type and most tools read it
     to_s3 = output is not None and _check_predictions_output(output)  # before any row is sent
     target = resolve_target(name, url, model_uri, host_header, token)
     frame = _stdin_table() if table == "-" else load_table(table, label_column=label_column or "label", what="TABLE")
-    show = sys.stderr.isatty() and len(frame) > batch_size
+    show = sys.stderr.isatty() and len(frame) > (batch_size or default_batch_rows(frame.shape[1]))
     with (click.progressbar(length=len(frame), label="predicting", file=sys.stderr) if show else nullcontext() as bar,
           _model_flag_hint()):
         result = predict_table(target, frame, label_column, source="stdin" if table == "-" else table,

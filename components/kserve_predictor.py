@@ -27,8 +27,11 @@ import warnings
 
 import kserve
 import numpy as np
-from kserve import InferOutput, InferRequest, InferResponse
+from kserve import InferInput, InferOutput, InferRequest, InferResponse
+from kserve.constants.constants import INFERENCE_CONTENT_LENGTH_HEADER
 from kserve.errors import InvalidInput
+from kserve.protocol.dataplane import DataPlane
+from kserve.protocol.infer_type import RequestedOutput
 
 from .errors import KfpPytorchError
 from .exported_model import lacking
@@ -191,6 +194,58 @@ def _wait_for_port(host: str, port: int, timeout: float) -> bool:
     return True
 
 
+class _RawDataPlane(DataPlane):
+    """KServe's DataPlane, binary tensors of a request kept as bytes.
+
+    KServe (0.21) reads a binary input, and then turns it into a Python list one ``.item()`` at a
+    time (``InferRequest.from_bytes``): 340 ms of a 4096-row, 64-feature batch that the model
+    scores in 8, so binary rows cost the server more than JSON ones. Here the bytes stay as they
+    came, as KServe's gRPC path keeps them (``raw_inputs``), and ``as_numpy`` reads them with
+    ``np.frombuffer``. A malformed request is a 400 that says what is wrong (KServe's reading
+    answered sizes that do not add up with a 500). A request that mixes JSON data into a binary
+    one is left to KServe's reading."""
+
+    def decode_inference_request(self, body, headers, model_name):
+        import orjson
+
+        given = headers.get(INFERENCE_CONTENT_LENGTH_HEADER) if isinstance(body, bytes) else None
+        if given is None:
+            return super().decode_inference_request(body, headers, model_name)
+        if not str(given).isdigit() or int(given) > len(body):
+            raise InvalidInput(f"Inference-Header-Content-Length: {given!r} is not the length in bytes of the "
+                               f"request's JSON header (the body has {len(body)} bytes)")
+        head_len = int(given)
+        try:
+            head = orjson.loads(body[:head_len])
+        except orjson.JSONDecodeError as e:
+            raise InvalidInput(f"the request's JSON header (its first {head_len} bytes) does not parse: {e}")
+        inputs = head.get("inputs") if isinstance(head, dict) else None
+        if not isinstance(inputs, list) or not all(
+                isinstance(i, dict) and {"name", "shape", "datatype"} <= set(i) for i in inputs):
+            raise InvalidInput("the request's JSON header needs 'inputs': a list of {name, shape, datatype, "
+                               "parameters: {binary_data_size}}")
+        if any("data" in i for i in inputs):
+            return super().decode_inference_request(body, headers, model_name)
+        sizes = [(i.get("parameters") or {}).get("binary_data_size") for i in inputs]
+        for i, n in zip(inputs, sizes):
+            if type(n) is not int or n < 0:
+                raise InvalidInput(f"input {i['name']!r} has neither 'data' nor parameters.binary_data_size "
+                                   f"(a byte count), got {n!r}")
+        if head_len + sum(sizes) != len(body):
+            raise InvalidInput(f"the inputs' binary_data_size add up to {sum(sizes)} bytes, but "
+                               f"{len(body) - head_len} follow the JSON header")
+        raw, pos = [], head_len
+        for n in sizes:
+            raw.append(body[pos:pos + n])
+            pos += n
+        outputs = [RequestedOutput(name=o["name"], parameters=o.get("parameters"))
+                   for o in head.get("outputs") or [] if isinstance(o, dict) and "name" in o]
+        return InferRequest(model_name=model_name, request_id=head.get("id"), raw_inputs=raw,
+                            infer_inputs=[InferInput(name=i["name"], shape=i["shape"], datatype=i["datatype"],
+                                                     parameters=i.get("parameters")) for i in inputs],
+                            parameters=head.get("parameters"), request_outputs=outputs or None)
+
+
 class _ModelServer(kserve.ModelServer):
     """KServe's ModelServer, its HTTP server bound to ``bind_host``.
 
@@ -203,6 +258,7 @@ class _ModelServer(kserve.ModelServer):
     def __init__(self, bind_host: str, **kw):
         super().__init__(**kw)
         self.bind_host = bind_host
+        self.dataplane = _RawDataPlane(model_registry=self.registered_models)
 
     async def _serve(self):
         if getattr(self, "_rest_server", None) is not None:

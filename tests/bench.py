@@ -275,7 +275,7 @@ def bench_serve(tmp: Path) -> None:
             None, "report", None, "ms")
         row("serve req/s, concurrency 16", len(lat16) / wall, 1 / statistics.mean(inproc), None, "report", None, "1/s")
         # a table through the server (serve predict): rows as binary FP32 tensors vs as JSON numbers,
-        # 256-row batches, interleaved rounds
+        # default batches (4096 rows of 64 features), interleaved rounds
         from kfp_pytorch.components.batch_predict import Target, predict_rows
 
         table = np.tile(np.asarray(runner.mean, dtype=np.float32), (20000, 1))

@@ -132,6 +132,43 @@ def test_bad_request_gets_a_400_not_a_crash(endpoint):
     assert requests.get(f"{endpoint.url}/v2/health/ready").status_code == 200
 
 
+def test_a_malformed_binary_request_gets_a_400_that_says_what_is_wrong(endpoint):
+    # the binary tensor extension's sizes and header, checked before any row is read (KServe's own
+    # reading answered sizes that do not add up, or a header length that is no number, with a 500)
+    x = np.zeros((2, 64), "<f4").tobytes()
+
+    def post(head, raw, head_len=None):
+        h = json.dumps(head).encode() if isinstance(head, dict) else head
+        return requests.post(endpoint.infer_url, data=h + raw, headers={
+            "Content-Type": "application/octet-stream",
+            "Inference-Header-Content-Length": str(len(h) if head_len is None else head_len)})
+
+    def inp(**kw):
+        return {"inputs": [{"name": "input-0", "shape": [2, 64], "datatype": "FP32", **kw}]}
+
+    ok = post(inp(parameters={"binary_data_size": len(x)}), x)
+    assert ok.status_code == 200 and ok.json()["outputs"][1]["shape"] == [2]
+    one = post({**inp(parameters={"binary_data_size": len(x)}), "outputs": [{"name": "label"}], "id": "r1"}, x)
+    assert [o["name"] for o in one.json()["outputs"]] == ["label"] and one.json()["id"] == "r1", one.text
+    for r, says in (
+            (post(inp(parameters={"binary_data_size": len(x)}), x[:100]),
+             "the inputs' binary_data_size add up to 512 bytes, but 100 follow the JSON header"),
+            (post(inp(parameters={"binary_data_size": 100}), x),
+             "the inputs' binary_data_size add up to 100 bytes, but 512 follow the JSON header"),
+            (post(inp(parameters={"binary_data_size": "512"}), x),
+             "input 'input-0' has neither 'data' nor parameters.binary_data_size (a byte count), got '512'"),
+            (post(inp(), x), "input 'input-0' has neither 'data' nor parameters.binary_data_size"),
+            (post(inp(parameters={"binary_data_size": len(x)}), x, head_len="abc"),
+             "Inference-Header-Content-Length: 'abc' is not the length in bytes of the request's JSON header"),
+            (post(inp(parameters={"binary_data_size": len(x)}), x, head_len=10 ** 6),
+             "Inference-Header-Content-Length: '1000000' is not the length"),
+            (post(b"{notjson", x), "the request's JSON header (its first 8 bytes) does not parse"),
+            (post({"inputs": 5}, b""), "the request's JSON header needs 'inputs': a list of"),
+            (post(inp(parameters={"binary_data_size": 256}), x[:256]), "its data do not fill shape [2, 64]")):
+        assert r.status_code == 400 and says in r.json()["error"], r.text
+    assert requests.get(f"{endpoint.url}/v2/health/ready").status_code == 200
+
+
 def test_a_table_is_taken_one_input_per_column_by_name_as_kserves_tabular_servers_take_it(endpoint):
     from kfp_pytorch.components.prepare_data import load_table
 
@@ -450,6 +487,24 @@ def test_a_server_without_binary_tensors_is_sent_json_from_the_first_batch_on():
         server.server_close()
     assert got["label"] == [1, 0, 1, 0, 1] and got["confidence"] == [1.0] * 5
     assert seen == ["application/octet-stream"] + ["application/json"] * 3  # one binary try, then JSON
+    # no batch size given: about 4 MiB of features a request, at most 4096 rows (5000 rows: two requests)
+    seen.clear()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), JsonOnly)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        many = np.tile(x, (1000, 1))
+        got = predict_rows(Target(f"http://127.0.0.1:{server.server_address[1]}", "stub"), many, binary=False)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(seen) == 2 and got["label"] == [1, 0, 1, 0, 1] * 1000
+
+
+@pytest.mark.parametrize("features, rows", [(2, 4096), (64, 4096), (784, 1337), (3 * 224 * 224, 6), (10 ** 7, 1)])
+def test_a_batch_carries_about_4_mib_of_features_by_default(features, rows):
+    from kfp_pytorch.components.batch_predict import default_batch_rows
+
+    assert default_batch_rows(features) == rows
 
 
 @pytest.mark.parametrize("outputs, tail, says", [
