@@ -184,15 +184,16 @@ def predict_rows(target: Target, x: np.ndarray, batch_size: int | None = None,
             raise ServingError(f"the server at {target.url} answered without 'label' and 'probabilities' outputs "
                                f"(got {sorted(out)})", "is it a kfp-pytorch model server? check the URL and name")
         k = len(rows)
-        labels.extend(int(v) for v in out["label"]["data"])
+        labels.append(np.asarray(out["label"]["data"], dtype=np.int64))
         probs = np.asarray(out["probabilities"]["data"], dtype=np.float64).reshape(k, -1)
-        conf.extend(probs.max(axis=1).tolist())
+        conf.append(probs.max(axis=1))
         all_probs.append(probs)
         if "class" in out:
             names.extend(out["class"]["data"])
         if on_batch is not None:
             on_batch(k)
-    return {"label": labels, "class": names or None, "confidence": conf,
+    return {"label": np.concatenate(labels).tolist() if labels else [], "class": names or None,
+            "confidence": np.concatenate(conf).tolist() if conf else [],
             "probabilities": np.concatenate(all_probs) if all_probs else np.zeros((0, 0))}
 
 
@@ -273,16 +274,24 @@ def predict_table(target: Target, table, label_column: str | None = None, source
             out[column] = np.round(probs[:, c], 6)
     accuracy, unknown, classes = None, {}, model_classes(meta, res)
     if truth:
-        labels = [label_text(t) for t in truth]
-        ids = res["class"] is None and all(t is None or t.lstrip("-").isdigit() for t in labels)
+        # each distinct label is read once (a table has few: its classes), then taken row by row
+        codes, distinct = pd.factorize(pd.Series(truth, dtype=object), use_na_sentinel=False)
+        texts = [label_text(t) for t in distinct]
+        labels = np.asarray(texts + [None], dtype=object)[codes]  # the [None]: an object array even of one text
+        ids = res["class"] is None and all(t is None or t.lstrip("-").isdigit() for t in texts)
         # the label column as the prediction column is typed: ids as integers (empty cells as <NA>), names as text
-        out["label"] = pd.array([None if t is None else int(t) for t in labels], dtype="Int64") if ids else labels
-        scored = [str(p) == t for p, t in zip(shown, labels) if t is not None]
+        out["label"] = (pd.array([None if t is None else int(t) for t in texts], dtype="Int64").take(codes) if ids
+                        else labels.tolist())
+        has = labels != None  # noqa: E711 (elementwise: the rows with a label)
+        scored = np.asarray(shown, dtype=object)[has].astype(str) == labels[has].astype(str)
         if classes is not None:
-            known = set(classes)
-            unknown = dict(Counter(t for t in labels if t is not None and t not in known).most_common())
+            known, per_text = set(classes), Counter()
+            for text, n in zip(texts, np.bincount(codes, minlength=len(texts))):
+                if text is not None and text not in known and n:
+                    per_text[text] += int(n)
+            unknown = dict(per_text.most_common())
         # no label a class of the model: the table names the classes otherwise, and 0 would be no score
-        accuracy = float(np.mean(scored)) if scored and sum(unknown.values()) < len(scored) else None
+        accuracy = float(np.mean(scored)) if len(scored) and sum(unknown.values()) < len(scored) else None
     out.attrs.update(unknown_labels=unknown, model_classes=classes)
     return Predictions(out, accuracy, label_column)
 
