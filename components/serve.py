@@ -321,6 +321,9 @@ def _binary_response(data: bytes, head_len: int, url: str) -> dict:
         resp = json.loads(data[:head_len])
     except ValueError as e:
         raise bad(f"its {head_len}-byte JSON header does not parse ({e})") from None
+    if not isinstance(resp, dict) or not isinstance(resp.get("outputs", []), list) or not all(
+            isinstance(o, dict) for o in resp.get("outputs", [])):
+        raise bad("its JSON header is not an object whose 'outputs' is a list of outputs")
     pos = head_len
     for out in resp.get("outputs", []):
         params = out.get("parameters") or {}

@@ -514,6 +514,7 @@ def test_a_batch_carries_about_4_mib_of_features_by_default(features, rows):
      b"\x09\x00\x00\x00ab", "output 'class': an element of 9 bytes runs past its 6"),
     ([{"name": "x", "shape": [1], "datatype": "COMPLEX", "parameters": {"binary_data_size": 1}}],
      b"\x00", "datatype 'COMPLEX', which has no binary form"),
+    (["label"], b"", "its JSON header is not an object whose 'outputs' is a list of outputs"),
 ])
 def test_a_malformed_binary_answer_is_an_error_that_says_how_to_go_on(outputs, tail, says):
     # a server's binary outputs that do not add up are never read as numbers of another row
