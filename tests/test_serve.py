@@ -442,7 +442,7 @@ def test_rows_sent_as_binary_tensors_get_the_answer_json_rows_get(endpoint, digi
         infer(endpoint.url, "digits", np.zeros((0, 64)), binary=True)
 
 
-def test_a_server_without_binary_tensors_is_sent_json_from_the_first_batch_on():
+def test_a_server_without_binary_tensors_is_sent_json_from_the_first_batch_on(tmp_path):
     # another OIP server (one without the binary extension) refuses the raw rows with a 400: the same
     # batch goes again as JSON numbers, and every batch after it
     import http.server
@@ -494,10 +494,22 @@ def test_a_server_without_binary_tensors_is_sent_json_from_the_first_batch_on():
     try:
         many = np.tile(x, (1000, 1))
         got = predict_rows(Target(f"http://127.0.0.1:{server.server_address[1]}", "stub"), many, binary=False)
+        assert len(seen) == 2 and got["label"] == [1, 0, 1, 0, 1] * 1000
+        # serve predict --encoding json: JSON from the first request on, never a binary try
+        import subprocess
+        import sys
+
+        seen.clear()
+        table = tmp_path / "rows.csv"
+        table.write_text("a,b\n" + "".join(f"{r[0]},{r[1]}\n" for r in x))
+        r = subprocess.run([sys.executable, "-m", "kfp_pytorch.cli", "serve", "predict", "stub", str(table), "--url",
+                            f"http://127.0.0.1:{server.server_address[1]}", "--encoding", "json"],
+                           capture_output=True, text=True, timeout=120)
     finally:
         server.shutdown()
         server.server_close()
-    assert len(seen) == 2 and got["label"] == [1, 0, 1, 0, 1] * 1000
+    assert r.returncode == 0 and "5 rows predicted by stub" in r.stderr, r.stderr
+    assert seen == ["application/json"]
 
 
 @pytest.mark.parametrize("features, rows", [(2, 4096), (64, 4096), (784, 1337), (3 * 224 * 224, 6), (10 ** 7, 1)])
