@@ -29,7 +29,7 @@ import requests
 from urllib3.util.wait import wait_for_read
 
 from .errors import ConfigError, KfpPytorchError, PortInUseError, RequestRefused, ServingError
-from .paths import home
+from .paths import held, home
 
 PREDICTOR_MODULE = "kfp_pytorch.components.kserve_predictor"
 WAITING_FOR_PORT = "kfp-pytorch: model loaded, waiting for port"
@@ -111,8 +111,8 @@ def follow_log(name: str, tail: int | None = None, poll_s: float = 0.2, grace_s:
     """``kubectl logs -f`` for local server ``name``: yields ``("log", text)`` as its log grows (the
     last ``tail`` lines first) and ``("note", text)`` for what happens to the server. A redeploy swaps
     in the new server's log under the same name (``tail -F``), so it goes on with that one from its
-    first line; it ends once the server has been down or stopped for ``grace_s`` (a redeploy stops
-    the old one and records the new one within it) and its log has nothing more. The log must exist."""
+    first line; it ends once the server has been down or stopped for ``grace_s``, with no deploy of
+    the name under way, and its log has nothing more. The log must exist."""
     path = server_log(name)
     f = open(path, errors="replace")
     try:
@@ -136,7 +136,10 @@ def follow_log(name: str, tail: int | None = None, poll_s: float = 0.2, grace_s:
                 yield "note", f"{name} was redeployed: the new server's log follows"
                 continue
             info = server_status(name)
-            if info and info.get("alive"):
+            # a deploy of the name is under way: its record names the server it replaces until the
+            # new one serves, and a successor taking the port over can take longer than grace_s on
+            # a loaded machine (the follower ended there, before the new server's log)
+            if info and info.get("alive") or held(_servers_dir() / f"{name}.lock"):
                 gone_since = None
             elif gone_since is None:
                 gone_since = time.monotonic()

@@ -966,6 +966,41 @@ def test_serve_logs_follow_goes_on_through_a_redeploy_and_ends_when_the_server_s
     assert r.returncode == 2 and "leave out --follow" in r.stderr
 
 
+def test_serve_logs_follow_waits_out_a_deploy_under_way_however_long_the_server_is_down(tmp_path):
+    # A redeploy stops the old server before its successor serves, and records the successor only
+    # then: on a loaded machine that took longer than the follower's grace, and it ended before the
+    # new server's log. While a deploy of the name holds its lock, a down server is not gone.
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from kfp_pytorch.components.paths import locked
+    from kfp_pytorch.components.serve import _servers_dir, _start_ticks, _write_record, follow_log
+
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _write_record("held", {"name": "held", "pid": server.pid, "start_ticks": _start_ticks(server.pid),
+                               "infer_url": "http://127.0.0.1:1/v2/models/held/infer"})
+        server_log("held").write_text("the old server's line\n")
+        events: list[tuple[str, str]] = []
+        follower = threading.Thread(target=lambda: events.extend(follow_log("held", poll_s=0.05, grace_s=0.3)))
+        with locked(_servers_dir() / "held.lock"):  # a deploy of "held" is under way
+            follower.start()
+            server.kill()
+            server.wait(10)
+            time.sleep(1.5)  # five graces down
+            assert follower.is_alive(), events
+        follower.join(10)
+        assert not follower.is_alive()  # the deploy is over and the server still down: the log ends
+        assert events == [("log", "the old server's line\n"),
+                          ("note", "held's server is down (pid %d is gone): its log ends here; "
+                                   "`kfp-pytorch serve start held` starts it again" % server.pid)]
+    finally:
+        server.kill()
+        server.wait(10)
+
+
 def test_port_in_use_is_a_clear_error_that_names_who_holds_the_port(trained_model, endpoint):
     import os
     from urllib.parse import urlsplit
