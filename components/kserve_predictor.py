@@ -16,6 +16,9 @@ records ``{"column": value, ...}``, read by name. Response: ``probabilities`` FP
 ``[n, classes]``, ``label`` INT64 ``[n]`` and, for a model trained on a text label column, ``class``
 BYTES ``[n]`` (the class names; the v1 protocol's ``predictions`` are then names too), and the
 model's content fingerprint as ``model_version``. A request that names ``outputs`` gets those only.
+Inputs and outputs may be binary tensors (the protocol's binary tensor extension, as Triton reads
+it): ``binary_data_output`` asks for every output as raw bytes after the JSON header, a named
+output's ``parameters.binary_data`` for that one.
 """
 from __future__ import annotations
 
@@ -76,23 +79,20 @@ class TorchPredictor(kserve.Model):
         names = names_of(labels, self.runner.class_names)
         if not isinstance(payload, InferRequest):
             return {"predictions": names if names is not None else labels.tolist()}
-        # binary: the request's binary_data_output parameter (the protocol's binary tensor extension,
-        # as Triton honours it): raw outputs after the JSON header, which KServe's to_rest lays out
-        binary = bool(payload.use_binary_outputs)
-        out_p = InferOutput(name="probabilities", shape=list(probs.shape), datatype="FP32")
-        out_p.set_data_from_numpy(probs.astype(np.float32), binary_data=binary)
-        out_l = InferOutput(name="label", shape=list(labels.shape), datatype="INT64")
-        out_l.set_data_from_numpy(labels, binary_data=binary)
-        outputs = [out_p, out_l]
+        # each output's data as an array: KServe's to_rest encodes it once, as JSON or binary (an
+        # output given as a list it reads back into an array and encodes again)
+        outputs = [InferOutput("probabilities", list(probs.shape), "FP32", data=probs.astype(np.float32, copy=False)),
+                   InferOutput("label", list(labels.shape), "INT64", data=labels)]
         if names is not None:  # a model of named classes also answers with the names
-            out_c = InferOutput(name="class", shape=[len(names)], datatype="BYTES")
-            out_c.set_data_from_numpy(np.asarray(names, dtype=np.object_), binary_data=binary)
-            outputs.append(out_c)
+            outputs.append(InferOutput("class", [len(names)], "BYTES", data=np.asarray(names, dtype=np.object_)))
+        chosen = _requested(payload, outputs)
         # model_version: the model's content fingerprint, so a client reading a table in batches
         # sees when another model answers (a local redeploy on the same URL, a KServe canary)
-        return InferResponse(model_name=self.name, model_version=self.runner.fingerprint,
-                             infer_outputs=_requested(payload, outputs), response_id=request_id or str(uuid.uuid4()),
-                             use_binary_outputs=binary)
+        return InferResponse(model_name=self.name, model_version=self.runner.fingerprint, infer_outputs=chosen,
+                             response_id=request_id or str(uuid.uuid4()),
+                             use_binary_outputs=bool(payload.use_binary_outputs),
+                             requested_outputs=[RequestedOutput(o.name, {"binary_data": b})
+                                                for o, b in zip(chosen, _binary(payload, chosen))])
 
 
 def _requested(payload: InferRequest, outputs: list[InferOutput]) -> list[InferOutput]:
@@ -105,6 +105,20 @@ def _requested(payload: InferRequest, outputs: list[InferOutput]) -> list[InferO
     if unknown:
         raise InvalidInput(f"outputs {unknown} are not outputs of this model (it has {list(by_name)})")
     return [by_name[w] for w in wanted]
+
+
+def _binary(payload: InferRequest, chosen: list[InferOutput]) -> list[bool]:
+    """Which outputs are answered as raw bytes after the JSON header (the protocol's binary tensor
+    extension, as Triton reads it): an output the request names with ``parameters.binary_data``
+    as it says, every other one as the request's ``binary_data_output`` says. (KServe 0.21's
+    to_rest reads a named output without ``binary_data`` as JSON, whatever ``binary_data_output``
+    says: each output's choice is made here and handed to it.)"""
+    default = bool(payload.use_binary_outputs)
+    asked = {o.name: o.binary_data for o in payload.request_outputs or []}
+    for name, flag in asked.items():
+        if flag is not None and not isinstance(flag, bool):
+            raise InvalidInput(f"output {name!r}: parameters.binary_data is true or false, not {flag!r}")
+    return [default if asked.get(o.name) is None else asked[o.name] for o in chosen]
 
 
 _NUMERIC = {"FP16", "FP32", "FP64", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"}

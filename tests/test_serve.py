@@ -442,6 +442,41 @@ def test_rows_sent_as_binary_tensors_get_the_answer_json_rows_get(endpoint, digi
         infer(endpoint.url, "digits", np.zeros((0, 64)), binary=True)
 
 
+def test_each_named_output_is_answered_binary_or_json_as_its_binary_data_says(endpoint, digits_data):
+    # the extension's per-output choice (as Triton reads it): an output named with
+    # parameters.binary_data as it says, the others as binary_data_output says. KServe's own
+    # to_rest answered every named output in JSON unless it said binary_data itself.
+    from kfp_pytorch.components.serve import _binary_response
+
+    rows, _ = _raw_rows(digits_data, 8)
+    expected = {o["name"]: o["data"] for o in infer(endpoint.url, "digits", rows.tolist())["outputs"]}
+
+    def ask(outputs, **params):
+        body = {"inputs": [{"name": "input-0", "shape": list(rows.shape), "datatype": "FP32",
+                            "data": rows.ravel().tolist()}], "outputs": outputs, "parameters": params}
+        return requests.post(endpoint.infer_url, json=body)
+
+    for outputs, params, raw in (
+            ([{"name": "label"}, {"name": "probabilities", "parameters": {"binary_data": False}}],
+             {"binary_data_output": True}, {"label"}),
+            ([{"name": "probabilities", "parameters": {"binary_data": True}}, {"name": "label"}], {}, {"probabilities"}),
+            ([{"name": "label", "parameters": {"binary_data": True}}], {"binary_data_output": False}, {"label"})):
+        r = ask(outputs, **params)
+        assert r.status_code == 200, r.text
+        n = int(r.headers["Inference-Header-Content-Length"])
+        head = json.loads(r.content[:n])
+        assert [o["name"] for o in head["outputs"]] == [o["name"] for o in outputs]  # the request's order
+        assert {o["name"] for o in head["outputs"] if "data" not in o} == raw, (outputs, params)
+        decoded = _binary_response(r.content, n, endpoint.url)
+        assert {o["name"]: o["data"] for o in decoded["outputs"]} == {o["name"]: expected[o["name"]] for o in outputs}
+    r = ask([{"name": "label", "parameters": {"binary_data": True}}, {"name": "probabilities"}])
+    assert "Inference-Header-Content-Length" in r.headers  # probabilities as JSON, after no binary_data_output
+    assert [o.get("data") is None for o in json.loads(r.content[:int(r.headers["Inference-Header-Content-Length"])])
+            ["outputs"]] == [True, False]
+    r = ask([{"name": "label", "parameters": {"binary_data": "yes"}}])
+    assert r.status_code == 400 and "output 'label': parameters.binary_data is true or false, not 'yes'" in r.text
+
+
 def test_a_server_without_binary_tensors_is_sent_json_from_the_first_batch_on(tmp_path):
     # another OIP server (one without the binary extension) refuses the raw rows with a 400: the same
     # batch goes again as JSON numbers, and every batch after it
