@@ -1022,13 +1022,22 @@ def test_serve_logs_follow_waits_out_a_deploy_under_way_however_long_the_server_
         follower = threading.Thread(target=lambda: events.extend(follow_log("held", poll_s=0.05, grace_s=0.3)))
         with locked(_servers_dir() / "held.lock"):  # a deploy of "held" is under way
             follower.start()
+            deadline = time.monotonic() + 30
+            while not events:  # the log as it was, read
+                assert time.monotonic() < deadline and follower.is_alive(), events
+                time.sleep(0.02)
+            with server_log("held").open("a") as log:  # a line it follows: it has seen the server alive
+                log.write("a request\n")
+            while ("log", "a request\n") not in events:
+                assert time.monotonic() < deadline and follower.is_alive(), events
+                time.sleep(0.02)
             server.kill()
             server.wait(10)
             time.sleep(1.5)  # five graces down
             assert follower.is_alive(), events
         follower.join(10)
         assert not follower.is_alive()  # the deploy is over and the server still down: the log ends
-        assert events == [("log", "the old server's line\n"),
+        assert events == [("log", "the old server's line\n"), ("log", "a request\n"),
                           ("note", "held's server is down (pid %d is gone): its log ends here; "
                                    "`kfp-pytorch serve start held` starts it again" % server.pid)]
     finally:
