@@ -90,7 +90,6 @@ class TorchPredictor(kserve.Model):
         # sees when another model answers (a local redeploy on the same URL, a KServe canary)
         return InferResponse(model_name=self.name, model_version=self.runner.fingerprint, infer_outputs=chosen,
                              response_id=request_id or str(uuid.uuid4()),
-                             use_binary_outputs=bool(payload.use_binary_outputs),
                              requested_outputs=[RequestedOutput(o.name, {"binary_data": b})
                                                 for o, b in zip(chosen, _binary(payload, chosen))])
 

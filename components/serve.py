@@ -139,7 +139,7 @@ def follow_log(name: str, tail: int | None = None, poll_s: float = 0.2, grace_s:
             # a deploy of the name is under way: its record names the server it replaces until the
             # new one serves, and a successor taking the port over can take longer than grace_s on
             # a loaded machine (the follower ended there, before the new server's log)
-            if info and info.get("alive") or held(_servers_dir() / f"{name}.lock"):
+            if info and info.get("alive") or held(deploy_lock(name)):
                 gone_since = None
             elif gone_since is None:
                 gone_since = time.monotonic()
@@ -162,6 +162,12 @@ def _servers_dir() -> Path:
     d = home() / "servers"
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def deploy_lock(name: str) -> Path:
+    """The lock file every deploy of server ``name`` holds from reading the server it replaces to
+    writing its own record (:meth:`LocalServeBackend.start`)."""
+    return _servers_dir() / f"{name}.lock"
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -468,7 +474,7 @@ class LocalServeBackend:
         running with no record, out of `serve list`'s and `serve stop`'s reach."""
         from .paths import locked
 
-        with locked(_servers_dir() / f"{spec.model_name}.lock"):
+        with locked(deploy_lock(spec.model_name)):
             return self._start(spec, check)
 
     def _start(self, spec: ServeSpec, check: Callable[[Endpoint], None] | None) -> Endpoint:

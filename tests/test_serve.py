@@ -1011,7 +1011,7 @@ def test_serve_logs_follow_waits_out_a_deploy_under_way_however_long_the_server_
     import time
 
     from kfp_pytorch.components.paths import locked
-    from kfp_pytorch.components.serve import _servers_dir, _start_ticks, _write_record, follow_log
+    from kfp_pytorch.components.serve import _start_ticks, _write_record, deploy_lock, follow_log
 
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -1020,7 +1020,7 @@ def test_serve_logs_follow_waits_out_a_deploy_under_way_however_long_the_server_
         server_log("held").write_text("the old server's line\n")
         events: list[tuple[str, str]] = []
         follower = threading.Thread(target=lambda: events.extend(follow_log("held", poll_s=0.05, grace_s=0.3)))
-        with locked(_servers_dir() / "held.lock"):  # a deploy of "held" is under way
+        with locked(deploy_lock("held")):  # a deploy of "held" is under way
             follower.start()
             deadline = time.monotonic() + 30
             while not events:  # the log as it was, read
