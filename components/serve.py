@@ -29,7 +29,7 @@ import requests
 from urllib3.util.wait import wait_for_read
 
 from .errors import ConfigError, KfpPytorchError, PortInUseError, RequestRefused, ServingError
-from .paths import held, home
+from .paths import held, home, locked
 
 PREDICTOR_MODULE = "kfp_pytorch.components.kserve_predictor"
 WAITING_FOR_PORT = "kfp-pytorch: model loaded, waiting for port"
@@ -472,8 +472,6 @@ class LocalServeBackend:
         Deploys of one name take turns on this machine (two runs, two notebooks): each reads the
         server it replaces and writes its own record; interleaved, the first one's server was left
         running with no record, out of `serve list`'s and `serve stop`'s reach."""
-        from .paths import locked
-
         with locked(deploy_lock(spec.model_name)):
             return self._start(spec, check)
 
