@@ -93,7 +93,9 @@ def model_features(model_uri: str, storage: Storage | None = None) -> dict:
 def feature_matrix(table, features: list[str] | None, label_column: str, source: str) -> tuple[np.ndarray, list]:
     """The rows as the model reads them (raw features in training order) and the true labels
     (empty when the table has no label column). Pure: no I/O."""
-    labels = table[label_column].tolist() if label_column in table.columns else []
+    import pandas as pd
+
+    labels = table[label_column] if label_column in table.columns else pd.Series([], dtype=object)
     if features is not None:
         if missing := lacking(features, set(table.columns)):
             raise DatasetError(f"{source} lacks {missing}",
@@ -103,25 +105,36 @@ def feature_matrix(table, features: list[str] | None, label_column: str, source:
         cols = [c for c in table.columns if c != label_column]
     if table.empty:
         raise DatasetError(f"{source} has no rows", "send a table with at least one row")
-    frame = table[cols]
-    bad = [c for c in cols if not np.issubdtype(frame[c].dtype, np.number)]
+    named = table.columns[table.columns.duplicated()]
+    if twice := [c for c in dict.fromkeys([*cols, label_column]) if c in named]:  # which would the model read?
+        raise DatasetError(f"{source} has {'columns' if len(twice) > 1 else 'a column'} named twice: "
+                           f"{', '.join(map(repr, twice))}", "give each column a name of its own")
+    # numbers as training takes them (prepare_data): any numeric dtype, booleans (1/0) and pandas'
+    # nullable ones (Int64, Float64, boolean: a Parquet file's) included; dates are no features
+    bad = [c for c in cols if not pd.api.types.is_numeric_dtype(table[c]) or pd.api.types.is_complex_dtype(table[c])]
     if bad:
-        col = bad[0]
-        import pandas as pd
-
-        odd = np.flatnonzero((pd.to_numeric(frame[col], errors="coerce").isna() & frame[col].notna()).to_numpy())
+        col = table[bad[0]]
+        odd = np.flatnonzero((pd.to_numeric(col.astype(object), errors="coerce").isna() & col.notna()).to_numpy())
         row = int(odd[0]) if len(odd) else 0
-        raise DatasetError(f"{source}: feature column {col!r} is not numeric (row {row + 1}: {frame[col].iloc[row]!r})"
+        raise DatasetError(f"{source}: feature column {bad[0]!r} is not numeric (row {row + 1}: {col.iloc[row]!r})"
                            + (f"; so are {bad[1:8]}" if len(bad) > 1 else ""),
                            "features are sent as numbers; fix or drop those values")
-    with np.errstate(over="ignore"):
-        x = frame.to_numpy(dtype=np.float32)
-    rows, where = np.nonzero(~np.isfinite(x))
-    if len(rows):  # an empty cell, "n/a" (NaN to pandas) or a number beyond FP32: found here, by row and column
+    # Each column is cast straight into its place: ``table[cols].to_numpy()`` would first copy
+    # every feature as it is (float64: 256 MB for 500k x 64), then cast that copy. Filled a column
+    # at a time, the rows are in column order (their transpose); requests take their rows contiguous.
+    x = np.empty((len(cols), len(table)), dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # past FP32's range: inf, found below
+        for i, c in enumerate(cols):
+            col = table[c]
+            x[i] = (col.to_numpy(dtype=np.float32, na_value=np.nan)  # a nullable column's gaps: NaN
+                    if isinstance(col.dtype, pd.api.extensions.ExtensionDtype) else col.to_numpy())
+    x = x.T
+    if not np.isfinite(x).all():  # an empty cell, "n/a" (NaN to pandas) or a number beyond FP32: by row and column
+        rows, where = np.nonzero(~np.isfinite(x))
         cells = ", ".join(f"row {r + 1} {cols[c]!r}" for r, c in zip(rows[:5], where[:5]))
         raise DatasetError(f"{source}: {len(rows)} feature value(s) are empty, NaN or infinite: {cells}"
                            + (" ..." if len(rows) > 5 else ""), "fill or drop those rows; the model needs every feature")
-    return x, labels
+    return x, labels.tolist()
 
 
 BATCH_BYTES = 4 << 20

@@ -100,6 +100,45 @@ def test_a_missing_column_is_named_with_what_the_table_has_instead(features, pre
     assert re.search(re.escape(says.rstrip("$")) + ("$" if says.endswith("$") else ""), said), said
 
 
+def test_a_table_is_predicted_with_every_feature_column_type_training_takes(tmp_path):
+    """A Parquet file's typed columns (booleans, pandas' nullable Int64, Float64 and boolean,
+    Arrow's) were trained on, but serve predict refused the booleans as not numeric and stopped on
+    the nullable ones with a bare TypeError; each is now read as training reads it, and a gap in
+    one is named as a NaN is."""
+    import pandas as pd
+
+    from kfp_pytorch.components.batch_predict import feature_matrix
+    from kfp_pytorch.components.errors import DatasetError
+    from kfp_pytorch.components.prepare_data import load_table, validate_table
+
+    n = 40
+    pd.DataFrame({"flag": np.arange(n) % 3 == 0, "count": pd.array(np.arange(n), dtype="Int64"),
+                  "ratio": pd.array(np.linspace(0, 1, n), dtype="Float64"),
+                  "seen": pd.array(np.arange(n) % 2 == 0, dtype="boolean"),
+                  "arrow": pd.array(np.linspace(5, 6, n), dtype="double[pyarrow]"),
+                  "pixel": np.arange(n, dtype=np.uint8) * 6, "label": np.arange(n) % 2}).to_parquet(tmp_path / "t.parquet")
+    table = load_table(str(tmp_path / "t.parquet"))
+    features = ["pixel", "arrow", "seen", "ratio", "count", "flag"]  # the model's order, not the table's
+    assert validate_table(table, "label") == []  # what training takes ...
+    x, labels = feature_matrix(table, features, "label", "t.parquet")  # ... is predicted, the same numbers
+    assert x.dtype == np.float32 and x.shape == (n, 6) and labels == (np.arange(n) % 2).tolist()
+    np.testing.assert_array_equal(x, table[features].to_numpy(dtype=np.float32))
+    gaps = table.copy()
+    gaps.loc[1, "count"], gaps.loc[2, "seen"], gaps.loc[2, "arrow"] = pd.NA, pd.NA, None
+    with pytest.raises(DatasetError, match=r"^t.parquet: 3 feature value\(s\) are empty, NaN or infinite: "
+                                           r"row 2 'count', row 3 'arrow', row 3 'seen'"):
+        feature_matrix(gaps, features, "label", "t.parquet")
+    # no numbers: dates (nanoseconds as numbers), categories, complex numbers; a name used twice
+    for column, says in ((pd.to_datetime(np.arange(n), unit="D"), "row 1: Timestamp('1970-01-01 00:00:00')"),
+                         (pd.Categorical(["a", "b"] * (n // 2)), "row 1: 'a'"), (np.ones(n) * 1j, "row 1: ")):
+        with pytest.raises(DatasetError, match=re.escape(f"t.parquet: feature column 'ratio' is not numeric ({says}")):
+            feature_matrix(table.assign(ratio=column), features, "label", "t.parquet")
+    for twice in ("ratio", "label"):
+        with pytest.raises(DatasetError, match=f"^t.parquet has a column named twice: '{twice}'\n  hint: give each "
+                                               "column a name of its own"):
+            feature_matrix(pd.concat([table, table[[twice]]], axis=1), features, "label", "t.parquet")
+
+
 def test_bad_request_gets_a_400_not_a_crash(endpoint):
     body = {"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}
     r = requests.post(endpoint.infer_url, json=body)
@@ -1295,6 +1334,12 @@ def test_a_scored_tables_label_column_is_typed_as_its_predictions(endpoint, trai
     assert str(preds["label"].dtype) == "Int64" and preds["label"][:2].isna().all()
     assert accuracy == pytest.approx((preds["prediction"][2:] == preds["label"][2:]).mean())  # comparable as they are
     assert pd.isna(predict_table(resolve_target("digits"), table.assign(label=np.nan)).accuracy)
+    # pandas' nullable columns (a Parquet file's Int64 ids, its text): a gap is no label, not a class named '<NA>'
+    for nullable in ("Int64", "string"):
+        labels = table["label"].astype("Int64").astype(nullable)
+        again = predict_table(resolve_target("digits"), table.assign(label=labels))
+        assert again.unknown_labels == {} and again.accuracy == accuracy, again.unknown_labels
+        pd.testing.assert_series_equal(again.frame["label"], preds["label"])
 
 
 def test_labels_that_are_no_class_of_the_model_are_said_and_never_scored_as_its_mistakes(endpoint, trained_model,
