@@ -134,8 +134,9 @@ def _columns(inputs, features: list[str]) -> np.ndarray:
     cols = []
     for f in features:
         inp = by_name[f]
-        if inp.datatype not in _NUMERIC:
-            raise InvalidInput(f"input {f!r}: datatype {inp.datatype} is not supported; a feature column is numeric")
+        if inp.datatype not in _NUMERIC and inp.datatype != "BOOL":  # a boolean column is trained on as 1/0
+            raise InvalidInput(f"input {f!r}: datatype {inp.datatype} is not supported; a feature column is numeric "
+                               "(or BOOL)")
         try:
             col = inp.as_numpy().astype(np.float32)
         except (ValueError, TypeError, OverflowError) as e:

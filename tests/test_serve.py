@@ -231,6 +231,27 @@ def test_a_table_is_taken_one_input_per_column_by_name_as_kserves_tabular_server
     assert r.status_code == 400 and ("lacks 1 of the model's 64 feature columns: ['pixel_3_3']; did you mean "
                                      "'Pixel_3_3' for 'pixel_3_3'?; inputs the model does not take: ['Pixel_3_3', 'zz']"
                                      ) in r.json()["error"], r.text
+    # a boolean column, as a DataFrame's bool column is sent (KServe's InferInput: BOOL), is read as training
+    # reads it: 1 and 0; text is not
+    flags = (table["pixel_3_3"] > 8).tolist()
+    as_numbers = [{**c, "data": [float(f) for f in flags]} if c["name"] == "pixel_3_3" else c for c in columns]
+    want = requests.post(endpoint.infer_url, json={"inputs": as_numbers}).json()["outputs"]
+    as_bools = [{**c, "datatype": "BOOL", "data": flags} if c["name"] == "pixel_3_3" else c for c in columns]
+    r = requests.post(endpoint.infer_url, json={"inputs": as_bools})
+    assert r.status_code == 200 and r.json()["outputs"] == want and len(set(flags)) == 2, r.text
+    # ... and as binary tensors: a byte a value (KServe's and Triton's clients send a bool column so)
+    raw = [np.asarray(c["data"], np.bool_ if c["datatype"] == "BOOL" else "<f4").tobytes() for c in as_bools]
+    head = json.dumps({"inputs": [{**{k: c[k] for k in ("name", "shape", "datatype")},
+                                   "parameters": {"binary_data_size": len(b)}} for c, b in zip(as_bools, raw)]}).encode()
+    r = requests.post(endpoint.infer_url, data=head + b"".join(raw), headers={
+        "Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(head))})
+    assert r.status_code == 200 and r.json()["outputs"] == want, r.text
+    assert len(raw[[c["name"] for c in as_bools].index("pixel_3_3")]) == 5  # the BOOL column went as 5 bytes
+    as_text = [{**c, "datatype": "BYTES", "data": list(map(str, flags))} if c["name"] == "pixel_3_3" else c
+               for c in columns]
+    r = requests.post(endpoint.infer_url, json={"inputs": as_text})
+    assert r.status_code == 400 and "input 'pixel_3_3': datatype BYTES is not supported; a feature column is numeric " \
+                                    "(or BOOL)" in r.json()["error"], r.text
     short = [{**c, "shape": [4], "data": c["data"][:4]} if c["name"] == "pixel_0_1" else c for c in columns]
     r = requests.post(endpoint.infer_url, json={"inputs": short})
     assert r.status_code == 400 and "input 'pixel_0_1': a column is of shape [n] (every column the same n)" in r.text
