@@ -19,6 +19,7 @@ import numpy as np
 
 from .errors import DatasetError, RequestRefused, ServingError
 from .exported_model import lacking, probability_columns
+from .prepare_data import is_number_column
 from .serve import infer, model_inputs, server_status, unknown_server
 from .storage import Storage
 
@@ -109,12 +110,13 @@ def feature_matrix(table, features: list[str] | None, label_column: str, source:
     if twice := [c for c in dict.fromkeys([*cols, label_column]) if c in named]:  # which would the model read?
         raise DatasetError(f"{source} has {'columns' if len(twice) > 1 else 'a column'} named twice: "
                            f"{', '.join(map(repr, twice))}", "give each column a name of its own")
-    # numbers as training takes them (prepare_data): any numeric dtype, booleans (1/0) and pandas'
-    # nullable ones (Int64, Float64, boolean: a Parquet file's) included; dates are no features
-    bad = [c for c in cols if not pd.api.types.is_numeric_dtype(table[c]) or pd.api.types.is_complex_dtype(table[c])]
+    bad = [c for c in cols if not is_number_column(table[c])]  # numbers as training takes them
     if bad:
         col = table[bad[0]]
-        odd = np.flatnonzero((pd.to_numeric(col.astype(object), errors="coerce").isna() & col.notna()).to_numpy())
+        if pd.api.types.is_complex_dtype(col):  # numbers, but no real ones: the first is shown
+            odd = []
+        else:  # the first cell that is no number
+            odd = np.flatnonzero((pd.to_numeric(col.astype(object), errors="coerce").isna() & col.notna()).to_numpy())
         row = int(odd[0]) if len(odd) else 0
         raise DatasetError(f"{source}: feature column {bad[0]!r} is not numeric (row {row + 1}: {col.iloc[row]!r})"
                            + (f"; so are {bad[1:8]}" if len(bad) > 1 else ""),

@@ -147,6 +147,18 @@ def feature_names(df, label_column: str, feature_columns=()) -> list[str]:
     return list(feature_columns) if feature_columns else [c for c in df.columns if c != label_column]
 
 
+def is_number_column(col) -> bool:
+    """Whether a column holds numbers to train on as they are: any numeric dtype but complex ones,
+    booleans (1 and 0), pandas' nullable and Arrow numbers, and categories that are numbers
+    (a Parquet file's ``category`` column of them). Text, dates and durations are not."""
+    import pandas as pd
+
+    dtype = col.dtype
+    if isinstance(dtype, pd.CategoricalDtype):
+        dtype = dtype.categories.dtype
+    return pd.api.types.is_numeric_dtype(dtype) and not pd.api.types.is_complex_dtype(dtype)
+
+
 def image_shape(df, label_column: str, feature_columns=()):
     """The table's image shape (C, H, W) when its features are all its pixels, in order; None for a
     chosen subset or order of them, which is no longer that image. A bundled sample says its shape;
@@ -438,6 +450,12 @@ def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fract
     if missing:
         return missing
     features = feature_names(df, label_column, feature_columns)
+    # a name two columns share (a Feather or Arrow file may have them; a CSV's are read as 'a', 'a.1',
+    # below): which of them would be the feature? Nothing else is checked of them.
+    if shared := [c for c in dict.fromkeys([label_column, *features]) if (df.columns == c).sum() > 1]:
+        return [f"column {c!r}: {int((df.columns == c).sum())} columns of the table have this name; give each column "
+                "a name of its own" + ("" if feature_columns or c == label_column else
+                                       ", or list the features in feature_columns") for c in shared]
     problems: list[str] = []
     twins = df.attrs.get("csv_repeated_names", {})
     for name in dict.fromkeys(twins[c] for c in [label_column, *features] if c in twins):
@@ -458,7 +476,7 @@ def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fract
             problems.append(f"column {c!r}: holds {kind}, not numbers; "
                             + ("leave it out (list the features in feature_columns), or " if not feature_columns
                                else "") + "give it as numbers (seconds, a day of the week, ...)")
-        elif not pd.api.types.is_numeric_dtype(df[c]):
+        elif not pd.api.types.is_numeric_dtype(df[c]):  # text; or categories, which may be numbers
             col = df[c]
             odd = col.notna() & pd.to_numeric(col, errors="coerce").isna()
             if not odd.any():  # no text at all: every value is empty (named below)

@@ -452,6 +452,25 @@ def test_a_name_the_header_repeats_is_refused_where_the_column_is_read(tmp_path)
     assert meta["features"] == ["a", "b", "c"]
 
 
+def test_a_name_two_columns_of_a_feather_file_share_is_refused_where_the_column_is_read(tmp_path):
+    """A Feather (Arrow) file keeps two columns of one name, which stopped the checks on a bare
+    TypeError (pandas' CSV reader renames the second: 'a.1')."""
+    import pyarrow as pa
+    import pyarrow.feather as feather
+
+    d = _table()
+    names = ["a", "b", "c", "a", "label"]
+    feather.write_feather(pa.table([d[c].to_numpy() for c in ["a", "b", "c", "a", "label"]], names=names),
+                          tmp_path / "t.feather")
+    assert list(load_table(str(tmp_path / "t.feather")).columns) == names
+    with pytest.raises(DatasetError, match="column 'a': 2 columns of the table have this name; give each column a "
+                                           "name of its own, or list the features in feature_columns"):
+        prepare_data(PrepareSpec(str(tmp_path / "t.feather"), str(tmp_path / "o")))
+    assert not (tmp_path / "o").exists()
+    meta = prepare_data(PrepareSpec(str(tmp_path / "t.feather"), str(tmp_path / "o"), feature_columns=("b", "c")))
+    assert meta["features"] == ["b", "c"]  # a name shared by columns that are not read does no harm
+
+
 @pytest.mark.parametrize("name, write", [
     ("t.jsonl", lambda d, p: d.to_json(p, orient="records", lines=True)),
     ("t.ndjson.gz", lambda d, p: d.to_json(p, orient="records", lines=True)),  # compressed: the inner suffix decides

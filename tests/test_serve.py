@@ -102,9 +102,9 @@ def test_a_missing_column_is_named_with_what_the_table_has_instead(features, pre
 
 def test_a_table_is_predicted_with_every_feature_column_type_training_takes(tmp_path):
     """A Parquet file's typed columns (booleans, pandas' nullable Int64, Float64 and boolean,
-    Arrow's) were trained on, but serve predict refused the booleans as not numeric and stopped on
-    the nullable ones with a bare TypeError; each is now read as training reads it, and a gap in
-    one is named as a NaN is."""
+    Arrow's) and a notebook's categories of numbers were trained on, but serve predict refused the booleans
+    and categories as not numeric and stopped on the nullable ones with a bare TypeError; each is
+    now read as training reads it, and a gap in one is named as a NaN is."""
     import pandas as pd
 
     from kfp_pytorch.components.batch_predict import feature_matrix
@@ -118,17 +118,18 @@ def test_a_table_is_predicted_with_every_feature_column_type_training_takes(tmp_
                   "arrow": pd.array(np.linspace(5, 6, n), dtype="double[pyarrow]"),
                   "pixel": np.arange(n, dtype=np.uint8) * 6, "label": np.arange(n) % 2}).to_parquet(tmp_path / "t.parquet")
     table = load_table(str(tmp_path / "t.parquet"))
-    features = ["pixel", "arrow", "seen", "ratio", "count", "flag"]  # the model's order, not the table's
+    table["rooms"] = pd.Categorical(np.arange(n) % 4 + 1)  # a notebook's category column of numbers
+    features = ["pixel", "arrow", "seen", "rooms", "ratio", "count", "flag"]  # the model's order, not the table's
     assert validate_table(table, "label") == []  # what training takes ...
     x, labels = feature_matrix(table, features, "label", "t.parquet")  # ... is predicted, the same numbers
-    assert x.dtype == np.float32 and x.shape == (n, 6) and labels == (np.arange(n) % 2).tolist()
+    assert x.dtype == np.float32 and x.shape == (n, 7) and labels == (np.arange(n) % 2).tolist()
     np.testing.assert_array_equal(x, table[features].to_numpy(dtype=np.float32))
     gaps = table.copy()
     gaps.loc[1, "count"], gaps.loc[2, "seen"], gaps.loc[2, "arrow"] = pd.NA, pd.NA, None
     with pytest.raises(DatasetError, match=r"^t.parquet: 3 feature value\(s\) are empty, NaN or infinite: "
                                            r"row 2 'count', row 3 'arrow', row 3 'seen'"):
         feature_matrix(gaps, features, "label", "t.parquet")
-    # no numbers: dates (nanoseconds as numbers), categories, complex numbers; a name used twice
+    # no numbers: dates (nanoseconds as numbers), categories of text, complex numbers; a name used twice
     for column, says in ((pd.to_datetime(np.arange(n), unit="D"), "row 1: Timestamp('1970-01-01 00:00:00')"),
                          (pd.Categorical(["a", "b"] * (n // 2)), "row 1: 'a'"), (np.ones(n) * 1j, "row 1: ")):
         with pytest.raises(DatasetError, match=re.escape(f"t.parquet: feature column 'ratio' is not numeric ({says}")):
