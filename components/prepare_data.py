@@ -147,13 +147,12 @@ def feature_names(df, label_column: str, feature_columns=()) -> list[str]:
     return list(feature_columns) if feature_columns else [c for c in df.columns if c != label_column]
 
 
-def is_number_column(col) -> bool:
-    """Whether a column holds numbers to train on as they are: any numeric dtype but complex ones,
-    booleans (1 and 0), pandas' nullable and Arrow numbers, and categories that are numbers
-    (a Parquet file's ``category`` column of them). Text, dates and durations are not."""
+def is_number_dtype(dtype) -> bool:
+    """Whether a column of ``dtype`` holds numbers to train on as they are: any numeric dtype but
+    complex ones, booleans (1 and 0), pandas' nullable and Arrow numbers, and categories that are
+    numbers (a DataFrame's ``category`` column of them). Text, dates and durations are not."""
     import pandas as pd
 
-    dtype = col.dtype
     if isinstance(dtype, pd.CategoricalDtype):
         dtype = dtype.categories.dtype
     return pd.api.types.is_numeric_dtype(dtype) and not pd.api.types.is_complex_dtype(dtype)

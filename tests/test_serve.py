@@ -124,11 +124,14 @@ def test_a_table_is_predicted_with_every_feature_column_type_training_takes(tmp_
     x, labels = feature_matrix(table, features, "label", "t.parquet")  # ... is predicted, the same numbers
     assert x.dtype == np.float32 and x.shape == (n, 7) and labels == (np.arange(n) % 2).tolist()
     np.testing.assert_array_equal(x, table[features].to_numpy(dtype=np.float32))
+    # fewer rows than features (a few images of many pixels) are read as one copy: the same numbers
+    np.testing.assert_array_equal(feature_matrix(table.head(5), features, "label", "t.parquet")[0], x[:5])
     gaps = table.copy()
     gaps.loc[1, "count"], gaps.loc[2, "seen"], gaps.loc[2, "arrow"] = pd.NA, pd.NA, None
-    with pytest.raises(DatasetError, match=r"^t.parquet: 3 feature value\(s\) are empty, NaN or infinite: "
-                                           r"row 2 'count', row 3 'arrow', row 3 'seen'"):
-        feature_matrix(gaps, features, "label", "t.parquet")
+    for rows in (gaps, gaps.head(5)):
+        with pytest.raises(DatasetError, match=r"^t.parquet: 3 feature value\(s\) are empty, NaN or infinite: "
+                                               r"row 2 'count', row 3 'arrow', row 3 'seen'"):
+            feature_matrix(rows, features, "label", "t.parquet")
     # no numbers: dates (nanoseconds as numbers), categories of text, complex numbers; a name used twice
     for column, says in ((pd.to_datetime(np.arange(n), unit="D"), "row 1: Timestamp('1970-01-01 00:00:00')"),
                          (pd.Categorical(["a", "b"] * (n // 2)), "row 1: 'a'"), (np.ones(n) * 1j, "row 1: ")):
