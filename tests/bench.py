@@ -24,7 +24,8 @@ Figures (issue #2):
 - data:     reading a 100 MB shard through the storage module from the S3 server vs a bare
             minio get_object of the same object; ratio of throughputs (target >= 0.8). And a
             prepared train split read back: default shards vs 512-row ones. And a CSV read as
-            prepare_data and serve predict read it vs a plain pandas.read_csv.
+            prepare_data and serve predict read it vs a plain pandas.read_csv, and the FP32 rows
+            serve predict takes from a table vs pandas' table[features].to_numpy(float32).
 - serve:    p50/p99 latency and requests/s of the local model server at concurrency 1 and 16 vs
             an in-process call of the same model (target: p50 overhead <= 3 ms at concurrency 1);
             and rows/s of a table through it (serve predict), rows as binary tensors vs JSON.
@@ -192,6 +193,22 @@ def bench_data(tmp: Path) -> None:
                 times.append(time.perf_counter() - t)
         o, b = statistics.median(ours), statistics.median(base)
         row("CSV load s, 200k x 21 (load_table / pandas.read_csv)", o, b, o / b, "report", None, "s")
+        # the rows serve predict sends, taken from a loaded table: each feature column cast into the
+        # FP32 matrix vs pandas' table[features].to_numpy(float32) (a float64 copy first)
+        from kfp_pytorch.components.batch_predict import feature_matrix
+
+        wide = pd.DataFrame(rng.normal(size=(300_000, 64)), columns=[f"f{i}" for i in range(64)]).assign(label=0)
+        features = [f"f{i}" for i in range(64)]
+        ours, base = [], []
+        for i in range(6):
+            sides = ((lambda: wide[features].to_numpy(dtype=np.float32), base),
+                     (lambda: feature_matrix(wide, features, "label", "bench")[0], ours))
+            for make, times in sides if i % 3 == 0 else sides[::-1]:
+                t = time.perf_counter()
+                assert make().shape == (300_000, 64)
+                times.append(time.perf_counter() - t)
+        o, b = statistics.median(ours), statistics.median(base)
+        row("feature rows s, 300k x 64 (feature_matrix / table[features].to_numpy)", o, b, o / b, "report", None, "s")
     finally:
         s3.stop()
 
