@@ -19,6 +19,7 @@ A trace of one's own cluster may name each job's ``user``: the jobs then keep th
 from __future__ import annotations
 
 import csv
+import difflib
 import gzip
 import math
 import zlib
@@ -155,8 +156,14 @@ def _read_rows(reader, path: Path, jobs: list[TraceJob], problems: list[str]) ->
     header = [h.strip() for h in header]
     missing = [c for c in COLUMNS if c not in header]
     if missing:
-        raise TraceError(f"{path}:1: missing column(s) {', '.join(missing)} (header: {','.join(header)})",
-                         "the header must name " + ", ".join(COLUMNS))
+        shown = ",".join(header[:12]) + (f",... ({len(header)} columns)" if len(header) > 12 else "")
+        by_lower = {h.lower(): h for h in reversed(header) if h not in COLUMNS}  # 'Duration', 'submit_time'
+        near = {c: by_lower[m[0]] for c in missing
+                if (m := difflib.get_close_matches(c.lower(), list(by_lower), n=1, cutoff=0.6))}
+        raise TraceError(f"{path}:1: missing column(s) {', '.join(missing)} (header: {shown})"
+                         + ("; did you mean " + ", ".join(f"{h!r} for {c!r}" for c, h in near.items()) + "?"
+                            if near else ""),
+                         "the header must name " + ", ".join(COLUMNS) + (" (rename those columns)" if near else ""))
     idx = [header.index(c) for c in COLUMNS]
     user_idx = header.index(USER_COLUMN) if USER_COLUMN in header else None
     first_line: dict[str, int] = {}  # job_id -> the line it was first seen on

@@ -37,6 +37,13 @@ def write(tmp_path, text, name="t.csv"):
 # ---- trace and protocol --------------------------------------------------------------------------
 @pytest.mark.parametrize("body,where,what", [
     ("job_id,submission_time,duration\na,0,1\n", ":1:", "missing column(s) num_gpu"),
+    # columns named otherwise are named beside the ones they stand for; a long header is cut short
+    ("JobID,Submitted,duration_s,num_gpu,user\na,0,1,1,u\n", ":1:", "missing column(s) job_id, submission_time, "
+     "duration (header: JobID,Submitted,duration_s,num_gpu,user); did you mean 'JobID' for 'job_id', 'duration_s' for "
+     "'duration'?\n  hint: the header must name job_id, submission_time, duration, num_gpu (rename those columns)"),
+    (",".join(f"f{i}" for i in range(20)) + "\n" + ",".join("0" * 20) + "\n", ":1:",
+     "duration, num_gpu (header: f0,f1,f2,f3,f4,f5,f6,f7,f8,f9,f10,f11,... (20 columns))\n  hint: the header must name "
+     "job_id, submission_time, duration, num_gpu"),
     ("job_id,submission_time,duration,num_gpu\na,0,10,1\nb,x,10,1\n", ":3:", "non-numeric"),
     ("job_id,submission_time,duration,num_gpu\na,0,10,1\nb,5,-3,1\n", ":3:", "negative duration"),
     ("job_id,submission_time,duration,num_gpu\na,0,10,1\nb,0,10,-2\n", ":3:", "num_gpu must be an integer >= 0, got -2"),
