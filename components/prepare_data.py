@@ -478,7 +478,7 @@ def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fract
         elif not pd.api.types.is_numeric_dtype(df[c]):  # text; or categories, which may be numbers
             col = df[c]
             odd = col.notna() & pd.to_numeric(col, errors="coerce").isna()
-            if not odd.any():  # no text at all: every value is empty (named below)
+            if not odd.any():  # no text: categories of numbers, or every value empty (named below)
                 continue
             if odd.sum() < col.notna().sum():  # numbers but for a few cells ("?", "1,5"): name them
                 problems.append(f"column {c!r}: {int(odd.sum())} value(s) are not numbers: {_rows_of(col, odd)}")
