@@ -475,10 +475,10 @@ def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fract
             problems.append(f"column {c!r}: holds {kind}, not numbers; "
                             + ("leave it out (list the features in feature_columns), or " if not feature_columns
                                else "") + "give it as numbers (seconds, a day of the week, ...)")
-        elif not pd.api.types.is_numeric_dtype(df[c]):  # text; or categories, which may be numbers
+        elif not is_number_dtype(df[c].dtype):  # the rule serving reads the table by, too (batch_predict)
             col = df[c]
             odd = col.notna() & pd.to_numeric(col, errors="coerce").isna()
-            if not odd.any():  # no text: categories of numbers, or every value empty (named below)
+            if not odd.any():  # no text at all: every value is empty (named below)
                 continue
             if odd.sum() < col.notna().sum():  # numbers but for a few cells ("?", "1,5"): name them
                 problems.append(f"column {c!r}: {int(odd.sum())} value(s) are not numbers: {_rows_of(col, odd)}")
@@ -493,7 +493,7 @@ def validate_table(df, label_column: str, val_fraction: float = 0.15, test_fract
                         f"{_rows_of(df[c], df[c].isna(), values=False)}")
     fp32_max = float(np.finfo(np.float32).max)
     for c in features:  # features become float32: an inf (or a value past its range) poisons the normalisation
-        if pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c]):
+        if is_number_dtype(df[c].dtype) and not pd.api.types.is_bool_dtype(df[c]):
             v = df[c].to_numpy(dtype=np.float64, na_value=0.0)
             infinite = pd.Series(np.isinf(v))
             beyond = pd.Series(np.isfinite(v) & (np.abs(v) > fp32_max))

@@ -471,6 +471,22 @@ def test_a_name_two_columns_of_a_feather_file_share_is_refused_where_the_column_
     assert meta["features"] == ["b", "c"]  # a name shared by columns that are not read does no harm
 
 
+def test_a_feather_files_category_column_of_numbers_is_a_feature_checked_as_numbers_are(tmp_path):
+    # Feather keeps a category column's type (Parquet gives its numbers back): its values are the
+    # feature, as serve predict reads them; a value past float32's range was trained on as inf
+    rooms = pd.Categorical(np.arange(60) % 4 + 1.0)
+    _table().assign(rooms=rooms).to_feather(tmp_path / "t.feather")
+    assert isinstance(load_table(str(tmp_path / "t.feather"))["rooms"].dtype, pd.CategoricalDtype)
+    meta = prepare_data(PrepareSpec(str(tmp_path / "t.feather"), str(tmp_path / "o")))
+    assert meta["features"] == ["a", "b", "c", "d", "rooms"]
+    x = np.concatenate([load_split(str(tmp_path / "o"), split)[0] for split in ("train", "val", "test")])
+    assert len(np.unique(x[:, 4])) == 4  # the four room counts, normalised
+    big = pd.Categorical(np.where(np.arange(60) == 6, 1e39, np.arange(60) % 4 + 1.0))
+    _table().assign(rooms=big).to_feather(tmp_path / "big.feather")
+    with pytest.raises(DatasetError, match=r"column 'rooms': 1 value\(s\) beyond float32's range \(±3.4e\+38\), row 7"):
+        prepare_data(PrepareSpec(str(tmp_path / "big.feather"), str(tmp_path / "o2")))
+
+
 @pytest.mark.parametrize("name, write", [
     ("t.jsonl", lambda d, p: d.to_json(p, orient="records", lines=True)),
     ("t.ndjson.gz", lambda d, p: d.to_json(p, orient="records", lines=True)),  # compressed: the inner suffix decides
