@@ -138,29 +138,20 @@ def bench_data(tmp: Path) -> None:
         st.write_bytes("s3://bench/shard.bin", blob)
         bare = Minio(host, access_key=cfg.access_key, secret_key=cfg.secret_key, secure=False)
 
-        def bare_get() -> int:
+        def bare_get() -> None:
             resp = bare.get_object("bench", "shard.bin")
             try:
-                return len(resp.read())
+                assert len(resp.read()) == len(blob)
             finally:
                 resp.close()
                 resp.release_conn()
 
-        def ours_get() -> int:
-            return len(st.read_bytes("s3://bench/shard.bin"))
+        def ours_get() -> None:
+            assert len(st.read_bytes("s3://bench/shard.bin")) == len(blob)
 
         ours_get(), bare_get()  # warm both paths (connections, the server's cache) before timing
-        ours, base = [], []
-        # Alternating which side goes first (ABBA), so neither always reads right after the other
-        # or during the previous benchmark's teardown.
-        for i in range(8):
-            sides = ((bare_get, base), (ours_get, ours)) if i % 4 in (0, 3) else ((ours_get, ours), (bare_get, base))
-            for get, times in sides:
-                t = time.perf_counter()
-                assert get() == len(blob)
-                times.append(time.perf_counter() - t)
         mb = len(blob) / 2**20
-        o, b = mb / statistics.median(ours), mb / statistics.median(base)
+        o, b = (mb / secs for secs in _side_by_side(ours_get, bare_get))
         row("S3 read MB/s (storage module / bare minio)", o, b, o / b, ">= 0.8", o / b >= 0.8, "MB/s")
         # a prepared split read back as each training rank reads it: the default shards (about
         # 16 MiB) vs the 512-row shards that were the default before
@@ -183,34 +174,45 @@ def bench_data(tmp: Path) -> None:
         # as written, trailing separators and empty rows) vs one plain pandas.read_csv of it
         from kfp_pytorch.components.prepare_data import load_table
 
-        frame.assign(label=rng.integers(0, 5, len(frame))).iloc[:200_000].to_csv(tmp / "table.csv", index=False)
-        ours, base = [], []
-        for i in range(4):  # ABBA, as above
-            sides = ((lambda: pd.read_csv(tmp / "table.csv"), base), (lambda: load_table(str(tmp / "table.csv")), ours))
-            for read, times in sides if i % 3 == 0 else sides[::-1]:
-                t = time.perf_counter()
-                assert len(read()) == 200_000
-                times.append(time.perf_counter() - t)
-        o, b = statistics.median(ours), statistics.median(base)
+        csv = tmp / "table.csv"
+        frame.assign(label=rng.integers(0, 5, len(frame))).iloc[:200_000].to_csv(csv, index=False)
+        def ours_csv() -> None:
+            assert len(load_table(str(csv))) == 200_000
+
+        def pandas_csv() -> None:
+            assert len(pd.read_csv(csv)) == 200_000
+
+        o, b = _side_by_side(ours_csv, pandas_csv, rounds=4)
         row("CSV load s, 200k x 21 (load_table / pandas.read_csv)", o, b, o / b, "report", None, "s")
         # the rows serve predict sends, taken from a loaded table: each feature column cast into the
         # FP32 matrix vs pandas' table[features].to_numpy(float32) (a float64 copy first)
         from kfp_pytorch.components.batch_predict import feature_matrix
 
-        wide = pd.DataFrame(rng.normal(size=(300_000, 64)), columns=[f"f{i}" for i in range(64)]).assign(label=0)
         features = [f"f{i}" for i in range(64)]
-        ours, base = [], []
-        for i in range(6):
-            sides = ((lambda: wide[features].to_numpy(dtype=np.float32), base),
-                     (lambda: feature_matrix(wide, features, "label", "bench")[0], ours))
-            for make, times in sides if i % 3 == 0 else sides[::-1]:
-                t = time.perf_counter()
-                assert make().shape == (300_000, 64)
-                times.append(time.perf_counter() - t)
-        o, b = statistics.median(ours), statistics.median(base)
+        table = pd.DataFrame(rng.normal(size=(300_000, 64)), columns=features).assign(label=0)
+        def ours_rows() -> None:
+            assert feature_matrix(table, features, "label", "bench")[0].shape == (300_000, 64)
+
+        def pandas_rows() -> None:
+            assert table[features].to_numpy(dtype=np.float32).shape == (300_000, 64)
+
+        o, b = _side_by_side(ours_rows, pandas_rows, rounds=6)
         row("feature rows s, 300k x 64 (feature_matrix / table[features].to_numpy)", o, b, o / b, "report", None, "s")
     finally:
         s3.stop()
+
+
+def _side_by_side(ours, base, rounds: int = 8) -> tuple[float, float]:
+    """Median seconds of ``ours()`` and ``base()``, run in alternating order (ABBA: base first in
+    rounds 0 and 3 of every 4), so neither always runs right after the other or during the
+    previous benchmark's teardown. The functions check what they read themselves."""
+    times = {ours: [], base: []}
+    for i in range(rounds):
+        for fn in ((base, ours) if i % 4 in (0, 3) else (ours, base)):
+            t = time.perf_counter()
+            fn()
+            times[fn].append(time.perf_counter() - t)
+    return statistics.median(times[ours]), statistics.median(times[base])
 
 
 def _lat(fn, n):
