@@ -96,7 +96,6 @@ def feature_matrix(table, features: list[str] | None, label_column: str, source:
     (empty when the table has no label column). Pure: no I/O."""
     import pandas as pd
 
-    labels = table[label_column] if label_column in table.columns else pd.Series([], dtype=object)
     if features is not None:
         if missing := lacking(features, set(table.columns)):
             raise DatasetError(f"{source} lacks {missing}",
@@ -143,7 +142,7 @@ def feature_matrix(table, features: list[str] | None, label_column: str, source:
         cells = ", ".join(f"row {r + 1} {cols[c]!r}" for r, c in zip(rows[:5], where[:5]))
         raise DatasetError(f"{source}: {len(rows)} feature value(s) are empty, NaN or infinite: {cells}"
                            + (" ..." if len(rows) > 5 else ""), "fill or drop those rows; the model needs every feature")
-    return x, labels.tolist()
+    return x, table[label_column].tolist() if label_column in table.columns else []
 
 
 BATCH_BYTES = 4 << 20
