@@ -75,7 +75,7 @@ def _config_and_half_life(config: str | None, half_life: str | None, problems: l
     try:
         return cfg, parse_duration(half_life)
     except ValueError:
-        problems.append(f"--half-life: must be a duration like 7d, 12h or seconds, got {half_life!r}")
+        problems.append(f"--half-life: must be a duration like 7d, 12h, 1d12h or seconds, got {half_life!r}")
         return cfg, 1.0
 
 
@@ -105,7 +105,7 @@ def _trace_said() -> str:
               help="Offered load: the cluster is sized so the trace's mean GPU demand is this share of it "
                    "(and never below the largest job, whatever the load).")
 @click.option("--half-life", "half_life", default=None,
-              help="Usage half-life: 7d, 12h, seconds. Overrides the config's (default 7d).")
+              help="Usage half-life: 7d, 12h, 1d12h, seconds. Overrides the config's (default 7d).")
 @click.option("--config", "config", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Scheduler config YAML: fairshare weights; shares, tiers and GPU quotas of the users it "
                    "lists (drawn by the protocol or a trace's own).")
@@ -192,7 +192,7 @@ def simulate_cmd(trace, policies, users, zipf, seed, load, half_life, config, pl
               help="Offered load: the cluster is sized so the trace's mean GPU demand is this share of it "
                    "(and never below the largest job, whatever the load).")
 @click.option("--half-life", "half_life", default=None,
-              help="Usage half-life of every policy: 7d, 12h, seconds. Overrides the config's (default 7d).")
+              help="Usage half-life of every policy: 7d, 12h, 1d12h, seconds. Overrides the config's (default 7d).")
 @click.option("--cache", "cache_dir", type=click.Path(file_okay=False), default=None,
               help="Folder keeping the baselines' metrics, so the next setting re-runs fairshare only.")
 @click.option("--workers", type=int, default=None, help="Runs at once, one process each (default: the CPUs).")
@@ -267,7 +267,7 @@ def _ledger_options(f):
     f = click.option("--at", "at", default="now", show_default=True,
                      help="When: now, seconds since the epoch, or an ISO 8601 date-time (UTC unless it names a zone).")(f)
     f = click.option("--half-life", "half_life", default=None,
-                     help="Usage half-life: 7d, 12h, seconds (default: the ledger's own).")(f)
+                     help="Usage half-life: 7d, 12h, 1d12h, seconds (default: the ledger's own).")(f)
     f = click.option("--ledger", "ledger_url", envvar="KFP_PYTORCH_LEDGER", required=True, type=_LEDGER_URL,
                      help="The scheduler's ledger: sqlite:///PATH or a SQLAlchemy URL (or KFP_PYTORCH_LEDGER).")(f)
     return f
@@ -289,7 +289,7 @@ def _ledger_time_and_half_life(at: str, half_life: str | None, problems: list[st
             if not hl > 0:
                 raise ValueError
         except ValueError:
-            problems.append(f"--half-life: must be a duration > 0 like 7d, 12h or seconds, got {half_life!r}")
+            problems.append(f"--half-life: must be a duration > 0 like 7d, 12h, 1d12h or seconds, got {half_life!r}")
     return t, hl
 
 
@@ -369,7 +369,7 @@ def ledger_show(ledger_url, at, half_life, config, capacity, as_json):
 @_ledger_options
 @click.option("--older-than", "older_than", required=True, type=_said(
     "Say how old an interval must be to be folded: --older-than 30d (or 12h, or seconds)."),
-              help="Fold intervals that ended at least this long before --at (30d, 12h, seconds).")
+              help="Fold intervals that ended at least this long before --at (30d, 12h, 1d12h, seconds).")
 @click.option("--json", "as_json", is_flag=True, help="Print {folded, before, remaining} as JSON.")
 def ledger_compact(ledger_url, at, half_life, older_than, as_json):
     """Fold old usage intervals into per-user decayed aggregates (one transaction).
@@ -388,7 +388,7 @@ def ledger_compact(ledger_url, at, half_life, older_than, as_json):
         if not age >= 0:
             raise ValueError
     except ValueError:
-        problems.append(f"--older-than: must be a duration >= 0 like 30d, 12h or seconds, got {older_than!r}")
+        problems.append(f"--older-than: must be a duration >= 0 like 30d, 12h, 1d12h or seconds, got {older_than!r}")
     else:
         if t is not None and t - age > time.time():
             # compaction decays what it folds to its cut: a cut in the future would make the scheduler

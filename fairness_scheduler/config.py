@@ -186,7 +186,7 @@ def _num(problems, path, value, lo=None, lo_open=False, duration=False):
     try:
         v = parse_duration(value) if duration else float(value)
     except (TypeError, ValueError):
-        problems.append(f"{path}: must be a {'duration like 7d, 12h or seconds' if duration else 'number'}, got {value!r}")
+        problems.append(f"{path}: must be a {'duration like 7d, 12h, 1d12h or seconds' if duration else 'number'}, got {value!r}")
         return None
     if math.isnan(v):
         problems.append(f"{path}: must be a number, got NaN")

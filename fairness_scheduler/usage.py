@@ -12,6 +12,7 @@ they never rewind usage); ``h = inf`` (no decay) is the plain integral.
 from __future__ import annotations
 
 import math
+import re
 
 LN2 = math.log(2.0)
 
@@ -34,17 +35,31 @@ def accrue(usage: float, rate: float, dt: float, half_life: float) -> float:
     return usage * f + rate * (1.0 - f) * half_life / LN2
 
 
+_UNITS = {"w": 604800.0, "d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6,
+          "ns": 1e-9}
+# one number and its unit; "ms" before "m": the regex takes the first alternative that matches
+_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|us|µs|ns|w|d|h|m|s)")
+
+
 def parse_duration(text: str | float | int) -> float:
-    """``"7d"``, ``"12h"``, ``"30m"``, ``"45s"``, ``"inf"`` or a number of seconds."""
+    """``"7d"``, ``"12h"``, ``"30m"``, ``"45s"``, ``"inf"``, a number of seconds, or parts in a row
+    as Go writes durations (Kueue's ``usageHalfLifeTime: 168h0m0s``) with days and weeks too:
+    ``"1d12h"``, ``"1h30m"``. Raises ValueError."""
     if isinstance(text, (int, float)):
         return float(text)
     s = str(text).strip().lower()
-    if s in ("inf", "infinity", "never"):
+    if s == "never":
         return math.inf
-    units = {"w": 604800, "d": 86400, "h": 3600, "m": 60, "s": 1}
-    if s and s[-1] in units:
-        return float(s[:-1]) * units[s[-1]]
-    return float(s)
+    try:
+        return float(s)  # seconds, inf
+    except ValueError:
+        pass
+    sign, body = (-1.0, s[1:]) if s[:1] == "-" else (1.0, s.lstrip("+"))
+    body = "".join(body.split())  # "7 d", "1d 12h"
+    parts = _PART.findall(body)
+    if not parts or "".join(n + u for n, u in parts) != body:
+        raise ValueError(f"not a duration: {text!r}")
+    return sign * sum(float(n) * _UNITS[u] for n, u in parts)
 
 
 def parse_time(text: str, now: float) -> float:

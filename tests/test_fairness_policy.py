@@ -78,9 +78,19 @@ def test_accrue_is_exact_between_events():
 
 
 @pytest.mark.parametrize("text,seconds", [("7d", 604800), ("12h", 43200), ("30m", 1800), ("45s", 45), ("90", 90),
-                                          (3.5, 3.5), ("inf", math.inf)])
+                                          (3.5, 3.5), ("inf", math.inf), ("never", math.inf), ("2w", 1209600),
+                                          ("1.5d", 129600), ("7 D", 604800),
+                                          # parts in a row, as Go writes a duration (Kueue's usageHalfLifeTime)
+                                          ("1d12h", 129600), ("1h30m", 5400), ("168h0m0s", 604800),
+                                          ("1d 12h", 129600), ("1m30s500ms", 90.5), ("-3d", -259200)])
 def test_parse_duration(text, seconds):
     assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "h", "1x", "1h30", "d1", "1d-2h", "7 days"])
+def test_a_duration_that_is_none_is_refused(text):
+    with pytest.raises(ValueError, match="not a duration"):
+        parse_duration(text)
 
 
 # ---- ordering ------------------------------------------------------------------------------------
