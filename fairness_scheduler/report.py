@@ -150,11 +150,26 @@ def quiet_worker_signals() -> None:
     """In a pool's worker process: Ctrl-C, a kill or a hang-up ends it as the signals' defaults do,
     silently. A forked worker inherits the parent's Python handlers, so Ctrl-C (which reaches the
     whole terminal group) printed a KeyboardInterrupt traceback from every worker; the parent
-    says what happened, once."""
+    says what happened, once. And the worker ends when its parent does, however that ends."""
+    import os
     import signal
+    import threading
+    import time
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
+    parent = os.getppid()
+
+    def watch_parent() -> None:
+        """A parent killed outright (kill -9, the OOM killer, a notebook kernel's restart) cannot
+        stop its workers: they finished the simulation under way, then waited on the pool's queue
+        for ever, each holding its copy of the traces (they hold the queue's pipes too, so they
+        never see it close). The standard library pool has no such check."""
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch_parent, name="watch-parent", daemon=True).start()
 
 
 def stop_pool_workers(before: set) -> None:

@@ -469,6 +469,43 @@ def test_stopping_a_parallel_run_ends_its_workers_without_tracebacks(command, ho
             proc.wait()
 
 
+@pytest.mark.parametrize("command", [
+    ["simulate", "--trace", str(TRACES / "cluster07.csv"), "--workers", "2"],
+    ["goals", "--traces", str(TRACES / "cluster10.csv"), "--seeds", "0-299", "--workers", "2"],
+])
+def test_workers_end_when_their_parent_is_killed_outright(command):
+    """kill -9 (the OOM killer, a notebook kernel's restart) gives the CLI no chance to stop its
+    workers: they waited on the pool's queue for ever, each holding the traces in memory."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-m", "kfp_pytorch.cli", *command], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    workers = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers := psutil.Process(proc.pid).children(recursive=True)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the workers never started"
+            time.sleep(0.05)
+        time.sleep(0.5)  # the workers are simulating
+        proc.kill()
+        proc.wait()
+        _, alive = psutil.wait_procs(workers, timeout=20)  # the run under way is not waited for
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for p in workers:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
 def test_a_kill_amid_many_short_runs_ends_the_pool_at_once():
     """Hundreds of short runs queued behind the workers: the CLI's handler reaped the stopped
     workers itself, the pool then took them for still running and its shutdown spun for ever
