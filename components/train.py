@@ -327,6 +327,37 @@ class Backend(Protocol):
         """Run the job to completion, or raise TrainingError."""
 
 
+RUN_OWNER_ENV = "KFP_PYTORCH_RUN_OWNER"
+"""Set by a local pipeline run (``kfp-pytorch run --local``, a notebook's run) for its steps: the
+process that runs the pipeline, as ``PID:START_TIME``. Training on this machine stops when that
+process is gone: SIGTERM and Ctrl-C reach the step, but a kill -9, the OOM killer or a notebook
+kernel's restart do not, and the workers (in their own session) trained on for hours, unread."""
+
+
+def run_owner_token(pid: int | None = None) -> str:
+    """``PID:START_TIME`` of a process (this one by default): its start time tells it from a later
+    process given the same PID."""
+    import psutil
+
+    p = psutil.Process(pid)
+    return f"{p.pid}:{p.create_time()!r}"
+
+
+def run_owner_alive(token: str) -> bool:
+    """Whether the process ``token`` names (:func:`run_owner_token`) still runs; a token that
+    cannot be read names none to watch (True)."""
+    import psutil
+
+    pid, _, started = token.partition(":")
+    try:
+        p = psutil.Process(int(pid))
+        return abs(p.create_time() - float(started)) < 0.01 and p.status() != psutil.STATUS_ZOMBIE
+    except ValueError:
+        return True
+    except psutil.Error:  # NoSuchProcess, or AccessDenied on another user's process of that PID
+        return False
+
+
 class LocalBackend:
     """torchrun on this machine: one node, ``workers`` processes."""
 
@@ -371,10 +402,22 @@ class LocalBackend:
         in_main = threading.current_thread() is threading.main_thread()
         if in_main:  # run terminated (KFP sends SIGTERM): take the workers down with us
             signal.signal(signal.SIGTERM, _raise_interrupt)
+        owner = os.environ.get(RUN_OWNER_ENV)
+        deadline = time.monotonic() + spec.timeout_s
         try:
-            rc = proc.wait(timeout=spec.timeout_s)
-        except subprocess.TimeoutExpired as e:
-            raise TrainingError(f"training exceeded timeout_s={spec.timeout_s:g}", "raise timeout_s or reduce epochs") from e
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    rc = proc.wait(timeout=min(left, 1.0) if owner else left)
+                    break
+                except subprocess.TimeoutExpired as e:
+                    if time.monotonic() >= deadline:
+                        raise TrainingError(f"training exceeded timeout_s={spec.timeout_s:g}",
+                                            "raise timeout_s or reduce epochs") from e
+                    if owner and not run_owner_alive(owner):
+                        raise TrainingError("the local run that started this step was killed; its training stops "
+                                            f"too (the workers checkpoint to {spec.output_uri})",
+                                            "start the run again") from None
         finally:
             if proc.poll() is None:
                 _kill_group(proc)

@@ -242,6 +242,8 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
     without kfp.local's plumbing unless ``verbose``."""
     import kfp.local
 
+    from kfp_pytorch.components.train import RUN_OWNER_ENV, run_owner_token
+
     root = Path(pipeline_root or home() / "local_outputs")
     root.mkdir(parents=True, exist_ok=True)
     before = set(root.iterdir())
@@ -257,6 +259,9 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
     # kfp.local prints to sys.stdout (its logger's handler is made on it too): the tee stands in
     real_stdout = sys.stdout
     tee = sys.stdout = _Tee(out or sys.stdout, log, condensed=not verbose)
+    # the steps' environment names this process: training stops if it is killed outright
+    owner_before = os.environ.get(RUN_OWNER_ENV)
+    os.environ[RUN_OWNER_ENV] = run_owner_token()
     try:
         with warnings.catch_warnings():
             # kfp.local warns, for every step, that display names do nothing locally and that a
@@ -275,6 +280,10 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
         raise
     finally:
         sys.stdout = real_stdout
+        if owner_before is None:
+            os.environ.pop(RUN_OWNER_ENV, None)
+        else:
+            os.environ[RUN_OWNER_ENV] = owner_before
     run_dir = _run_dir_with_log(root, before, log, log_path) or root
     outputs = _read_outputs(run_dir)
     elapsed = time.perf_counter() - t0

@@ -263,6 +263,48 @@ def test_ctrl_c_on_a_local_run_checkpoints_where_the_workers_stop(digits_data, t
     assert not left
 
 
+def test_local_training_stops_when_the_run_that_started_it_is_killed_outright(digits_data, tmp_path):
+    """A kill -9 of the local run (a notebook kernel's restart, the OOM killer) reaches neither its
+    step nor the workers in their own session: they trained on, for hours, unread. The step
+    watches the run's process, which the run names in its steps' environment."""
+    import subprocess
+    import sys
+
+    from kfp_pytorch.components.train import RUN_OWNER_ENV, run_owner_alive, run_owner_token
+
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    out = tmp_path / "out"
+    code = ("from kfp_pytorch.components.train import TrainSpec, train\n"
+            f"train(TrainSpec({digits_data!r}, {str(out)!r}, model='factories:slow', epochs=50, batch_size=16, "
+            "workers=2, max_restarts=0, progress='off', checkpoint_every_s=0))\n")
+    token = run_owner_token(owner.pid)
+    assert run_owner_alive(token) and not run_owner_alive(f"{owner.pid}:{float(token.split(':')[1]) - 60!r}")
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, RUN_OWNER_ENV: token},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        state_file = out / "checkpoints" / "last.json"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not state_file.exists() and proc.poll() is None:
+            time.sleep(0.02)
+        assert proc.poll() is None, "training ended before the run was killed"
+        owner.kill()
+        owner.wait()
+        assert not run_owner_alive(token)
+        text, _ = proc.communicate(timeout=60)
+    finally:
+        for p in (owner, proc):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        left = [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
+        for p in left:  # on a failure, not left to train on after the test
+            p.kill()
+    assert proc.returncode != 0
+    assert "the local run that started this step was killed; its training stops too" in text, text[-2000:]
+    assert "stopped on SIGTERM epoch" in text  # the workers checkpointed on their way out
+    assert not left
+
+
 def test_a_mid_epoch_resume_trains_on_the_rest_of_that_very_epoch():
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
