@@ -49,6 +49,12 @@ class ExportedModel:
         """The width of the probabilities the program answers with."""
         self.class_names: list[str] | None = self.meta.get("class_names")
         """Names by class id when the model was trained on a text label column."""
+        shape = self.meta.get("image_shape")
+        self.image_shapes: list[list[int]] = ([] if not shape else [list(shape), list(shape[1:])] if shape[0] == 1
+                                              else [list(shape)])
+        """For a model trained on an image's pixels (``pixel_ROW_COL`` columns, in row-major order),
+        the shapes a batch of images may come in besides rows: ``[C, H, W]`` each, as PyTorch
+        and a KServe image client send them, or ``[H, W]`` for one channel."""
         self._torch = torch
 
     def predict(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -56,8 +62,12 @@ class ExportedModel:
         x = np.asarray(rows, dtype=np.float32)
         if x.ndim == 1:  # one row; or none (an empty batch, answered with no predictions)
             x = x.reshape(0, self.num_features) if x.size == 0 else x[None, :]
+        if x.ndim > 2 and list(x.shape[1:]) in self.image_shapes:  # images: their pixels are the row, in order
+            x = x.reshape(len(x), self.num_features)
         if x.ndim != 2 or x.shape[1] != self.num_features:
-            raise ValueError(f"expected input of shape [n, {self.num_features}], got {list(x.shape)}")
+            images = " or ".join(f"[n, {', '.join(map(str, s))}]" for s in self.image_shapes)
+            raise ValueError(f"expected input of shape [n, {self.num_features}]"
+                             + (f" (or images, {images})" if images else "") + f", got {list(x.shape)}")
         if not np.isfinite(x).all():  # a NaN row would come back as class 0 with NaN probabilities
             bad = sorted({int(i) for i in np.nonzero(~np.isfinite(x).all(axis=1))[0]})
             raise ValueError(f"rows {bad[:10]}{' ...' if len(bad) > 10 else ''} hold NaN or infinite features "

@@ -9,7 +9,8 @@ It speaks the Open Inference Protocol v2 through KServe's ``ModelServer``:
 metadata, ``GET /v2/models/{name}``, which declares its inputs by feature name (one FP32 ``[-1]``
 column each), so a client that holds a table but not the model's directory sends its columns by
 name (``kfp-pytorch serve predict --url``).
-Request: one FP32 input ``[n, features]`` of raw features, or one input ``[n]`` per feature column,
+Request: one FP32 input ``[n, features]`` of raw features (for a model trained on an image's pixels,
+images ``[n, C, H, W]`` or ``[n, H, W]`` too), or one input ``[n]`` per feature column,
 named by it (the columnar form of KServe's tabular servers, flagged ``parameters: {"content_type":
 "pd"}``: matched by name, in any order, other columns ignored); v1: ``instances`` as rows, or as
 records ``{"column": value, ...}``, read by name. Response: ``probabilities`` FP32

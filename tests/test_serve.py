@@ -286,6 +286,32 @@ def test_only_the_requested_outputs_are_returned(endpoint):
     assert requests.get(f"{endpoint.url}/v2/health/ready").status_code == 200
 
 
+def test_an_image_models_rows_may_come_as_images(endpoint, digits_data, trained_model):
+    """A model trained on an image's pixels takes a batch as images too, [n, C, H, W] as PyTorch and
+    KServe's image clients send them ([n, H, W] for one channel), in JSON, in binary and in v1."""
+    assert ModelRunner(trained_model.model_uri).meta["image_shape"] == [1, 8, 8]
+    rows, _ = _raw_rows(digits_data, 6)
+    rows = rows.astype(np.float32)
+    want = infer(endpoint.url, "digits", rows.tolist())["outputs"][1]["data"]
+    for shape in ([6, 1, 8, 8], [6, 8, 8]):
+        body = {"inputs": [{"name": "images", "shape": shape, "datatype": "FP32", "data": rows.ravel().tolist()}]}
+        r = requests.post(endpoint.infer_url, json=body)
+        assert r.status_code == 200 and r.json()["outputs"][1]["data"] == want, r.text
+        header = json.dumps({"inputs": [{"name": "images", "shape": shape, "datatype": "FP32",
+                                         "parameters": {"binary_data_size": rows.nbytes}}]}).encode()
+        r = requests.post(endpoint.infer_url, data=header + rows.tobytes(),
+                          headers={"Inference-Header-Content-Length": str(len(header)),
+                                   "Content-Type": "application/octet-stream"})
+        assert r.status_code == 200 and r.json()["outputs"][1]["data"] == want, r.text
+    r = requests.post(endpoint.url + "/v1/models/digits:predict", json={"instances": rows.reshape(6, 8, 8).tolist()})
+    assert r.status_code == 200 and r.json()["predictions"] == want, r.text
+    # other images: the error names the shapes the model takes
+    r = requests.post(endpoint.infer_url, json={"inputs": [{"name": "images", "shape": [1, 2, 4, 8], "datatype": "FP32",
+                                                            "data": [0.0] * 64}]})
+    assert r.status_code == 400 and ("expected input of shape [n, 64] (or images, [n, 1, 8, 8] or [n, 8, 8]), "
+                                     "got [1, 2, 4, 8]") in r.text, r.text
+
+
 def test_client_errors_say_what_to_do(endpoint):
     # A server error keeps the server's message; a second call on the same kept-alive pool still works.
     with pytest.raises(ServingError, match="HTTP 400: .*expected input of shape \\[n, 64\\]"):
