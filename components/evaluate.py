@@ -271,6 +271,55 @@ def calibration_figure(curve: dict, ece: float):
     return fig
 
 
+MISTAKES_SHOWN = 24
+"""How many of an image model's wrong test images the report shows, the most confident first."""
+
+
+def image_mistakes(x: np.ndarray, y: np.ndarray, probs: np.ndarray, model_meta: dict) -> dict | None:
+    """For a model trained on an image's pixels (its metadata's ``image_shape``): the test images it
+    got wrong, the most confident mistakes first (up to :data:`MISTAKES_SHOWN`), as raw pixels
+    ``[n, C, H, W]`` with their true and predicted class and the confidence; None for a model of
+    other features. ``x``: the rows as the model reads them (normalised by its statistics)."""
+    shape = model_meta.get("image_shape")
+    if not shape or int(np.prod(shape)) != x.shape[1] or not len(y):
+        return None
+    pred = probs.argmax(1)
+    wrong = np.nonzero(pred != y)[0]
+    conf = probs[wrong, pred[wrong]]
+    shown = wrong[np.argsort(-conf, kind="stable")][:MISTAKES_SHOWN]  # ties: in test-split order
+    norm = model_meta["normalization"]
+    raw = x[shown] * np.asarray(norm["std"], np.float32) + np.asarray(norm["mean"], np.float32)
+    return {"images": raw.reshape(len(shown), *shape), "true": y[shown].tolist(), "predicted": pred[shown].tolist(),
+            "confidence": probs[shown, pred[shown]].tolist(), "rows": shown.tolist(), "wrong": len(wrong),
+            "test_rows": len(y)}
+
+
+def mistakes_figure(mistakes: dict, names: list[str] | None = None):
+    """The wrong test images in a grid, each titled ``true -> predicted`` and the confidence. One
+    channel is drawn in grey, three as RGB; each image is scaled to its own range."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    images = mistakes["images"]
+    n = len(images)
+    cols = min(8, n)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(1.35 * cols, 1.6 * rows), squeeze=False)
+    name = (lambda c: str(names[c])) if names else str
+    for ax in axes.ravel():
+        ax.axis("off")
+    for ax, img, t, p, c in zip(axes.ravel(), images, mistakes["true"], mistakes["predicted"], mistakes["confidence"]):
+        img = img.transpose(1, 2, 0) if img.shape[0] == 3 else img[0]
+        lo, hi = float(img.min()), float(img.max())
+        img = (img - lo) / (hi - lo) if hi > lo else np.zeros_like(img)
+        ax.imshow(img, cmap="gray", vmin=0, vmax=1, interpolation="nearest")
+        ax.set_title(f"{name(t)} \u2192 {name(p)}\n{c:.2f}", fontsize=7)
+    fig.suptitle("true \u2192 predicted, confidence", fontsize=8)
+    return fig
+
+
 def roc_figure(roc: dict, auc: float, name: str):
     import matplotlib
 
@@ -320,14 +369,16 @@ def confusion_figure(cm: np.ndarray, classes: list):
 
 def render_report(metrics: dict, history: list[dict], classes: list, gate: dict,
                   exported_epoch: int | None = None, data_note: str | None = None, roc: dict | None = None,
-                  classes_report: list[dict] | None = None, calibration_curve: dict | None = None) -> str:
+                  classes_report: list[dict] | None = None, calibration_curve: dict | None = None,
+                  mistakes: dict | None = None, class_names: list[str] | None = None) -> str:
     """A self-contained HTML page (plots inlined as PNG) that the KFP UI renders. ``exported_epoch``:
     the epoch whose weights were evaluated, marked on the curves when it is not the last (an early
     stop kept the best). ``data_note``: a caution about the test split (rows also trained on).
     ``roc``: :func:`roc_metrics`' curve of a two-class test split (with its class's ``name``), drawn.
     ``classes_report``: :func:`per_class`, as a table by ``classes`` (the ticks: names or ids), the
     worst recall first. ``calibration_curve``: :func:`calibration`'s bins, drawn as a reliability
-    diagram."""
+    diagram. ``mistakes``: :func:`image_mistakes`, drawn as a grid of images (named by
+    ``class_names`` where the label column held names)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -361,6 +412,12 @@ def render_report(metrics: dict, history: list[dict], classes: list, gate: dict,
     if calibration_curve is not None and "ece" in metrics:
         fig = calibration_figure(calibration_curve, metrics["ece"])
         imgs.append(("Calibration", _png(fig)))
+        plt.close(fig)
+    if mistakes is not None and mistakes["wrong"]:
+        fig = mistakes_figure(mistakes, class_names)
+        shown = len(mistakes["images"])
+        imgs.append((f"Wrong test images: {'the ' + str(shown) + ' most confident of ' if shown < mistakes['wrong'] else ''}"
+                     f"{mistakes['wrong']} (of {mistakes['test_rows']})", _png(fig)))
         plt.close(fig)
     verdict = "PASSED" if gate["passed"] else "FAILED"
     color = "#1a7f37" if gate["passed"] else "#cf222e"
@@ -439,4 +496,4 @@ def evaluate(spec: EvaluateSpec, storage: Storage | None = None) -> dict:
             "per_class": by_class, "calibration": reliability, "gate_note": gate_note(gate, metrics, ticks),
             "report_html": render_report(metrics, history, ticks, gate, model_meta.get("training", {}).get("exported_epoch"),
                                          duplicates_note(data_meta.get("duplicates", {}), data_meta["rows"]), roc,
-                                         by_class, reliability)}
+                                         by_class, reliability, image_mistakes(x, y, probs, model_meta), names)}

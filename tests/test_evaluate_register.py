@@ -23,7 +23,10 @@ def test_evaluate_metrics_gate_and_report(digits_data, trained_model):
     assert sum(cm[i][i] for i in range(10)) / 270 == pytest.approx(m["accuracy"])
     assert res["gate"]["passed"] is True
     html = res["report_html"]
-    assert html.count("data:image/png;base64,") == 3 and "Gate PASSED" in html  # confusion, calibration
+    # confusion, calibration, and the wrong test images (a model of an image's pixels)
+    assert html.count("data:image/png;base64,") == 4 and "Gate PASSED" in html
+    wrong = 270 - sum(cm[i][i] for i in range(10))
+    assert f"<h3>Wrong test images: {wrong} (of 270)</h3>" in html
     # calibration: the reliability diagram's bins hold every test row, and its gaps make the ECE
     cal = res["calibration"]
     assert sum(cal["rows"]) == 270 and "<h3>Calibration</h3>" in html and "<td>ece</td>" in html
@@ -101,6 +104,42 @@ def test_roc_auc_is_scikit_learns_and_the_two_class_curve_is_drawn_from_it():
     assert roc_metrics(np.array([0, 2, 0, 2]), probs[:4], [0, 2]) == ({}, None)  # a label with no output
 
 
+def test_an_image_models_wrong_test_images_are_shown_the_most_confident_first():
+    from kfp_pytorch.components.evaluate import MISTAKES_SHOWN, image_mistakes, render_report
+
+    rng = np.random.default_rng(0)
+    n = 60
+    raw = rng.uniform(0, 16, size=(n, 2 * 3)).astype(np.float32)
+    meta = {"image_shape": [1, 2, 3], "normalization": {"mean": [8.0] * 6, "std": [4.0] * 6}}
+    x = (raw - 8) / 4  # as the model reads them
+    y = np.arange(n) % 3
+    probs = np.full((n, 3), 0.1, np.float32)
+    probs[np.arange(n), y] = 0.8  # right ...
+    wrong = [5, 17, 30, 41]
+    for row, conf in zip(wrong, (0.6, 0.95, 0.7, 0.95)):  # ... but these, each at its confidence
+        probs[row] = 0.0
+        probs[row, (y[row] + 1) % 3], probs[row, y[row]] = conf, 1 - conf
+    m = image_mistakes(x, y, probs, meta)
+    assert m["rows"] == [17, 41, 30, 5] and m["wrong"] == 4 and m["test_rows"] == n  # a tie: in test order
+    assert m["true"] == y[m["rows"]].tolist() and m["predicted"] == [(t + 1) % 3 for t in m["true"]]
+    assert m["confidence"] == pytest.approx([0.95, 0.95, 0.7, 0.6])
+    np.testing.assert_allclose(m["images"], raw[m["rows"]].reshape(4, 1, 2, 3), rtol=1e-6)  # the raw pixels
+    # many mistakes: the most confident ones shown, and said so
+    many = np.roll(probs, 1, axis=1)  # every row wrong
+    m = image_mistakes(x, y, many, meta)
+    assert len(m["images"]) == MISTAKES_SHOWN and m["wrong"] == n
+    gate = {"metric": "accuracy", "value": 0.5, "threshold": 0.5, "passed": True}
+    page = render_report({"confusion_matrix": [[1, 0], [0, 1]]}, [], ["a", "b"], gate, mistakes=m,
+                         class_names=["a", "b", "c"])
+    assert f"<h3>Wrong test images: the {MISTAKES_SHOWN} most confident of {n} (of {n})</h3>" in page
+    # a model of other features, or one without mistakes: no gallery
+    assert image_mistakes(x, y, probs, {"normalization": meta["normalization"]}) is None
+    right = np.eye(3, dtype=np.float32)[y]
+    assert image_mistakes(x, y, right, meta)["wrong"] == 0
+    assert "Wrong test images" not in render_report({"confusion_matrix": [[1]]}, [], ["a"], gate,
+                                                    mistakes=image_mistakes(x, y, right, meta))
+
+
 def test_calibration_is_the_gap_between_confidence_and_accuracy_per_confidence_bin():
     from sklearn.metrics import log_loss
 
@@ -153,7 +192,9 @@ def test_a_two_class_model_gets_its_roc_curve_in_the_kfp_ui_and_the_report(digit
     assert len(curve) > 10 and fpr == sorted(fpr) and fpr[-1] == 1 and curve[-1]["recall"] == 1
     assert np.trapezoid([p["recall"] for p in curve], fpr) == pytest.approx(metrics.metadata["roc_auc"])
     html = (tmp_path / "report.html").read_text()
-    assert "<h3>ROC curve</h3>" in html and html.count("data:image/png;base64,") == 4  # curves, confusion, ROC, calibration
+    # curves, confusion, ROC, calibration, and the wrong test images (named classes: an image's pixels still)
+    assert "<h3>ROC curve</h3>" in html and html.count("data:image/png;base64,") == 5
+    assert "<h3>Wrong test images: " in html
 
 
 def test_the_report_says_when_test_rows_were_also_trained_on(digits_data, trained_model, tmp_path):
