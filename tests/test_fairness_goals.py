@@ -426,6 +426,19 @@ def test_default_shares_apply_to_a_traces_own_users_and_not_to_drawn_ones(tmp_pa
     assert [(u.shares, u.priority) for u in drawn[:10]] == [(1, 3)] * 5 + [(1, 2)] * 2 + [(2, 1)] + [(1, 2)] * 2
 
 
+def _pool_workers(proc, count: int = 2) -> list:
+    """The CLI's pool workers, once ``count`` of them run (within a minute)."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + 60
+    while len(workers := psutil.Process(proc.pid).children(recursive=True)) < count:
+        assert proc.poll() is None and time.monotonic() < deadline, "the workers never started"
+        time.sleep(0.05)
+    return workers
+
+
 @pytest.mark.parametrize("command,how", [
     (["simulate", "--trace", str(TRACES / "cluster07.csv"), "--workers", "2"], "ctrl-c"),
     (["simulate", "--trace", str(TRACES / "cluster07.csv"), "--workers", "2"], "kill"),
@@ -444,10 +457,7 @@ def test_stopping_a_parallel_run_ends_its_workers_without_tracebacks(command, ho
     proc = subprocess.Popen([sys.executable, "-m", "kfp_pytorch.cli", *command], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        while len(workers := psutil.Process(proc.pid).children(recursive=True)) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, "the workers never started"
-            time.sleep(0.05)
+        workers = _pool_workers(proc)
         time.sleep(0.5)  # the workers are simulating
         if how == "ctrl-c":
             os.killpg(proc.pid, signal.SIGINT)
@@ -486,10 +496,7 @@ def test_workers_end_when_their_parent_is_killed_outright(command):
                             stderr=subprocess.DEVNULL, start_new_session=True)
     workers = []
     try:
-        deadline = time.monotonic() + 60
-        while len(workers := psutil.Process(proc.pid).children(recursive=True)) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, "the workers never started"
-            time.sleep(0.05)
+        workers = _pool_workers(proc)
         time.sleep(0.5)  # the workers are simulating
         proc.kill()
         proc.wait()
@@ -521,10 +528,7 @@ def test_a_kill_amid_many_short_runs_ends_the_pool_at_once():
                                  str(TRACES / "cluster10.csv"), "--seeds", "0-299", "--workers", "2"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
-            deadline = time.monotonic() + 60
-            while len(workers := psutil.Process(proc.pid).children(recursive=True)) < 2:
-                assert proc.poll() is None and time.monotonic() < deadline, "the workers never started"
-                time.sleep(0.05)
+            workers = _pool_workers(proc)
             time.sleep(delay)
             proc.send_signal(signal.SIGTERM)
             try:
