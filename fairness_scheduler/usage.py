@@ -37,8 +37,9 @@ def accrue(usage: float, rate: float, dt: float, half_life: float) -> float:
 
 _UNITS = {"w": 604800.0, "d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6,
           "ns": 1e-9}
-# one number and its unit; "ms" before "m": the regex takes the first alternative that matches
-_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|us|µs|ns|w|d|h|m|s)")
+# one number (an exponent too: 1e3s, as one part was read before) and its unit; "ms" before "m":
+# the regex takes the first alternative that matches
+_PART = re.compile(r"((?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)(ms|us|µs|ns|w|d|h|m|s)")
 
 
 def parse_duration(text: str | float | int) -> float:

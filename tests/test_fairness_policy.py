@@ -82,7 +82,8 @@ def test_accrue_is_exact_between_events():
                                           ("1.5d", 129600), ("7 D", 604800),
                                           # parts in a row, as Go writes a duration (Kueue's usageHalfLifeTime)
                                           ("1d12h", 129600), ("1h30m", 5400), ("168h0m0s", 604800),
-                                          ("1d 12h", 129600), ("1m30s500ms", 90.5), ("-3d", -259200)])
+                                          ("1d 12h", 129600), ("1m30s500ms", 90.5), ("-3d", -259200), ("1e3s", 1000),
+                                          ("1.5e1m", 900)])
 def test_parse_duration(text, seconds):
     assert parse_duration(text) == seconds
 
