@@ -30,6 +30,10 @@ from urllib3.util.wait import wait_for_read
 
 from .errors import ConfigError, KfpPytorchError, PortInUseError, RequestRefused, ServingError
 from .paths import held, home, locked
+from .processes import alive as _alive
+from .processes import same_process as _ours
+from .processes import start_ticks as _start_ticks
+from .processes import wall_start as _create_time
 
 PREDICTOR_MODULE = "kfp_pytorch.components.kserve_predictor"
 WAITING_FOR_PORT = "kfp-pytorch: model loaded, waiting for port"
@@ -649,53 +653,6 @@ BACKENDS = {"local": LocalServeBackend, "cluster": ClusterServeBackend}
 
 def _pidfile(name: str) -> Path:
     return _servers_dir() / f"{name}.json"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    try:  # a zombie (exited, not yet reaped) is not alive
-        import psutil
-
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except Exception:
-        return True
-
-
-def _create_time(pid: int) -> float | None:
-    try:
-        import psutil
-
-        return psutil.Process(pid).create_time()
-    except Exception:
-        return None
-
-
-def _start_ticks(pid: int) -> int | None:
-    """When the process started, in clock ticks since boot (Linux: /proc/PID/stat, field 22).
-    Unlike psutil's create_time (those ticks plus the boot time, which each process reads once
-    and which moves when the wall clock is stepped), the same in every process that reads it."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat[stat.rindex(")") + 2:].split()[19])  # fields from 3 on: state is field 3
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _ours(info: dict) -> bool:
-    """The server a pidfile names is still that process: alive, and not another process that
-    was given the same pid after ours ended (it would be signalled, with its whole group)."""
-    pid = info.get("pid")
-    if pid is None or not _alive(pid):
-        return False
-    if info.get("start_ticks") is not None and (ticks := _start_ticks(pid)) is not None:
-        return ticks == info["start_ticks"]
-    # Not Linux, or a record from before start_ticks: the wall-clock start time, within the
-    # second a boot-time re-read may move it by
-    started, now = info.get("create_time"), _create_time(pid)
-    return started is None or now is None or abs(now - started) < 1.0
 
 
 def _terminate(pid: int, grace: float = 10.0) -> None:

@@ -329,33 +329,30 @@ class Backend(Protocol):
 
 RUN_OWNER_ENV = "KFP_PYTORCH_RUN_OWNER"
 """Set by a local pipeline run (``kfp-pytorch run --local``, a notebook's run) for its steps: the
-process that runs the pipeline, as ``PID:START_TIME``. Training on this machine stops when that
+process that runs the pipeline (:func:`run_owner_token`). Training on this machine stops when that
 process is gone: SIGTERM and Ctrl-C reach the step, but a kill -9, the OOM killer or a notebook
 kernel's restart do not, and the workers (in their own session) trained on for hours, unread."""
 
 
 def run_owner_token(pid: int | None = None) -> str:
-    """``PID:START_TIME`` of a process (this one by default): its start time tells it from a later
-    process given the same PID."""
-    import psutil
+    """The value of :data:`RUN_OWNER_ENV` for a process (this one by default): its PID and when it
+    started, which tells it from a later process given the same PID."""
+    from .processes import identity
 
-    p = psutil.Process(pid)
-    return f"{p.pid}:{p.create_time()!r}"
+    return json.dumps(identity(pid))
 
 
 def run_owner_alive(token: str) -> bool:
     """Whether the process ``token`` names (:func:`run_owner_token`) still runs; a token that
     cannot be read names none to watch (True)."""
-    import psutil
+    from .processes import same_process
 
-    pid, _, started = token.partition(":")
     try:
-        p = psutil.Process(int(pid))
-        return abs(p.create_time() - float(started)) < 0.01 and p.status() != psutil.STATUS_ZOMBIE
-    except ValueError:
+        info = json.loads(token)
+        int(info["pid"])
+    except (ValueError, TypeError, KeyError):
         return True
-    except psutil.Error:  # NoSuchProcess, or AccessDenied on another user's process of that PID
-        return False
+    return same_process(info)
 
 
 class LocalBackend:

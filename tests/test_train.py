@@ -278,7 +278,8 @@ def test_local_training_stops_when_the_run_that_started_it_is_killed_outright(di
             f"train(TrainSpec({digits_data!r}, {str(out)!r}, model='factories:slow', epochs=50, batch_size=16, "
             "workers=2, max_restarts=0, progress='off', checkpoint_every_s=0))\n")
     token = run_owner_token(owner.pid)
-    assert run_owner_alive(token) and not run_owner_alive(f"{owner.pid}:{float(token.split(':')[1]) - 60!r}")
+    earlier = {**json.loads(token), "start_ticks": json.loads(token)["start_ticks"] - 1}  # another process of that PID
+    assert run_owner_alive(token) and not run_owner_alive(json.dumps(earlier))
     proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, RUN_OWNER_ENV: token},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
