@@ -23,7 +23,7 @@ from .config import FairShareConfig
 from .errors import SchedulerOptionsError, TraceError
 from .goals import (BASELINES, FAIR_BASELINES, GOALS, Check, baseline_checks, check, meets_all, miss_score,
                     missed, shared_misses)
-from .report import UserLookup, quiet_worker_signals, run_jobs, stop_pool_workers, trace_people, workers_problems
+from .report import UserLookup, init_pool_worker, run_jobs, stop_pool_workers, trace_people, workers_problems
 from .simulator import METRICS
 from .trace import (CUTS, PAIRS, TraceJob, capacity, cut, near_trace, overlay, read_trace, trace_files_in,
                     trace_name, trace_users)
@@ -300,7 +300,7 @@ def _run_all(units: list[_Unit], workers: int, progress) -> list[dict]:
         else:
             ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
             before = set(mp.active_children())
-            with ProcessPoolExecutor(min(workers, len(units)), mp_context=ctx, initializer=quiet_worker_signals) as ex:
+            with ProcessPoolExecutor(min(workers, len(units)), mp_context=ctx, initializer=init_pool_worker) as ex:
                 try:  # the submitting too: thousands of runs take a while to queue
                     futures = {ex.submit(_run_unit, units[i]): i for i in order}
                     for fut in as_completed(futures):

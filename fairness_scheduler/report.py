@@ -146,7 +146,7 @@ _COST_ORDER = ("fairshare", "slurm-fairshare", "drf", "kueue-afs", "static-prior
 _worker_state: dict = {}
 
 
-def quiet_worker_signals() -> None:
+def init_pool_worker() -> None:
     """In a pool's worker process: Ctrl-C, a kill or a hang-up ends it as the signals' defaults do,
     silently. A forked worker inherits the parent's Python handlers, so Ctrl-C (which reaches the
     whole terminal group) printed a KeyboardInterrupt traceback from every worker; the parent
@@ -185,7 +185,7 @@ def stop_pool_workers(before: set) -> None:
 
 
 def _worker_init(workloads, args, counter) -> None:
-    quiet_worker_signals()
+    init_pool_worker()
     _worker_state.update(workloads=workloads, args=args, counter=counter)
 
 
