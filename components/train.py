@@ -329,9 +329,13 @@ class Backend(Protocol):
 
 RUN_OWNER_ENV = "KFP_PYTORCH_RUN_OWNER"
 """Set by a local pipeline run (``kfp-pytorch run --local``, a notebook's run) for its steps: the
-process that runs the pipeline (:func:`run_owner_token`). Training on this machine stops when that
-process is gone: SIGTERM and Ctrl-C reach the step, but a kill -9, the OOM killer or a notebook
-kernel's restart do not, and the workers (in their own session) trained on for hours, unread."""
+process that runs the pipeline (:func:`run_owner_token`)."""
+STOP_WITH_ENV = "KFP_PYTORCH_STOP_WITH"
+"""Set by the local backend for its torchrun workers: the processes whose end stops training (JSON
+list of :func:`.processes.identity`): the process that started torchrun and, in a local run, the
+run's. SIGTERM and Ctrl-C reach the workers through them, but a kill -9, the OOM killer or a
+notebook kernel's restart do not, and the workers (in their own session) trained on for hours,
+unread. The workers watch them (:func:`.train_worker.stop_with`)."""
 
 
 def run_owner_token(pid: int | None = None) -> str:
@@ -342,17 +346,19 @@ def run_owner_token(pid: int | None = None) -> str:
     return json.dumps(identity(pid))
 
 
-def run_owner_alive(token: str) -> bool:
-    """Whether the process ``token`` names (:func:`run_owner_token`) still runs; a token that
-    cannot be read names none to watch (True)."""
-    from .processes import same_process
+def stop_with(owner: str | None) -> str:
+    """The value of :data:`STOP_WITH_ENV`: this process, and the run ``owner``
+    (:data:`RUN_OWNER_ENV`) when there is one to read."""
+    from .processes import identity
 
+    watched = [identity()]
     try:
-        info = json.loads(token)
-        int(info["pid"])
-    except (ValueError, TypeError, KeyError):
-        return True
-    return same_process(info)
+        run = json.loads(owner) if owner else None
+        if isinstance(run, dict) and isinstance(run.get("pid"), int):
+            watched.append(run)
+    except ValueError:
+        pass
+    return json.dumps(watched)
 
 
 class LocalBackend:
@@ -381,6 +387,7 @@ class LocalBackend:
         cpus = available_cpus()
         env.setdefault("OMP_NUM_THREADS", str(max(1, int(cpus // spec.workers))))
         env["PYTHONUNBUFFERED"] = "1"
+        env[STOP_WITH_ENV] = stop_with(os.environ.get(RUN_OWNER_ENV))
         # said before the workers import torch, which takes seconds each: the step is not hung
         print(f"[kfp-pytorch] starting {spec.workers} local DDP worker{'s' if spec.workers > 1 else ''} (torchrun) "
               f"on {cpus:g} CPU{'' if cpus == 1 else 's'}, {env['OMP_NUM_THREADS']} thread(s) each", flush=True)
@@ -399,22 +406,10 @@ class LocalBackend:
         in_main = threading.current_thread() is threading.main_thread()
         if in_main:  # run terminated (KFP sends SIGTERM): take the workers down with us
             signal.signal(signal.SIGTERM, _raise_interrupt)
-        owner = os.environ.get(RUN_OWNER_ENV)
-        deadline = time.monotonic() + spec.timeout_s
         try:
-            while True:
-                left = deadline - time.monotonic()
-                try:
-                    rc = proc.wait(timeout=min(left, 1.0) if owner else left)
-                    break
-                except subprocess.TimeoutExpired as e:
-                    if time.monotonic() >= deadline:
-                        raise TrainingError(f"training exceeded timeout_s={spec.timeout_s:g}",
-                                            "raise timeout_s or reduce epochs") from e
-                    if owner and not run_owner_alive(owner):
-                        raise TrainingError("the local run that started this step was killed; its training stops "
-                                            f"too (the workers checkpoint to {spec.output_uri})",
-                                            "start the run again") from None
+            rc = proc.wait(timeout=spec.timeout_s)
+        except subprocess.TimeoutExpired as e:
+            raise TrainingError(f"training exceeded timeout_s={spec.timeout_s:g}", "raise timeout_s or reduce epochs") from e
         finally:
             if proc.poll() is None:
                 _kill_group(proc)

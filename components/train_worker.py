@@ -92,6 +92,65 @@ class _StopRequest:
         return bool(self._flag.item())
 
 
+def stop_with(watched: list[dict], interval: float = 1.0) -> None:
+    """Once a process of ``watched`` (:data:`.train.STOP_WITH_ENV`) has ended, SIGTERM torchrun,
+    which forwards it to every worker: they agree on a step, checkpoint it and leave, as for any
+    stop. Run in a daemon thread by local rank 0; returns when it has signalled."""
+    from .processes import same_process
+
+    while (gone := next((w for w in watched if not same_process(w)), None)) is None:
+        time.sleep(interval)
+    print(f"[kfp-pytorch] pid {gone['pid']}, which training stops with, has ended: stopping", file=sys.stderr,
+          flush=True)
+    os.kill(os.getppid(), signal.SIGTERM)
+
+
+class _UnreadLog:
+    """A worker's stdout or stderr under the local backend: a pipe that the process which started
+    training reads. Once that process is gone (killed outright) a write raised BrokenPipeError, and
+    the worker died there, before it could checkpoint; the log then goes nowhere instead."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _gone(self) -> None:
+        self._stream = open(os.devnull, "w")
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._gone()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._gone()
+
+    def __getattr__(self, name):  # isatty, fileno, encoding ... as the stream's
+        return getattr(self._stream, name)
+
+
+def _watch_launcher() -> None:
+    """Under the local backend (not in a PyTorchJob): a log that may lose its reader, and local rank
+    0 watching the processes training stops with (:func:`stop_with`)."""
+    import json
+
+    from .train import STOP_WITH_ENV
+
+    if not (text := os.environ.get(STOP_WITH_ENV)):
+        return
+    sys.stdout, sys.stderr = _UnreadLog(sys.stdout), _UnreadLog(sys.stderr)
+    try:
+        watched = [w for w in json.loads(text) if isinstance(w, dict) and "pid" in w]
+    except ValueError:
+        return
+    if watched and os.environ.get("LOCAL_RANK", "0") == "0":
+        threading.Thread(target=stop_with, args=(watched,), name="stop-with", daemon=True).start()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kfp_pytorch.components.train_worker")
     p.add_argument("--dataset-uri", required=True)
@@ -482,6 +541,7 @@ def _stop(progress: "_Progress | None", where: str, rank: int, ckpt_uri: str) ->
 
 
 def main(argv: list[str] | None = None) -> int:
+    _watch_launcher()
     try:
         run(parse_args(argv))
     except Stopped:
