@@ -1,8 +1,8 @@
 """Which process a record names: a PID, and whether it is still the process that was recorded.
 
 A PID is given again once its process ends, so a record keeps when its process started too. Used by
-the local model servers' records (:mod:`.serve`) and by a local run's steps, which watch the run that
-started them (:mod:`.train`)."""
+the local model servers' records (:mod:`.serve`) and by local training's workers, which watch the
+processes that started them (:mod:`.train_worker`)."""
 from __future__ import annotations
 
 import os

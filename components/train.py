@@ -346,7 +346,7 @@ def run_owner_token(pid: int | None = None) -> str:
     return json.dumps(identity(pid))
 
 
-def stop_with(owner: str | None) -> str:
+def stop_with_env(owner: str | None) -> str:
     """The value of :data:`STOP_WITH_ENV`: this process, and the run ``owner``
     (:data:`RUN_OWNER_ENV`) when there is one to read."""
     from .processes import identity
@@ -387,7 +387,7 @@ class LocalBackend:
         cpus = available_cpus()
         env.setdefault("OMP_NUM_THREADS", str(max(1, int(cpus // spec.workers))))
         env["PYTHONUNBUFFERED"] = "1"
-        env[STOP_WITH_ENV] = stop_with(os.environ.get(RUN_OWNER_ENV))
+        env[STOP_WITH_ENV] = stop_with_env(os.environ.get(RUN_OWNER_ENV))
         # said before the workers import torch, which takes seconds each: the step is not hung
         print(f"[kfp-pytorch] starting {spec.workers} local DDP worker{'s' if spec.workers > 1 else ''} (torchrun) "
               f"on {cpus:g} CPU{'' if cpus == 1 else 's'}, {env['OMP_NUM_THREADS']} thread(s) each", flush=True)
