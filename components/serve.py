@@ -30,10 +30,7 @@ from urllib3.util.wait import wait_for_read
 
 from .errors import ConfigError, KfpPytorchError, PortInUseError, RequestRefused, ServingError
 from .paths import held, home, locked
-from .processes import alive as _alive
-from .processes import same_process as _ours
-from .processes import start_ticks as _start_ticks
-from .processes import wall_start as _create_time
+from .processes import alive, same_process, start_ticks, wall_start
 
 PREDICTOR_MODULE = "kfp_pytorch.components.kserve_predictor"
 WAITING_FOR_PORT = "kfp-pytorch: model loaded, waiting for port"
@@ -483,7 +480,7 @@ class LocalServeBackend:
         old = read_server(spec.model_name)
         # a dead server's record stays until the new server's record replaces it: a start that
         # fails (its port taken, its model unloadable) leaves it to `serve list` and `serve start`
-        live = old if old is not None and _ours(old) else None
+        live = old if old is not None and same_process(old) else None
         port = spec.port or (live and _port_of(live)) or _pick_port(spec.host)
         take_over = live is not None and _port_of(live) == port
         if not take_over and not port_is_free(spec.host, port):
@@ -505,7 +502,7 @@ class LocalServeBackend:
                 proc, ep, new_log = self._take_over(spec, check, live, proc, ep, new_log)
         except KfpPytorchError as e:  # the error keeps its type (a StorageError stays one) and gains a note
             _terminate(proc.pid)
-            if live and _alive(live["pid"]):
+            if live and alive(live["pid"]):
                 e.message += f"\n  the server already serving {spec.model_name} keeps serving: {live['infer_url']}"
                 e.args = (e.message,)
             raise
@@ -519,8 +516,8 @@ class LocalServeBackend:
                 os.replace(log, server_log(spec.model_name, previous=True))
             os.replace(new_log, log)  # the file stays open in the new server: it logs on, under the usual name
         record = {k: v for k, v in asdict(ep).items() if k not in ("replaced", "note")}
-        _write_record(spec.model_name, {**record, "create_time": _create_time(proc.pid),
-                                        "start_ticks": _start_ticks(proc.pid)})
+        _write_record(spec.model_name, {**record, "create_time": wall_start(proc.pid),
+                                        "start_ticks": start_ticks(proc.pid)})
         return ep
 
     @staticmethod
@@ -572,7 +569,7 @@ class LocalServeBackend:
                 _smoke_test(check, ep, f"its log {succ_log}")
         except KfpPytorchError as e:
             _terminate(succ.pid)
-            if _alive(live["pid"]):
+            if alive(live["pid"]):
                 raise
             # the old server is gone: the trial, which passed, serves on
             trial_ep.note = (f"port {port} could not be taken over ({e.message.splitlines()[0]}): "
@@ -661,9 +658,9 @@ def _terminate(pid: int, grace: float = 10.0) -> None:
     except ProcessLookupError:
         return
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and _alive(pid):
+    while time.monotonic() < deadline and alive(pid):
         time.sleep(0.1)
-    if _alive(pid):
+    if alive(pid):
         try:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -698,7 +695,7 @@ def server_status(name: str) -> dict | None:
     """:func:`read_server`'s record with ``alive``: whether its process is still our server."""
     info = read_server(name)
     if info is not None:
-        info["alive"] = _ours(info)
+        info["alive"] = same_process(info)
     return info
 
 
@@ -729,7 +726,7 @@ def stop_server(name: str) -> bool:
     info = read_server(name)
     if info is None or (info.get("pid") is None and not info.get("unreadable")):
         return False
-    if _ours(info):
+    if same_process(info):
         _terminate(info["pid"])
     _pidfile(name).unlink(missing_ok=True)  # a server that died: only its record is left to remove
     return True

@@ -833,13 +833,13 @@ def test_a_missing_name_or_id_says_where_to_find_it():
     for name in many:
         _pidfile(name).unlink()
     # serve stop|start with neither names nor --all: the servers there are, up and down
-    from kfp_pytorch.components.serve import _start_ticks
+    from kfp_pytorch.components.processes import start_ticks
 
     up = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     try:  # a live process of "digits" (as the stale-record test makes one): the record reads it as up
         _pidfile("digits").write_text(json.dumps({"name": "digits", "url": "http://127.0.0.1:9", "pid": up.pid,
                                                   "infer_url": "http://127.0.0.1:9/v2/models/digits/infer",
-                                                  "start_ticks": _start_ticks(up.pid),
+                                                  "start_ticks": start_ticks(up.pid),
                                                   "create_time": psutil.Process(up.pid).create_time()}))
         r = run_cli("serve", "stop")
         assert r.returncode == 2 and "give the names of the servers to stop (down: iris; up: digits), or --all" in r.stderr
@@ -1088,14 +1088,14 @@ def test_a_stale_server_record_never_signals_the_process_that_now_has_its_pid():
                   "pid": other.pid, "model_uri": "/m", "create_time": 1.0}
         _pidfile("ghost").write_text(json.dumps(record))
         # a server's record says when it started, in ticks since boot: the same in every process
-        from kfp_pytorch.components.serve import _ours, _start_ticks
+        from kfp_pytorch.components.processes import same_process, start_ticks
 
         started = psutil.Process(other.pid).create_time()
-        ticks = _start_ticks(other.pid)
-        assert ticks is not None and _ours({"pid": other.pid, "start_ticks": ticks, "create_time": started})
+        ticks = start_ticks(other.pid)
+        assert ticks is not None and same_process({"pid": other.pid, "start_ticks": ticks, "create_time": started})
         # a wall clock stepped since (NTP): create_time, read anew elsewhere, moved; ticks did not
-        assert _ours({"pid": other.pid, "start_ticks": ticks, "create_time": started + 1.0})
-        assert not _ours({"pid": other.pid, "start_ticks": ticks - 1, "create_time": started})  # another process
+        assert same_process({"pid": other.pid, "start_ticks": ticks, "create_time": started + 1.0})
+        assert not same_process({"pid": other.pid, "start_ticks": ticks - 1, "create_time": started})  # another process
         r = run_cli("serve", "list")
         assert r.returncode == 0 and re.search(r"ghost\s+\d+\s+down", r.stdout), r.stdout
         r = run_cli("serve", "stop", "ghost")

@@ -1097,11 +1097,12 @@ def test_serve_logs_follow_waits_out_a_deploy_under_way_however_long_the_server_
     import time
 
     from kfp_pytorch.components.paths import locked
-    from kfp_pytorch.components.serve import _start_ticks, _write_record, deploy_lock, follow_log
+    from kfp_pytorch.components.processes import start_ticks
+    from kfp_pytorch.components.serve import _write_record, deploy_lock, follow_log
 
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        _write_record("held", {"name": "held", "pid": server.pid, "start_ticks": _start_ticks(server.pid),
+        _write_record("held", {"name": "held", "pid": server.pid, "start_ticks": start_ticks(server.pid),
                                "infer_url": "http://127.0.0.1:1/v2/models/held/infer"})
         server_log("held").write_text("the old server's line\n")
         events: list[tuple[str, str]] = []
