@@ -408,7 +408,9 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
         for r in removed:
             click.echo(f"{verb} {r.name}  {r.status:<10} {_size(r.size)}")
         for r in spared:
-            if not r.served_by:
+            if r.status == "RUNNING" and not r.served_by:
+                why = f"it is running (process {r.owner_pid})"
+            elif not r.served_by:
                 why = "no record and written within the hour: it may still be running"
             else:
                 why = f"its model is served by {', '.join(r.served_by)}" + (
@@ -427,7 +429,8 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
     if as_json:
         click.echo(json.dumps([{"name": r.name, "path": str(r.path), "status": r.status, "size_bytes": r.size,
                                 "modified": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r.modified)),
-                                "elapsed_s": r.elapsed_s, "steps": r.steps, "served_by": r.served_by,
+                                "elapsed_s": r.elapsed_s, "owner_pid": r.owner_pid, "steps": r.steps,
+                                "served_by": r.served_by,
                                 "params": r.params, "result": r.result,
                                 "champion_until": until.get(r.name)}
                                for r in shown], indent=1))
@@ -437,11 +440,12 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
     else:  # a header, as kubectl's: ENDED is when the run last wrote, TOOK how long it ran
         click.echo(f"{'RUN':<44} {'STATUS':<10} {'ENDED':<16} {'TOOK':>6}  {'SIZE':>9}  STEPS    RESULT")
     for r in shown:
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.modified))
+        # a run still going has not ended: its newest write is no end time
+        when = "-" if r.status == "RUNNING" else time.strftime("%Y-%m-%d %H:%M", time.localtime(r.modified))
         served = f"  serving: {', '.join(r.served_by)}" if r.served_by else ""
         result = f"  {line}" if (line := result_line(r.result, r.params, until.get(r.name))) else ""
         took = format_duration(r.elapsed_s) if r.elapsed_s is not None else "-"
-        click.echo(f"{r.name:<44} {r.status:<10} {when} {took:>6}  {_size(r.size):>9}  {len(r.steps)} steps"
+        click.echo(f"{r.name:<44} {r.status:<10} {when:<16} {took:>6}  {_size(r.size):>9}  {len(r.steps)} steps"
                    f"{result}{served}")
     if len(shown) < len(runs):
         click.echo(f"the newest {len(shown)} of {len(runs)} local runs; --limit 0 lists all")

@@ -190,17 +190,22 @@ def _before_submit(values: dict, platform, notes: bool = True) -> None:
 @click.option("-v", "--verbose", is_flag=True,
               help="Show kfp.local's whole log as it runs: each step's executor input and outputs too (the run "
                    "keeps it as run.log either way).")
-def run_cmd(pipeline, local, params, predict, as_json, verbose):
+@click.option("--resume", metavar="RUN", default=None,
+              help="Run again a local run that failed, was stopped or killed (`runs --local` lists them): its "
+                   "parameters (each --param given overrides one; epochs may grow), training from its last "
+                   "checkpoint.")
+def run_cmd(pipeline, local, params, predict, as_json, verbose, resume):
     """Run PIPELINE end-to-end (--local: kfp.local, local DDP workers, local model server)."""
     if not local:  # spelled out, so that nobody reads `run` as the way to a cluster and looks for its --host
         raise click.UsageError(f"run runs a pipeline on this machine: add --local. To run it on a KFP server: "
                                f"kfp-pytorch submit {pipeline} --host URL (or export KFP_HOST)")
     from kfp_pytorch.pipelines import get_pipeline
     from kfp_pytorch.components.evaluate import gate_note
-    from kfp_pytorch.pipelines.local import gate_advice, pile_note, preflight, run_local, summarize
+    from kfp_pytorch.pipelines.local import (gate_advice, pile_note, preflight, resumed_params, run_local, summarize,
+                                             trained_some)
 
     entry = get_pipeline(pipeline)
-    values = _resolve_params(entry, params)
+    values = _resolve_params(entry, params, resumed_params(entry, resume) if resume else None)
     # kfp.local's steps (python -m kfp.dsl.executor_main) and torchrun's workers (python -m) import
     # from the current folder, as a notebook does; the console script's own sys.path lacks it, so
     # model_arch=mymodels:build beside the user failed the checks made before any step
@@ -208,7 +213,13 @@ def run_cmd(pipeline, local, params, predict, as_json, verbose):
         sys.path.insert(0, os.getcwd())
     preflight(values)
     # with --json, stdout is the summary alone (`| jq` reads it); the steps' lines go to stderr
-    run = run_local(entry, values, verbose=verbose, out=sys.stderr if as_json else None)
+    try:
+        run = run_local(entry, values, verbose=verbose, out=sys.stderr if as_json else None, resume=resume)
+    except BaseException as e:  # Ctrl-C or a stop signal: how to train on, once the stop is said
+        if (canceled := getattr(e, "local_run", None)) and trained_some(canceled, values):
+            click.echo(f"kfp-pytorch: run {canceled.name} canceled; `kfp-pytorch run {pipeline} --local --resume "
+                       f"{canceled.name}` trains on from its last checkpoint", err=True)
+        raise
     summary = summarize(run)
     if "gate_passed" in summary:  # what the gate read, for the summary's gate line
         summary["gate"] = {"metric": values.get("gate_metric", "accuracy"), "threshold": values["threshold"]}
@@ -234,11 +245,11 @@ def run_cmd(pipeline, local, params, predict, as_json, verbose):
         sys.exit(1)
 
 
-def _resolve_params(entry, params) -> dict:
-    """The pipeline's parameters from ``--param`` strings, validated; a note on stderr for each given
-    parameter that the chosen backends will not read."""
+def _resolve_params(entry, params, base: dict | None = None) -> dict:
+    """The pipeline's parameters from ``--param`` strings over ``base`` (a resumed run's), validated;
+    a note on stderr for each given parameter that the chosen backends will not read."""
     raw = _parse_params(params)
-    values = entry.resolve(raw)
+    values = entry.resolve({**(base or {}), **raw})
     for note in entry.inert_notes(raw, values):
         click.echo(f"note: {note}", err=True)
     return values
@@ -288,11 +299,16 @@ def _print_summary(s: dict) -> None:
     ok = s["status"] == "SUCCEEDED"
     click.echo("")
     click.secho(f"== {s['pipeline']}: {s['status']} ==", bold=True, fg="green" if ok else "red")
+    if s.get("resumed_from"):
+        click.echo(f"resumed:   from {s['resumed_from']}'s last training checkpoint")
     if s.get("failed_task"):
         click.echo(f"failed task: {s['failed_task']} (its log is above, whole in the run's log; partial outputs "
-                   "removed)")
+                   "removed" + (", but for its training checkpoint" if s.get("kept_checkpoint") else "") + ")")
         if s.get("error"):
             click.secho("\n".join(f"  {line}" for line in s["error"].splitlines()), fg="red")
+        if s.get("kept_checkpoint"):
+            click.echo(f"  once fixed, `kfp-pytorch run {s['pipeline']} --local --resume {Path(s['run_dir']).name}` "
+                       "trains on from that checkpoint")
     if "data" in s:
         from kfp_pytorch.components.prepare_data import duplicates_note
 

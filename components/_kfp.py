@@ -41,3 +41,62 @@ def artifact_store_uri(artifact, storage_root: str) -> str:
 
     parts = PurePosixPath(urlparse(artifact.uri).path).parts[-3:]
     return join(storage_root, *parts)
+
+
+RUN_START_FILE = ".run_start.json"
+"""Left in a local run's folder by its steps (:func:`mark_local_run`): the process running the run,
+the pipeline and its parameters."""
+RUN_PARAMS_ENV = "KFP_PYTORCH_RUN_PARAMS"
+"""Set by a local pipeline run for its steps, beside :data:`.processes.RUN_OWNER_ENV`: JSON
+``{"pipeline": NAME, "params": {...}}``, which the steps leave in the run's folder."""
+RESUME_ENV = "KFP_PYTORCH_RESUME_FROM"
+"""Set by a local pipeline run that resumes another (``run --local --resume RUN``): that run's
+name. Its train step starts from that run's last checkpoint (:func:`resumed_output_uri`)."""
+
+
+def mark_local_run(artifact) -> None:
+    """In a local run, leave what the steps know of the run in its folder, once: the run's process
+    (:data:`.processes.RUN_OWNER_ENV`), its pipeline and parameters (:data:`RUN_PARAMS_ENV`). With
+    them, `runs --local` tells a run still going from one killed outright (the run's record is
+    written when it ends: a kill -9 leaves none), and `run --resume` knows what such a run was
+    asked. The step, not the run, writes it: kfp.local names the folder, and only the step knows
+    which one is its run's (two runs may start together). Nothing happens where the variable is
+    unset (a cluster's pods) or the artifact is not a local file under ``RUN/TASK/OUTPUT``."""
+    import json
+    from pathlib import Path
+
+    from .processes import RUN_OWNER_ENV
+
+    owner = os.environ.get(RUN_OWNER_ENV)
+    path = getattr(artifact, "path", None)
+    if not owner or not path or "://" in str(path):
+        return
+    run_dir = Path(path).parent.parent
+    if not run_dir.is_dir() or (run_dir / RUN_START_FILE).exists():
+        return
+    try:
+        start = {"owner": json.loads(owner), **json.loads(os.environ.get(RUN_PARAMS_ENV) or "{}")}
+    except ValueError:  # set by hand to something else: nothing said beats something wrong
+        return
+    tmp = run_dir / f".{RUN_START_FILE}.{os.getpid()}.tmp"
+    try:  # whole or not at all, and the first step's stays: a reader never sees half of it
+        tmp.write_text(json.dumps(start, default=str))
+        os.link(tmp, run_dir / RUN_START_FILE)
+    except OSError:  # written by another step meanwhile, or a read-only or full disk: the listing guesses
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def resumed_output_uri(artifact, storage_root: str, run_name: str) -> str:
+    """Where the local run ``run_name`` wrote what this step writes to :func:`artifact_store_uri`:
+    the same task and output, under that run."""
+    if not storage_root:
+        from pathlib import Path
+
+        path = Path(artifact.path)
+        return str(path.parents[2] / run_name / path.parent.name / path.name)
+    from .storage import join
+
+    task, output = PurePosixPath(urlparse(artifact.uri).path).parts[-2:]
+    return join(storage_root, run_name, task, output)

@@ -678,6 +678,14 @@ def prepare_data(spec: PrepareSpec, storage: Storage | None = None) -> dict:
     return meta
 
 
+def dataset_fingerprint(meta: dict) -> str:
+    """What makes two prepared datasets the same data, whatever their URIs: their features,
+    classes, normalisation and every shard's checksum. A run that prepares the same table with the
+    same split again (a resumed local run) gets the same fingerprint. Pure."""
+    keys = ("features", "classes", "class_names", "label_column", "image_shape", "normalization", "split", "shards")
+    return hashlib.sha256(json.dumps({k: meta.get(k) for k in keys}, sort_keys=True).encode()).hexdigest()
+
+
 def read_metadata(data_uri: str, storage: Storage | None = None) -> dict:
     storage = storage or Storage()
     try:

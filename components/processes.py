@@ -5,8 +5,15 @@ the local model servers' records (:mod:`.serve`) and by local training's workers
 processes that started them (:mod:`.train_worker`)."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+
+RUN_OWNER_ENV = "KFP_PYTORCH_RUN_OWNER"
+"""Set by a local pipeline run (``kfp-pytorch run --local``, a notebook's run) for its steps: the
+process that runs the pipeline (:func:`run_owner_token`). Local training's workers stop when it
+ends (:mod:`.train`), and the steps leave it in the run's folder (:func:`._kfp.mark_local_run`),
+where `runs --local` reads whether the run is still going."""
 
 
 def alive(pid: int) -> bool:
@@ -63,3 +70,9 @@ def same_process(info: dict) -> bool:
     # second a boot-time re-read may move it by
     started, now = info.get("create_time"), wall_start(pid)
     return started is None or now is None or abs(now - started) < 1.0
+
+
+def run_owner_token(pid: int | None = None) -> str:
+    """The value of :data:`RUN_OWNER_ENV` for a process (this one by default): its PID and when it
+    started, which tells it from a later process given the same PID."""
+    return json.dumps(identity(pid))

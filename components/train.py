@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from .errors import ConfigError, TrainingError
+from .errors import ConfigError, KfpPytorchError, TrainingError
 from .prepare_data import read_metadata, seed_problem
+from .processes import RUN_OWNER_ENV
 from .storage import Storage, join
 
 WORKER_MODULE = "kfp_pytorch.components.train_worker"
@@ -327,9 +328,6 @@ class Backend(Protocol):
         """Run the job to completion, or raise TrainingError."""
 
 
-RUN_OWNER_ENV = "KFP_PYTORCH_RUN_OWNER"
-"""Set by a local pipeline run (``kfp-pytorch run --local``, a notebook's run) for its steps: the
-process that runs the pipeline (:func:`run_owner_token`)."""
 STOP_WITH_ENV = "KFP_PYTORCH_STOP_WITH"
 """Set by the local backend for its torchrun workers: the processes whose end stops training (JSON
 list of :func:`.processes.identity`): the process that started torchrun and, in a local run, the
@@ -338,17 +336,9 @@ notebook kernel's restart do not, and the workers (in their own session) trained
 unread. The workers watch them (:func:`.train_worker.stop_with`)."""
 
 
-def run_owner_token(pid: int | None = None) -> str:
-    """The value of :data:`RUN_OWNER_ENV` for a process (this one by default): its PID and when it
-    started, which tells it from a later process given the same PID."""
-    from .processes import identity
-
-    return json.dumps(identity(pid))
-
-
 def stop_with_env(owner: str | None) -> str:
     """The value of :data:`STOP_WITH_ENV`: this process, and the run ``owner``
-    (:data:`RUN_OWNER_ENV`) when there is one to read."""
+    (:data:`.processes.RUN_OWNER_ENV`) when there is one to read."""
     from .processes import identity
 
     watched = [identity()]
@@ -510,14 +500,58 @@ def _check_resumable(spec: TrainSpec, storage: Storage) -> None:
     if not storage.exists(uri):
         return
     state = json.loads(storage.read_bytes(uri))
-    saved = state.get("args", {})
-    changed = [f"{k} {saved[k]!r} there, {getattr(spec, k)!r} here" for k in RESUME_KEYS
-               if k in saved and saved[k] != getattr(spec, k)]
-    if changed:
+    if changed := _resume_conflicts(state, spec, storage):
         raise TrainingError(f"{spec.output_uri} holds the checkpoint of another training run (epoch "
                             f"{state.get('epoch')}: {'; '.join(changed)}), which this run would resume from",
                             f"give a new output_uri, or delete {join(spec.output_uri, 'checkpoints')} to start over; "
                             "to train on for more epochs, keep the other settings")
+
+
+def _resume_conflicts(state: dict, spec: TrainSpec, storage: Storage) -> list[str]:
+    """The settings ``spec`` changes from those a checkpoint's resume ``state`` was trained with:
+    ``lr 0.005 there, 0.001 here``. The same data prepared again elsewhere is no change."""
+    saved = state.get("args", {})
+    return [f"{k} {saved[k]!r} there, {getattr(spec, k)!r} here" for k in RESUME_KEYS
+            if k in saved and saved[k] != getattr(spec, k)
+            and not (k == "dataset_uri" and _same_data(saved[k], spec.dataset_uri, storage))]
+
+
+def _same_data(a: str, b: str, storage: Storage) -> bool:
+    """Two prepared datasets hold the same data (:func:`.prepare_data.dataset_fingerprint`): a
+    resumed local run prepares its table again, into its own folder."""
+    from .prepare_data import dataset_fingerprint
+
+    try:
+        return dataset_fingerprint(read_metadata(a, storage)) == dataset_fingerprint(read_metadata(b, storage))
+    except (KfpPytorchError, ValueError):  # one is gone (pruned) or damaged: not known to be the same
+        return False
+
+
+def seed_checkpoint(spec: TrainSpec, source_uri: str, storage: Storage | None = None) -> int | None:
+    """Copy the last checkpoint of an earlier training (``source_uri``: its output) into
+    ``spec.output_uri``, where :func:`train` resumes from it as from its own; the number of whole
+    epochs it had trained, or None where it has none, or the output holds one already. A
+    TrainingError where ``spec`` changes what it was trained with: nothing is copied."""
+    storage = storage or Storage()
+    last = join(source_uri, RESUME_STATE)
+    if storage.exists(join(spec.output_uri, RESUME_STATE)) or not storage.exists(last):
+        return None
+    state = json.loads(storage.read_bytes(last))
+    if changed := _resume_conflicts(state, spec, storage):
+        raise TrainingError(f"cannot resume from the checkpoint at {source_uri}: it was trained with other settings "
+                            f"({'; '.join(changed)})",
+                            "resume with the settings it was trained with (more epochs are fine), or run without "
+                            "resuming to start over")
+    base = join(source_uri, "checkpoints") + "/"
+    found = [e.uri for e in storage.entries(join(source_uri, "checkpoints")) if not e.uri.endswith("/")]
+    # the state last: a copy cut short leaves no resume state over a partial checkpoint
+    for src in sorted(found, key=lambda u: u == last):
+        dst = join(spec.output_uri, "checkpoints", src[len(base):])
+        if src.startswith("s3://") and dst.startswith("s3://"):
+            storage.copy(src, dst)  # inside the server
+        else:
+            storage.write_bytes(dst, storage.read_bytes(src))
+    return int(state.get("epoch", 0))
 
 
 def train(spec: TrainSpec, storage: Storage | None = None) -> TrainResult:

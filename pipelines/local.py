@@ -4,7 +4,9 @@ Before any step runs, :func:`preflight` checks what would otherwise fail halfway
 that the dataset exists and validates, that the S3 endpoint answers and accepts the credentials,
 that the model factory imports, that an MLflow server named as the tracking URI answers, and
 that a fixed serving port is free. A run that fails anyway
-has its failed task's partial outputs removed, so nothing half-written is left behind.
+has its failed task's partial outputs removed, so nothing half-written is left behind, but for
+its training checkpoint: a run that failed, was stopped or killed is run again from it with
+``resume`` (``kfp-pytorch run --local --resume RUN``).
 """
 import collections
 import json
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from kfp_pytorch.components.errors import ConfigError, KfpPytorchError, PipelineFailed, RegistryError, ServingError
 from kfp_pytorch.components.paths import home
+from kfp_pytorch.components.processes import same_process
 from kfp_pytorch.components.serve import port_is_free, port_taken, read_server
 from kfp_pytorch.components.storage import Storage
 from kfp_pytorch.components.tracking import resolve_tracking_uri, tracking_uri_problem
@@ -99,6 +102,10 @@ class LocalRun:
     elapsed_s: float = 0.0
     error: str | None = None
     """The failed task's own error (its last exception line, list items and hint), from its log."""
+    kept_checkpoint: bool = False
+    """The failed task's training checkpoint was kept (the rest of its outputs went): `run --resume`."""
+    resumed_from: str | None = None
+    """The local run whose last training checkpoint this one started from."""
 
     def raise_for_status(self) -> "LocalRun":
         """This run, when it succeeded; else :class:`PipelineFailed` with the failed step, its error and
@@ -228,6 +235,27 @@ def _run_dir_with_log(root: Path, before: set, log, log_path: Path) -> Path | No
     return new[-1] if new else None
 
 
+def _remove_partial_outputs(task_dir: Path) -> list[Path]:
+    """Remove a failed step's partial outputs, all but its training checkpoints (a folder
+    ``checkpoints`` with the resume state in it), which `run --resume` trains on from; returns
+    those kept."""
+    from kfp_pytorch.components.train import RESUME_STATE
+
+    state = Path(RESUME_STATE)
+    kept = [f.parent for f in task_dir.rglob(state.name) if f.parent.name == state.parent.name]
+    if not kept:
+        shutil.rmtree(task_dir, ignore_errors=True)
+        return []
+    for path in sorted(task_dir.rglob("*"), key=lambda p: len(p.parts), reverse=True):  # deepest first
+        if any(path == k or k in path.parents or path in k.parents for k in kept):
+            continue  # a checkpoint, in one, or a folder that holds one
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return kept
+
+
 def _read_outputs(run_dir: Path) -> dict:
     out = {}
     for f in sorted(run_dir.glob("*/executor_output.json")):
@@ -235,14 +263,53 @@ def _read_outputs(run_dir: Path) -> dict:
     return out
 
 
+def trained_some(run_dir: Path, params: dict) -> bool:
+    """Whether a local run that ended early got as far as training, so `run --resume` has a
+    checkpoint to start from: one in its folder, or (its checkpoints on S3, under ``storage_root``)
+    a train step that started."""
+    from kfp_pytorch.components.train import RESUME_STATE
+
+    return any(run_dir.glob(f"*/*/{RESUME_STATE}")) or bool(params.get("storage_root") and any(run_dir.glob("train*")))
+
+
+def resumed_params(entry: PipelineEntry, name: str, root: Path | None = None) -> dict:
+    """The parameters the local run ``name`` of ``entry`` was given, to run it again from its last
+    training checkpoint (:func:`run_local`'s ``resume``); a ConfigError that says what to do where it
+    cannot be: no such run, one still running, another pipeline's, or one that kept no parameters."""
+    root = Path(root or home() / "local_outputs")
+    if not name or Path(name).name != name or not (root / name).is_dir():
+        raise ConfigError([f"--resume: no local run {name!r} under {root}"], "`kfp-pytorch runs --local` lists them",
+                          title="cannot resume")
+    [run] = [r for r in local_runs(root) if r.name == name]
+    if run.status in ("RUNNING", "RUNNING?"):
+        how = (f"stop it first (kill {run.owner_pid}, or Ctrl-C where it runs)" if run.owner_pid
+               else "wait for it to end, or stop it first")
+        raise ConfigError([f"--resume: {name} is still running"], how, title="cannot resume")
+    try:
+        record = json.loads((run.path / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        record = None
+    pipeline = (record if isinstance(record, dict) else _run_start(run.path)).get("pipeline")
+    if pipeline and pipeline != entry.name:
+        raise ConfigError([f"--resume: {name} is a run of pipeline {pipeline}, not {entry.name}"],
+                          f"kfp-pytorch run {pipeline} --local --resume {name}", title="cannot resume")
+    if not run.params:
+        raise ConfigError([f"--resume: {name} kept no record of its parameters (it ran before runs did, or its "
+                           "record is damaged)"], "run the pipeline again with its -p parameters", title="cannot resume")
+    return dict(run.params)
+
+
 def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = None,
-              verbose: bool = False, out=None) -> LocalRun:
+              verbose: bool = False, out=None, resume: str | None = None) -> LocalRun:
     """Run ``entry`` with validated ``params`` through kfp.local's SubprocessRunner. Its whole log is
     kept as the run's ``run.log``; ``out`` (default stdout; stderr where stdout is for JSON) shows it
-    without kfp.local's plumbing unless ``verbose``."""
+    without kfp.local's plumbing unless ``verbose``. ``resume``: the name of an earlier local run
+    (under the same root) whose last training checkpoint the train step starts from, as a retried
+    KFP run's does from its own; :func:`resumed_params` gives its parameters."""
     import kfp.local
 
-    from kfp_pytorch.components.train import RUN_OWNER_ENV, run_owner_token
+    from kfp_pytorch.components._kfp import RESUME_ENV, RUN_PARAMS_ENV
+    from kfp_pytorch.components.processes import RUN_OWNER_ENV, run_owner_token
 
     root = Path(pipeline_root or home() / "local_outputs")
     root.mkdir(parents=True, exist_ok=True)
@@ -259,9 +326,14 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
     # kfp.local prints to sys.stdout (its logger's handler is made on it too): the tee stands in
     real_stdout = sys.stdout
     tee = sys.stdout = _Tee(out or sys.stdout, log, condensed=not verbose)
-    # the steps' environment names this process: training stops if it is killed outright
-    owner_before = os.environ.get(RUN_OWNER_ENV)
+    # the steps' environment names this process (training stops if it is killed outright), the
+    # pipeline and its parameters (left in the run's folder: `runs --local`, `run --resume`)
+    env_before = {k: os.environ.get(k) for k in (RUN_OWNER_ENV, RUN_PARAMS_ENV, RESUME_ENV)}
     os.environ[RUN_OWNER_ENV] = run_owner_token()
+    os.environ[RUN_PARAMS_ENV] = json.dumps({"pipeline": entry.name, "params": params}, default=str)
+    os.environ.pop(RESUME_ENV, None)
+    if resume:
+        os.environ[RESUME_ENV] = resume
     try:
         with warnings.catch_warnings():
             # kfp.local warns, for every step, that display names do nothing locally and that a
@@ -272,18 +344,20 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
             entry.func(**params)
     except RuntimeError as e:  # kfp.local: "Pipeline ... FAILURE. Inner task failed: 'x'"
         error = e
-    except BaseException:  # Ctrl-C or a stop signal: the run is recorded as canceled, then the stop goes on
+    except BaseException as e:  # Ctrl-C or a stop signal: the run is recorded as canceled, then the stop goes on
         sys.stdout = real_stdout
         if canceled := _run_dir_with_log(root, before, log, log_path):
-            _write_run_record(LocalRun(entry.name, canceled, False, elapsed_s=time.perf_counter() - t0), params,
-                              status="CANCELED")
+            _write_run_record(LocalRun(entry.name, canceled, False, elapsed_s=time.perf_counter() - t0,
+                                       resumed_from=resume), params, status="CANCELED")
+            e.local_run = canceled  # for the caller's word on it: which run, and how to train on
         raise
     finally:
         sys.stdout = real_stdout
-        if owner_before is None:
-            os.environ.pop(RUN_OWNER_ENV, None)
-        else:
-            os.environ[RUN_OWNER_ENV] = owner_before
+        for k, v in env_before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     run_dir = _run_dir_with_log(root, before, log, log_path) or root
     outputs = _read_outputs(run_dir)
     elapsed = time.perf_counter() - t0
@@ -291,9 +365,10 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
         run = LocalRun(entry.name, run_dir, True, outputs, elapsed_s=elapsed)
     else:
         failed = failed_task_of(str(error))
-        if failed and (run_dir / failed).exists():
-            shutil.rmtree(run_dir / failed, ignore_errors=True)  # partial outputs of the failed step
-        run = LocalRun(entry.name, run_dir, False, outputs, failed, elapsed, error_of(tee.lines))
+        kept = _remove_partial_outputs(run_dir / failed) if failed and (run_dir / failed).exists() else []
+        run = LocalRun(entry.name, run_dir, False, outputs, failed, elapsed, error_of(tee.lines),
+                       kept_checkpoint=bool(kept))
+    run.resumed_from = resume
     if run_dir != root:
         _write_run_record(run, params)
     return run
@@ -310,6 +385,7 @@ def _write_run_record(run: LocalRun, params: dict, status: str | None = None) ->
 
     record = {"pipeline": run.pipeline, "status": status or ("SUCCEEDED" if run.succeeded else "FAILED"),
               "failed_task": run.failed_task, "elapsed_s": round(run.elapsed_s, 2),
+              **({"resumed_from": run.resumed_from} if run.resumed_from else {}),
               "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "params": params,
               "result": run_result(summarize(run))}
     tmp = run.run_dir / f".{RUN_RECORD}.tmp"  # whole or not at all: a reader never sees half a record
@@ -384,8 +460,10 @@ class LocalRunInfo:
     name: str
     path: Path
     status: str
-    """SUCCEEDED, FAILED or CANCELED from its record; without one (stopped by a kill, or run before records were
-    kept): RUNNING? when it wrote within the hour, else UNKNOWN."""
+    """SUCCEEDED, FAILED or CANCELED from its record. Without one: RUNNING while the process running it
+    lives, KILLED once that process ended without recording the end (a kill -9, the OOM killer, a
+    notebook kernel's restart); for a run whose steps did not say which process that was (a run
+    from before they did): RUNNING? when it wrote within the hour, else UNKNOWN."""
     modified: float
     """The newest write under it (seconds since the epoch)."""
     size: int
@@ -399,6 +477,8 @@ class LocalRunInfo:
     """:func:`run_result` of its record: metrics, the gate's verdict, the registered version."""
     elapsed_s: float | None = None
     """How long it ran, from its record (None without one)."""
+    owner_pid: int | None = None
+    """The process running it, while it runs (status RUNNING)."""
 
 
 def _seconds(value) -> float | None:
@@ -433,6 +513,27 @@ def _served_by(served: list[tuple[str, Path]], d: Path) -> list[str]:
     return [n for n, m in served if m == resolved or resolved in m.parents]
 
 
+def _run_start(run_dir: Path) -> dict:
+    """What a local run's steps left of it when they started (:func:`.._kfp.mark_local_run`): its
+    process, pipeline and parameters; {} where they left nothing (a run from before they did) or
+    what is there cannot be read."""
+    from kfp_pytorch.components._kfp import RUN_START_FILE
+
+    try:
+        start = json.loads((run_dir / RUN_START_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return start if isinstance(start, dict) else {}
+
+
+def _run_owner(start: dict) -> dict | None:
+    """The process running a local run, from :func:`_run_start`; None where its steps left none,
+    or what is there names no process (a file edited by hand)."""
+    owner = start.get("owner")
+    pid = owner.get("pid") if isinstance(owner, dict) else None
+    return owner if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
+
+
 def local_runs(root: Path | None = None, now: float | None = None) -> list[LocalRunInfo]:
     """The local runs under ``root`` (default ``KFP_PYTORCH_HOME/local_outputs``), newest first."""
     import time
@@ -452,12 +553,20 @@ def local_runs(root: Path | None = None, now: float | None = None) -> list[Local
             record = None
         if not isinstance(record, dict):
             record = None
-        status = (record.get("status", "UNKNOWN") if record is not None
-                  else "RUNNING?" if not ended and now - modified < ACTIVE_WINDOW_S else "UNKNOWN")
+        start = _run_start(d)
+        owner = None if ended else _run_owner(start)
+        if record is not None:
+            status = record.get("status", "UNKNOWN")
+        elif owner is not None:  # its steps said which process runs it: no guessing from the clock
+            status = "RUNNING" if same_process(owner) else "KILLED"
+        else:
+            status = "RUNNING?" if not ended and now - modified < ACTIVE_WINDOW_S else "UNKNOWN"
         out.append(LocalRunInfo(d.name, d, status, modified, size,
                                 sorted(f.parent.name for f in d.glob("*/executor_output.json")), _served_by(served, d),
-                                (record or {}).get("params", {}), (record or {}).get("result", {}),
-                                _seconds((record or {}).get("elapsed_s"))))
+                                (record or {}).get("params") or start.get("params") or {},
+                                (record or {}).get("result", {}),
+                                _seconds((record or {}).get("elapsed_s")),
+                                owner["pid"] if status == "RUNNING" else None))
     return sorted(out, key=lambda r: (r.modified, r.name), reverse=True)
 
 
@@ -538,14 +647,14 @@ def prune_local_runs(keep: int, root: Path | None = None, now: float | None = No
                      dry_run: bool = False) -> tuple[list[LocalRunInfo], list[LocalRunInfo]]:
     """Remove all but the newest ``keep`` local runs; returns (removed, spared). Spared, whatever
     their age: a run whose model a local server serves (or served, and is down: `serve start`
-    needs it), and a run with no record that wrote
-    within the last hour (it may still be running)."""
+    needs it), and a run still running: its process lives, or, for a run whose steps did not name
+    its process, it has no record and wrote within the last hour."""
     if keep < 0:
         raise ValueError("keep must be >= 0")
     runs = local_runs(root, now)
     removed, spared = [], []
     for r in runs[keep:]:
-        if r.served_by or r.status == "RUNNING?":
+        if r.served_by or r.status in ("RUNNING", "RUNNING?"):
             spared.append(r)
             continue
         if not dry_run:
@@ -592,6 +701,10 @@ def summarize(run: LocalRun) -> dict:
         s["failed_task"] = run.failed_task
     if run.error:
         s["error"] = run.error
+    if run.kept_checkpoint:
+        s["kept_checkpoint"] = True
+    if run.resumed_from:
+        s["resumed_from"] = run.resumed_from
     arts = {}
     for task, ex in o.items():
         for name, a in ex.get("artifacts", {}).items():

@@ -446,6 +446,7 @@ def test_a_step_that_fails_is_named_and_its_partial_outputs_removed(tmp_path):
     assert "[rank0]: Traceback" not in r.stdout and "[rank1]: Traceback" not in r.stdout
     run_dir = max((Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").iterdir(), key=lambda d: d.stat().st_mtime)
     assert (run_dir / "prepare-data-op").is_dir() and not (run_dir / "train-op").exists()
+    assert "--resume" not in r.stdout  # it trained nothing to resume from
     assert not _project_processes()
     record = json.loads((run_dir / "run.json").read_text())
     assert record["status"] == "FAILED" and record["failed_task"] == "train-op"
@@ -456,6 +457,42 @@ def test_a_step_that_fails_is_named_and_its_partial_outputs_removed(tmp_path):
     assert record["result"]["failed"] == why
     [line] = [ln for ln in run_cli("runs", "--local").stdout.splitlines() if ln.startswith(run_dir.name)]
     assert line.split()[1] == "FAILED" and line.endswith(f"  failed in {why[:117]}...")
+
+
+def test_a_run_whose_training_failed_keeps_its_checkpoint_and_once_fixed_resumes_from_it(tmp_path):
+    # a bug that strikes after hours of training: the failed step's outputs were all removed, its
+    # checkpoint with them, and the run after the fix started over
+    (tmp_path / "flaky.py").write_text(
+        "import os\nfrom torch import nn\n\n\nclass Net(nn.Module):\n    def __init__(self, d, k):\n"
+        "        super().__init__()\n        self.fc, self.steps = nn.Linear(d, k), 0\n\n    def forward(self, x):\n"
+        "        self.steps += self.training\n        if self.steps > 25 and os.path.exists('bug'):\n"
+        "            raise RuntimeError('the bug at step 26')\n        return self.fc(x)\n\n\n"
+        "def net(input_dim, num_classes, image_shape=None):\n    return Net(input_dim, num_classes)\n")
+    (tmp_path / "bug").touch()
+    script = Path(sys.executable).parent / "kfp-pytorch"
+    r = subprocess.run([str(script), "run", "train_and_serve", "--local", "--param", "model_arch=flaky:net",
+                        "--param", "epochs=12", "--param", "model_name=flaky", "--no-predict"],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 1 and "RuntimeError: the bug at step 26" in r.stdout, r.stdout[-3000:]
+    run_dir = max((Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").iterdir(), key=lambda d: d.stat().st_mtime)
+    assert ("failed task: train-op (its log is above, whole in the run's log; partial outputs removed, but for its "
+            "training checkpoint)") in r.stdout
+    assert (f"once fixed, `kfp-pytorch run train_and_serve --local --resume {run_dir.name}` trains on from that "
+            "checkpoint") in r.stdout
+    kept = run_dir / "train-op" / "model" / "checkpoints"
+    assert sorted(p.name for p in (run_dir / "train-op").rglob("*") if p.is_file()) == ["last.json", "last.pt"]
+    trained = json.loads((kept / "last.json").read_text())["epoch"]
+    assert 2 <= trained < 12  # each of the four attempts trained on from the last one's checkpoint
+    (tmp_path / "bug").unlink()  # the fix
+    try:
+        r = subprocess.run([str(script), "run", "train_and_serve", "--local", "--resume", run_dir.name, "--no-predict"],
+                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert r.returncode == 0, r.stdout[-3000:]
+        assert f"training resumes from {run_dir.name}'s last checkpoint ({trained} epoch(s) trained)" in r.stdout
+        assert f"resumed:   from {run_dir.name}'s last training checkpoint" in r.stdout
+        assert "training:  12 epoch(s)" in r.stdout
+    finally:
+        run_cli("serve", "stop", "flaky")
 
 
 def test_local_runs_are_listed_and_pruned_but_a_served_model_and_a_running_run_are_kept(trained_model):
@@ -538,6 +575,56 @@ def test_local_runs_are_listed_and_pruned_but_a_served_model_and_a_running_run_a
         stop_server("kept-model")
     assert served.pid and run_cli("runs", "--local", "--keep", "1").returncode == 0
     assert sorted(d.name for d in root.iterdir()) == ["train-and-serve-e", "train-and-serve-f"]
+
+
+def test_a_run_whose_process_is_gone_is_listed_as_killed_and_pruned_and_one_whose_process_lives_is_kept():
+    # a run killed outright leaves no record: listed as RUNNING? for an hour, then UNKNOWN, and a
+    # run still going that wrote nothing for an hour (a long epoch) could be pruned under it
+    import time
+
+    from kfp_pytorch.components._kfp import RUN_START_FILE
+    from kfp_pytorch.components.processes import identity
+
+    root = Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs"
+    now = time.time()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+
+    def make(name, age_h, owner):
+        d = root / name
+        (d / "prepare-data-op").mkdir(parents=True)
+        (d / "prepare-data-op" / "executor_output.json").write_text("{}")
+        if owner is not None:
+            (d / RUN_START_FILE).write_text(owner if isinstance(owner, str) else json.dumps({"owner": owner}))
+        for f in [d, *d.rglob("*")]:
+            os.utime(f, (now - age_h * 3600, now - age_h * 3600))
+
+    reused = identity(live.pid) | {"start_ticks": identity(live.pid)["start_ticks"] - 1}  # its pid, given again
+    try:
+        make("train-and-serve-a", 3, identity(live.pid))  # running, silent for 3 hours
+        make("train-and-serve-b", 0.1, identity(gone.pid))  # its process was killed minutes ago
+        make("train-and-serve-c", 0.2, reused)
+        make("train-and-serve-d", 0.3, "{not json")  # damaged: no claim, the clock decides
+        make("train-and-serve-e", 0.4, None)  # a run from before its steps named their process
+        make("train-and-serve-f", 0.01, identity(live.pid))
+        lines = run_cli("runs", "--local").stdout.splitlines()[1:6]
+        assert {ln.split()[0][-1]: ln.split()[1] for ln in lines} == {
+            "b": "KILLED", "c": "KILLED", "d": "RUNNING?", "e": "RUNNING?", "f": "RUNNING"}
+        assert lines[0].split()[2] == "-" and re.match(r"\d{4}-", lines[1].split()[2])  # f has not ended; b has
+        listed = {r["name"][-1]: r for r in json.loads(run_cli("runs", "--local", "--json").stdout)}
+        assert listed["a"]["status"] == "RUNNING" and listed["a"]["owner_pid"] == live.pid
+        assert listed["b"]["owner_pid"] is None
+        r = run_cli("runs", "--local", "--keep", "1")
+        assert r.returncode == 0, r.stderr
+        assert sorted(d.name[-1] for d in root.iterdir()) == ["a", "d", "e", "f"], r.stdout
+        assert f"kept train-and-serve-a: it is running (process {live.pid})" in r.stdout
+        assert "removed train-and-serve-b  KILLED" in r.stdout and "removed 2 local run(s)" in r.stdout
+    finally:
+        live.kill()
+        live.wait(30)
+    # its process ended too, without a record: no longer kept
+    assert run_cli("runs", "--local").stdout.splitlines()[1].split()[:2] == ["train-and-serve-f", "KILLED"]
 
 
 def test_registered_versions_downloaded_to_serve_are_pruned_by_keep_unless_a_server_uses_them(trained_model):
@@ -953,21 +1040,32 @@ def test_a_tracking_server_that_does_not_answer_is_found_before_any_step():
     assert not (Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").exists()  # nothing ran
 
 
-def test_a_run_stopped_by_sigterm_takes_its_workers_down(tmp_path):
-    # a kill (or timeout, or a CI cancel) reaches the CLI only: kfp.local's task process and the
-    # torchrun workers under it trained on, orphaned, to the last epoch
+def _training_run(model_name: str) -> tuple[subprocess.Popen, list]:
+    """`run --local` of a run that trains until stopped, once its workers run; and the processes
+    it started by then."""
     import signal
     import time
 
     proc = subprocess.Popen([*CLI, "run", "train_and_serve", "--local", "--param", "epochs=100000",
-                             "--param", "model_name=sigterm", "--no-predict"], stdout=subprocess.DEVNULL,
+                             "--param", f"model_name={model_name}", "--no-predict"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not [p for p in _project_processes() if "train_worker" in " ".join(p.cmdline())]:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"training never started: {proc.communicate()[1][-2000:]}")
+        time.sleep(0.5)
+    return proc, _project_processes()
+
+
+def test_a_run_stopped_by_sigterm_takes_its_workers_down(tmp_path):
+    # a kill (or timeout, or a CI cancel) reaches the CLI only: kfp.local's task process and the
+    # torchrun workers under it trained on, orphaned, to the last epoch
+    import signal
+
+    proc, started = _training_run("sigterm")
     try:
-        deadline = time.monotonic() + 240
-        while not [p for p in _project_processes() if "train_worker" in " ".join(p.cmdline())]:
-            assert proc.poll() is None and time.monotonic() < deadline, "training never started"
-            time.sleep(0.5)
-        started = _project_processes()
         proc.send_signal(signal.SIGTERM)  # the CLI alone, as kill PID does
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 128 + signal.SIGTERM
@@ -981,6 +1079,59 @@ def test_a_run_stopped_by_sigterm_takes_its_workers_down(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_run_killed_outright_is_listed_as_killed_and_resumed_from_its_checkpoint():
+    # kill -9 (the OOM killer, a notebook kernel's restart) leaves no record: the run was listed as
+    # RUNNING? for an hour, kept by --keep, then UNKNOWN; and its hours of training were lost, since
+    # a new run trains into a new folder
+    import signal
+    import time
+
+    proc, started = _training_run("sigkill")
+    try:
+        [listed] = json.loads(run_cli("runs", "--local", "--json").stdout)
+        assert (listed["status"], listed["owner_pid"]) == ("RUNNING", proc.pid)
+        name, state = listed["name"], Path(listed["path"]) / "train-op" / "model" / "checkpoints" / "last.json"
+        r = run_cli("run", "train_and_serve", "--local", "--resume", name)
+        assert r.returncode == 2 and f"--resume: {name} is still running" in r.stderr, r.stderr
+        assert f"kill {proc.pid}" in r.stderr
+        deadline = time.monotonic() + 120
+        while not state.exists():  # an epoch trained
+            assert time.monotonic() < deadline, "no checkpoint"
+            time.sleep(0.2)
+        proc.kill()  # the CLI alone
+        proc.wait(30)
+        _, alive = psutil.wait_procs(started, timeout=30)  # the workers stop with it (test_train has the how)
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], [p.cmdline()[:4] for p in alive]
+        r = run_cli("runs", "--local")
+        assert r.stdout.splitlines()[1].split()[1] == "KILLED", r.stdout
+        [listed] = json.loads(run_cli("runs", "--local", "--json").stdout)
+        assert listed["owner_pid"] is None and not (Path(listed["path"]) / "run.json").exists()
+        assert listed["params"]["epochs"] == 100000  # what it was asked, from its steps
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    trained = json.loads(state.read_text())["epoch"]  # whole epochs (and, stopped mid-epoch, some steps)
+    try:
+        r = run_cli("run", "train_and_serve", "--local", "--resume", name, "-p", f"epochs={trained + 1}",
+                    "--no-predict", "--json")
+        assert r.returncode == 0, r.stderr[-3000:]
+        summary = summary_of(r.stdout)
+        assert summary["status"] == "SUCCEEDED" and summary["resumed_from"] == name
+        assert f"training resumes from {name}'s last checkpoint ({trained} epoch(s) trained)" in r.stderr
+        assert "resuming from checkpoint" in r.stderr
+        record = json.loads((Path(summary["run_dir"]) / "run.json").read_text())
+        assert record["resumed_from"] == name and record["params"]["epochs"] == trained + 1
+        assert record["params"]["model_name"] == "sigkill"  # the killed run's, but for the one given
+        assert summary["training"]["epochs_trained"] == trained + 1, summary["training"]
+        statuses = {r["name"]: r["status"] for r in json.loads(run_cli("runs", "--local", "--json").stdout)}
+        assert statuses == {name: "KILLED", Path(summary["run_dir"]).name: "SUCCEEDED"}
+    finally:
+        run_cli("serve", "stop", "sigkill")
+    r = run_cli("run", "train_and_serve", "--local", "--resume", "train-and-serve-nosuch")
+    assert r.returncode == 2 and "--resume: no local run 'train-and-serve-nosuch' under" in r.stderr
+    assert "`kfp-pytorch runs --local` lists them" in r.stderr
 
 
 def test_bad_table_is_rejected_before_any_step(tmp_path):

@@ -272,7 +272,7 @@ def test_local_training_stops_when_what_started_it_is_killed_outright(digits_dat
     import subprocess
     import sys
 
-    from kfp_pytorch.components.train import RUN_OWNER_ENV, run_owner_token
+    from kfp_pytorch.components.processes import RUN_OWNER_ENV, run_owner_token
 
     owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # a local run
     out = tmp_path / "out"
@@ -340,6 +340,34 @@ def test_a_checkpoint_is_resumed_only_by_the_run_that_wrote_it(digits_data, tmp_
     assert (f"{out} holds the checkpoint of another training run (epoch 2: batch_size 64 there, 32 here; "
             "lr 0.005 there, 0.001 here)") in str(e.value)
     assert "give a new output_uri, or delete" in e.value.hint
+
+
+def test_a_checkpoint_is_resumed_on_the_same_data_prepared_again_and_seeded_into_another_output(digits_data, tmp_path):
+    # a resumed local run prepares its table again, into its own folder: the same data under another
+    # URI resumes; other data (here another split) does not
+    import shutil
+
+    from kfp_pytorch.components.prepare_data import PrepareSpec, prepare_data
+    from kfp_pytorch.components.train import seed_checkpoint
+
+    first_out, out = str(tmp_path / "first"), str(tmp_path / "out")
+    first = train(TrainSpec(digits_data, first_out, epochs=1, lr=0.005, progress="off"))
+    again = shutil.copytree(digits_data, tmp_path / "again")
+    spec = TrainSpec(str(again), out, epochs=2, lr=0.005, progress="off")
+    assert seed_checkpoint(spec, str(tmp_path / "nothing-here")) is None
+    with pytest.raises(TrainingError) as e:  # said before anything is copied
+        seed_checkpoint(dataclasses.replace(spec, lr=0.001), first_out)
+    assert f"cannot resume from the checkpoint at {first_out}: it was trained with other settings (lr 0.005 there, " \
+           "0.001 here)" in str(e.value) and "run without resuming to start over" in e.value.hint
+    assert seed_checkpoint(spec, first_out) == 1
+    assert seed_checkpoint(spec, first_out) is None  # it holds one now: never overwritten
+    more = train(spec)
+    assert [h["epoch"] for h in more.history] == [1, 2] and more.history[0] == first.history[0]
+    other = tmp_path / "other"
+    prepare_data(PrepareSpec("sample://digits", str(other), seed=7))
+    with pytest.raises(TrainingError) as e:
+        train(TrainSpec(str(other), out, epochs=3, lr=0.005, progress="off"))
+    assert f"holds the checkpoint of another training run (epoch 2: dataset_uri '{again}' there" in str(e.value)
 
 
 def test_a_checkpoint_that_would_run_code_is_not_loaded(digits_data, tmp_path):

@@ -15,7 +15,10 @@ def evaluate_op(dataset: Input[Dataset], model: Input[Model], metrics: Output[Me
     The single ``bool`` output (not a NamedTuple) keeps ``dsl.If(evaluate.output)`` resolvable by
     kfp.local's orchestrator, which cannot resolve named outputs in conditions.
     """
+    from kfp_pytorch.components._kfp import mark_local_run
     from kfp_pytorch.components.evaluate import EvaluateSpec, evaluate
+
+    mark_local_run(metrics)
 
     res = evaluate(EvaluateSpec(dataset_uri=dataset.metadata.get("uri", dataset.path),
                                 model_uri=model.metadata.get("uri", model.path + "/model"),

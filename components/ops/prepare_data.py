@@ -14,9 +14,10 @@ def prepare_data_op(dataset_uri: str, dataset: Output[Dataset], label_column: st
     shards of about 16 MiB, read with one request each)."""
     import sys
 
-    from kfp_pytorch.components._kfp import artifact_store_uri
+    from kfp_pytorch.components._kfp import artifact_store_uri, mark_local_run
     from kfp_pytorch.components.prepare_data import PrepareSpec, duplicates_note, parse_columns, prepare_data
 
+    mark_local_run(dataset)
     out = artifact_store_uri(dataset, storage_root)
     meta = prepare_data(PrepareSpec(dataset_uri=dataset_uri, output_uri=out, label_column=label_column,
                                     feature_columns=parse_columns(feature_columns), val_fraction=val_fraction, test_fraction=test_fraction, seed=seed,

@@ -22,13 +22,15 @@ def train_op(dataset: Input[Dataset], model: Output[Model], metrics: Output[Metr
     cluster job (``backend="cluster"``): pass ``dsl.PIPELINE_JOB_ID_PLACEHOLDER``
     and ``dsl.PIPELINE_TASK_NAME_PLACEHOLDER``, so that the job is found by its run in ``kubectl``;
     left empty, it is named from this step's output URI, which is as unique."""
+    import os
     from collections import namedtuple
 
-    from kfp_pytorch.components._kfp import artifact_store_uri
+    from kfp_pytorch.components._kfp import RESUME_ENV, artifact_store_uri, mark_local_run, resumed_output_uri
     from kfp_pytorch.components.prepare_data import read_metadata
     from kfp_pytorch.components.tracking import Tracker
-    from kfp_pytorch.components.train import TrainSpec, train
+    from kfp_pytorch.components.train import TrainSpec, seed_checkpoint, train
 
+    mark_local_run(model)
     out = artifact_store_uri(model, storage_root)
     spec = TrainSpec(dataset_uri=dataset.metadata.get("uri", dataset.path), output_uri=out, model=model_arch,
                      epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, workers=workers,
@@ -36,6 +38,11 @@ def train_op(dataset: Input[Dataset], model: Output[Model], metrics: Output[Metr
                      run_id=run_id, task=task_name, checkpoint_every_s=checkpoint_every_s,
                      early_stopping_patience=early_stopping_patience, class_weight=class_weight,
                      lr_schedule=lr_schedule, weight_decay=weight_decay)
+    if resumed := os.environ.get(RESUME_ENV):  # a local run that resumes another: from its checkpoint
+        done = seed_checkpoint(spec, resumed_output_uri(model, storage_root, resumed))
+        print(f"[kfp-pytorch] training resumes from {resumed}'s last checkpoint ({done} epoch(s) trained)"
+              if done is not None else f"note: {resumed} left no training checkpoint: training starts from the beginning",
+              flush=True)
     # MLflow first: a server that is down or refuses the credentials fails the step now, not after
     # the hours of training it would then not record
     tracker = Tracker(tracking_uri or None)
