@@ -479,6 +479,9 @@ class LocalRunInfo:
     """How long it ran, from its record (None without one)."""
     owner_pid: int | None = None
     """The process running it, while it runs (status RUNNING)."""
+    checkpoint_epochs: int | None = None
+    """A run that ended early (CANCELED, KILLED, FAILED): the whole epochs its last training
+    checkpoint holds, which `run --resume` trains on from (None: it has none here)."""
 
 
 def _seconds(value) -> float | None:
@@ -534,6 +537,20 @@ def _run_owner(start: dict) -> dict | None:
     return owner if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
 
 
+def _checkpoint_epochs(run_dir: Path) -> int | None:
+    """The whole epochs of a local run's last training checkpoint in its folder (None: none there)."""
+    from kfp_pytorch.components.train import RESUME_STATE
+
+    for state in run_dir.glob(f"*/*/{RESUME_STATE}"):
+        try:
+            epoch = json.loads(state.read_text()).get("epoch")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(epoch, int) and not isinstance(epoch, bool):
+            return epoch
+    return None
+
+
 def local_runs(root: Path | None = None, now: float | None = None) -> list[LocalRunInfo]:
     """The local runs under ``root`` (default ``KFP_PYTORCH_HOME/local_outputs``), newest first."""
     import time
@@ -566,7 +583,8 @@ def local_runs(root: Path | None = None, now: float | None = None) -> list[Local
                                 (record or {}).get("params") or start.get("params") or {},
                                 (record or {}).get("result", {}),
                                 _seconds((record or {}).get("elapsed_s")),
-                                owner["pid"] if status == "RUNNING" else None))
+                                owner["pid"] if status == "RUNNING" else None,
+                                _checkpoint_epochs(d) if status in ("CANCELED", "KILLED", "FAILED") else None))
     return sorted(out, key=lambda r: (r.modified, r.name), reverse=True)
 
 

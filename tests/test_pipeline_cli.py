@@ -1104,15 +1104,16 @@ def test_a_run_killed_outright_is_listed_as_killed_and_resumed_from_its_checkpoi
         proc.wait(30)
         _, alive = psutil.wait_procs(started, timeout=30)  # the workers stop with it (test_train has the how)
         assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], [p.cmdline()[:4] for p in alive]
+        trained = json.loads(state.read_text())["epoch"]  # whole epochs (and, stopped mid-epoch, some steps)
         r = run_cli("runs", "--local")
         assert r.stdout.splitlines()[1].split()[1] == "KILLED", r.stdout
+        assert r.stdout.splitlines()[1].endswith(f"checkpoint after {trained} of 100000 epochs: `run --resume` trains on")
         [listed] = json.loads(run_cli("runs", "--local", "--json").stdout)
         assert listed["owner_pid"] is None and not (Path(listed["path"]) / "run.json").exists()
-        assert listed["params"]["epochs"] == 100000  # what it was asked, from its steps
+        assert listed["params"]["epochs"] == 100000 and listed["checkpoint_epochs"] == trained  # from its steps
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    trained = json.loads(state.read_text())["epoch"]  # whole epochs (and, stopped mid-epoch, some steps)
     try:
         r = run_cli("run", "train_and_serve", "--local", "--resume", name, "-p", f"epochs={trained + 1}",
                     "--no-predict", "--json")
@@ -1125,8 +1126,9 @@ def test_a_run_killed_outright_is_listed_as_killed_and_resumed_from_its_checkpoi
         assert record["resumed_from"] == name and record["params"]["epochs"] == trained + 1
         assert record["params"]["model_name"] == "sigkill"  # the killed run's, but for the one given
         assert summary["training"]["epochs_trained"] == trained + 1, summary["training"]
-        statuses = {r["name"]: r["status"] for r in json.loads(run_cli("runs", "--local", "--json").stdout)}
-        assert statuses == {name: "KILLED", Path(summary["run_dir"]).name: "SUCCEEDED"}
+        statuses = {r["name"]: (r["status"], r["checkpoint_epochs"])
+                    for r in json.loads(run_cli("runs", "--local", "--json").stdout)}
+        assert statuses == {name: ("KILLED", trained), Path(summary["run_dir"]).name: ("SUCCEEDED", None)}
     finally:
         run_cli("serve", "stop", "sigkill")
     r = run_cli("run", "train_and_serve", "--local", "--resume", "train-and-serve-nosuch")
