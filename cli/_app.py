@@ -163,6 +163,7 @@ class _SectionedGroup(click.Group):
             "submit": "Upload PIPELINE, start a run and follow it.",
             "follow": "Follow a run until it ends.",
             "cancel": "Stop a run, as the KFP UI's Terminate does.",
+            "retry": "Run a failed or canceled run's failed steps again.",
             "manifest": "Print the Kubernetes manifest a cluster step would create.",
         },
         "Recurring runs": {

@@ -147,6 +147,25 @@ def cancel_cmd(run_id, host, namespace, token, ca_cert):
                                            f"{run_id}` shows it end)" if state != "CANCELED" else ""))
 
 
+@cli.command("retry")
+@click.argument("run_id", type=_RUN_ID)
+@_kfp_options(experiment=False)
+@click.option("--wait/--no-wait", default=True, help="Follow the run until it ends.")
+def retry_cmd(run_id, host, namespace, token, ca_cert, wait):
+    """Retry the FAILED or CANCELED KFP run RUN_ID, as the KFP UI's Retry does: its failed and stopped
+    steps run again in the same run (the steps that succeeded do not), and its train step trains on
+    from its last checkpoint. Then follow it, as submit does."""
+    from kfp_pytorch.pipelines.kfp_api import KfpApi
+
+    api = KfpApi(host, namespace, token, ca_cert=ca_cert)
+    state = api.retry(run_id)
+    click.echo(f"run {run_id} retried: {state}: {_run_url(host, run_id)}")
+    if wait:
+        _follow_run(api, host, run_id)
+    else:
+        click.echo(f"follow it with: kfp-pytorch follow {run_id} --host {host}", err=True)
+
+
 @cli.command("schedule", cls=_PipelineParamsCommand, epilog=_examples(
     'kfp-pytorch schedule train_and_serve --host URL --cron "0 0 3 * * *"          # 03:00 UTC daily',
     'kfp-pytorch schedule train_and_serve --host URL --cron "@every 6h" --name often',

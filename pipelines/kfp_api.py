@@ -16,6 +16,8 @@ from kfp_pytorch.components.errors import KfpPytorchError, TemporaryError, untru
 from .registry import PipelineEntry
 
 TERMINAL = {"SUCCEEDED", "FAILED", "SKIPPED", "CANCELED", "CANCELING"}
+RETRYABLE = {"FAILED", "CANCELED"}
+"""The states KFP retries a run in (its Argo workflow Failed or Error: a terminated run's is Failed)."""
 
 
 class KfpApiError(KfpPytorchError):
@@ -236,6 +238,23 @@ class KfpApi:
             return False, state
         self._call("terminate run", self.client.terminate_run, run_id)
         return True, str(self._call("get run", self.client.runs.run_service_get_run, run_id=run_id).state)
+
+    def retry(self, run_id: str) -> str:
+        """Retry a FAILED or CANCELED run as the KFP UI's Retry does: KFP runs its failed and stopped
+        steps again, in the same run, and not the steps that succeeded. A step's outputs keep their
+        URIs, so a train step trains on from its last checkpoint. Returns the run's state after; an
+        error that says what to do for a run that cannot be retried (running, succeeded, archived)."""
+        run = self.run_or_error(run_id)
+        state = str(run.state)
+        if str(getattr(run, "storage_state", "") or "") == "ARCHIVED":  # the API server refuses it
+            raise KfpApiError(f"run {run_id} is archived: KFP retries no archived run",
+                              "restore it in the KFP UI (Runs, Archived, Restore) and retry it again")
+        if state not in RETRYABLE:
+            raise KfpApiError(f"run {run_id} is {state}: only a FAILED or CANCELED run is retried",
+                              "`kfp-pytorch submit` starts a new run" if state in ("SUCCEEDED", "SKIPPED") else
+                              f"`kfp-pytorch follow {run_id}` follows it; `kfp-pytorch cancel {run_id}` stops it")
+        self._call("retry run", self.client.runs.run_service_retry_run, run_id=run_id)
+        return str(self._call("get run", self.client.runs.run_service_get_run, run_id=run_id).state)
 
     def follow(self, run_id: str, timeout_s: float = 24 * 3600, interval: float = 2.0, out=None,
                outage_s: float = 300.0, request_timeout_s: float = 30.0) -> str:

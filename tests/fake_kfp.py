@@ -1,7 +1,7 @@
 """A fake of the KFP v2beta1 REST API that ``kfp.Client`` uses, on loopback. It validates bodies.
 
 Endpoints: healthz; pipelines upload / upload_version / list / versions; experiments create / list;
-runs create / get / list / terminate; recurringruns create / list / get / delete / enable / disable.
+runs create / get / list / terminate / retry; recurringruns create / list / get / delete / enable / disable.
 Validation mirrors the server: a run needs a display name and an existing pipeline version (or an inline spec), parameters must be declared
 inputs of the pipeline, a cron must parse as robfig/cron's ``Parse`` would take it (5 or 6 fields,
 seconds first, or a descriptor such as ``@daily``), an upload must be a parsable PipelineSpec.
@@ -211,6 +211,8 @@ class FakeKfp:
                 run["state"] = "CANCELED" if run["_cancel"] == "seen" else "CANCELING"
                 run["_cancel"] = "seen"
                 return self._public(run)
+            if run["state"] in ("SUCCEEDED", "FAILED", "CANCELED", "SKIPPED"):  # ended: until a retry
+                return self._public(run)
             run["_step"] = min(run["_step"] + 1, len(self.run_states) - 1)
             run["state"] = self.run_states[run["_step"]]
             if run["state"] in ("SUCCEEDED", "FAILED"):
@@ -234,6 +236,23 @@ class FakeKfp:
             if run["state"] in ("SUCCEEDED", "FAILED", "CANCELED", "SKIPPED"):
                 raise KfpError(400, f"Failed to terminate run {rid}: the run is in state {run['state']}")
             run["state"], run["_cancel"] = "CANCELING", True
+            return {}
+
+    def retry_run(self, rid: str) -> dict:
+        """As the API server's RetryRun: a FAILED or CANCELED run (its workflow Failed) starts again,
+        PENDING, its error cleared; an archived run, or one in another state, is refused."""
+        with self.lock:
+            run = self.runs.get(rid)
+            if run is None:
+                raise KfpError(404, f"run {rid} not found")
+            if run.get("storage_state") == "ARCHIVED":
+                raise KfpError(400, f"Failed to retry run {rid}: run is archived")
+            if run["state"] not in ("FAILED", "CANCELED"):
+                raise KfpError(400, f"Failed to retry run {rid}: Workflow must be Failed/Error to retry")
+            for k in ("error", "run_details", "_cancel"):
+                run.pop(k, None)
+            run.update(state="PENDING", _step=0, finished_at="1970-01-01T00:00:00Z")
+            run["_retries"] = run.get("_retries", 0) + 1
             return {}
 
     @staticmethod
@@ -349,6 +368,9 @@ class _Handler(BaseHTTPRequestHandler):
             m = re.fullmatch(r"/apis/v2beta1/runs/([^/:]+):terminate", path)
             if m and verb == "POST":
                 return self._send(200, k.terminate_run(m.group(1)))
+            m = re.fullmatch(r"/apis/v2beta1/runs/([^/:]+):retry", path)
+            if m and verb == "POST":
+                return self._send(200, k.retry_run(m.group(1)))
             m = re.fullmatch(r"/apis/v2beta1/runs/([^/:]+)", path)
             if m and verb == "GET":
                 return self._send(200, k.get_run(m.group(1)))

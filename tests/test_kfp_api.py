@@ -253,6 +253,45 @@ def test_a_run_is_cancelled_by_its_id_and_one_that_ended_is_left_alone(kfp_serve
         assert "--experiment" not in cli(cmd, "--help").stdout
 
 
+def test_a_failed_or_canceled_run_is_retried_in_place_and_followed_and_others_are_refused(kfp_server):
+    # the KFP UI's Retry, from the CLI: after hours of training and a failure, the run's failed steps
+    # run again with the same outputs (the train step trains on from its checkpoint)
+    fake, url = kfp_server
+    fake.run_states = ["PENDING", "RUNNING", "FAILED"]
+    fake.failure = ("train-op", "training workers failed (torchrun exit code 1)")
+    assert cli("submit", "train_and_serve", "--host", url).returncode == 1
+    [run_id] = fake.runs
+    fake.run_states, fake.failure = ["PENDING", "RUNNING", "SUCCEEDED"], None
+    r = cli("retry", run_id, "--host", url)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.match(rf"run {run_id} retried: (PENDING|RUNNING): {url}/#/runs/details/{run_id}\n", r.stdout), r.stdout
+    assert r.stdout.endswith(f"run {run_id}: SUCCEEDED\n")  # followed to its end, as submit does
+    assert ("POST", f"/apis/v2beta1/runs/{run_id}:retry") in fake.requests and len(fake.runs) == 1  # no new run
+    r = cli("retry", run_id, "--host", url)
+    assert r.returncode == 3 and f"run {run_id} is SUCCEEDED: only a FAILED or CANCELED run is retried" in r.stderr
+    assert "`kfp-pytorch submit` starts a new run" in r.stderr
+    assert fake.requests.count(("POST", f"/apis/v2beta1/runs/{run_id}:retry")) == 1  # not asked: it would refuse
+    # one that runs: follow or cancel it; once canceled, it is retried
+    fake.run_states = ["PENDING"] + ["RUNNING"] * 50
+    assert cli("submit", "train_and_serve", "--host", url, "--no-wait").returncode == 0
+    [running] = set(fake.runs) - {run_id}
+    r = cli("retry", running, "--host", url)
+    assert r.returncode == 3 and f"`kfp-pytorch cancel {running}` stops it" in r.stderr, r.stderr
+    assert cli("cancel", running, "--host", url).returncode == 0
+    assert cli("follow", running, "--host", url).returncode == 1  # CANCELED
+    r = cli("retry", running, "--host", url, "--no-wait")
+    assert r.returncode == 0 and re.fullmatch(rf"run {running} retried: (PENDING|RUNNING): {url}/#/runs/details/{running}\n",
+                                              r.stdout), r.stdout
+    assert f"follow it with: kfp-pytorch follow {running} --host {url}" in r.stderr
+    # archived: the API server would refuse it
+    fake.runs[run_id].update(state="FAILED", storage_state="ARCHIVED")
+    r = cli("retry", run_id, "--host", url)
+    assert r.returncode == 3 and f"run {run_id} is archived: KFP retries no archived run" in r.stderr
+    assert "restore it in the KFP UI" in r.stderr and "Traceback" not in r.stderr
+    r = cli("retry", "no-such-run", "--host", url)
+    assert r.returncode == 3 and f"the KFP API at {url} has no run 'no-such-run'" in r.stderr
+
+
 def test_submit_and_schedule_take_the_platform_file_that_compile_takes(kfp_server, tmp_path):
     fake, url = kfp_server
     plat = tmp_path / "platform.yaml"
