@@ -5,6 +5,7 @@ master's log into ours; enforces a timeout; deletes or keeps the job by policy; 
 the run is terminated (SIGTERM). A gang whose pods cannot all be placed fails at the timeout with
 "gang could not be placed" and the pods' scheduling reasons, instead of hanging.
 """
+import re
 import signal
 import sys
 import threading
@@ -21,6 +22,8 @@ TERMINAL = {"Succeeded", "Failed"}
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 """On the Workload Kueue makes for a job: the job's uid."""
 KUEUE_GROUP, KUEUE_VERSIONS = "kueue.x-k8s.io", ("v1beta2", "v1beta1")
+_KFP_RUN_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+"""A KFP run's id (a UUID), as the step's run_id is given it: `kfp-pytorch retry` takes it."""
 ADOPTED_LOG_LINES = 100
 """How much of an adopted running job's log the step shows before following it (not hours of it)."""
 SUSPEND_FIELD = {"PyTorchJob": "spec.runPolicy.suspend", "TrainJob": "spec.suspend"}
@@ -637,9 +640,12 @@ class ClusterTrainer:
             rtype = labels.get("training.kubeflow.org/replica-type", labels.get(JOBSET_REPLICATED_JOB, "replica"))
             tail = self.kube.log_tail(ns, p.metadata.name, 20, main)
             lines = "\n".join(f"    {line}" for line in tail.splitlines()[-20:])
+            run_id = ((job.get("metadata") or {}).get("labels") or {}).get(f"{LABEL_PREFIX}/run-id", "")
+            retry = (f"retry the run (`kfp-pytorch retry {run_id}`, or Retry in the KFP UI): this task then"
+                     if _KFP_RUN_ID.fullmatch(run_id) else "a retry of this task")
             return TrainingError(f"{self.kind} {ns}/{name} failed: {rtype} replica {p.metadata.name} ended with "
                                  f"{reason}. {detail}\n  last lines of its log:\n{lines}",
-                                 "fix the cause above; a retry of this task adopts or recreates the job and resumes "
+                                 f"fix the cause above; {retry} adopts or recreates the job and resumes "
                                  "from the last checkpoint")
         return TrainingError(f"{self.kind} {ns}/{name} failed: {detail}")
 

@@ -307,6 +307,25 @@ def test_failure_names_replica_reason_and_log(k8s):
     text = str(e.value)
     assert f"worker replica {w} ended with OOMKilled" in text and "CUDA out of memory" in text
     assert fake.list("pytorchjobs", NS)  # on-success policy keeps failed jobs for debugging
+    assert e.value.hint == ("fix the cause above; a retry of this task adopts or recreates the job and resumes from "
+                            "the last checkpoint")  # run-123 is no KFP run's id
+
+
+def test_a_failed_job_of_a_kfp_run_says_how_to_retry_the_run(k8s):
+    fake, api = k8s
+    run_id = "0b6c4c1e-7d2f-4c41-9e0a-3f1d2c5b6a7e"  # as KFP names a run, and the step's run_id is given it
+    s = spec(nodes=1, run_id=run_id)
+
+    def failing():
+        deadline = time.monotonic() + 10
+        while not pods_of(fake, s.name) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        fake.set_pod_phase(NS, f"{s.name}-master-0", "Failed", "Error")
+    threading.Thread(target=failing, daemon=True).start()
+    with pytest.raises(TrainingError) as e:
+        ClusterTrainer(Kube(api), out=io.StringIO()).run(s, timeout_s=20)
+    assert e.value.hint == (f"fix the cause above; retry the run (`kfp-pytorch retry {run_id}`, or Retry in the KFP "
+                            "UI): this task then adopts or recreates the job and resumes from the last checkpoint")
 
 
 def test_pods_held_for_the_fairness_scheduler_say_so_not_that_the_gang_cannot_be_placed(k8s, monkeypatch):
