@@ -449,7 +449,8 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
         click.echo(json.dumps([{"name": r.name, "path": str(r.path), "status": r.status, "size_bytes": r.size,
                                 "modified": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r.modified)),
                                 "elapsed_s": r.elapsed_s, "owner_pid": r.owner_pid,
-                                "checkpoint_epochs": r.checkpoint_epochs, "steps": r.steps,
+                                "checkpoint_epochs": r.checkpoint_epochs, "log": str(r.log) if r.log else None,
+                                "steps": r.steps,
                                 "served_by": r.served_by,
                                 "params": r.params, "result": r.result,
                                 "champion_until": until.get(r.name)}
@@ -464,6 +465,8 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
         when = "-" if r.status == "RUNNING" else time.strftime("%Y-%m-%d %H:%M", time.localtime(r.modified))
         served = f"  serving: {', '.join(r.served_by)}" if r.served_by else ""
         result = f"  {line}" if (line := result_line(r.result, r.params, until.get(r.name))) else ""
+        if r.status == "RUNNING" and r.log:  # where to watch it, from another terminal
+            result += f"  log: {r.log}"
         if r.checkpoint_epochs is not None:  # what --resume would save: said where the run is read
             of = f" of {r.params['epochs']}" if isinstance(r.params.get("epochs"), int) else ""
             result += f"  checkpoint after {r.checkpoint_epochs}{of} epochs: `run --resume` trains on"

@@ -482,6 +482,9 @@ class LocalRunInfo:
     checkpoint_epochs: int | None = None
     """A run that ended early (CANCELED, KILLED, FAILED): the whole epochs its last training
     checkpoint holds, which `run --resume` trains on from (None: it has none here)."""
+    log: Path | None = None
+    """Its whole log: ``run.log`` in it once it ended; while it runs, the one its process writes
+    beside the runs (moved in at the end), for ``tail -f``."""
 
 
 def _seconds(value) -> float | None:
@@ -537,6 +540,14 @@ def _run_owner(start: dict) -> dict | None:
     return owner if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
 
 
+def _live_log(root: Path, pid: int) -> Path | None:
+    """The log a local run's process writes beside the runs until it ends (:func:`run_local` names
+    it after the pipeline, its pid and when it started; the newest where a pid was given again), or
+    None where there is none. A run killed outright leaves it there."""
+    logs = sorted(root.glob(f".*-{pid}-*.log"), key=lambda p: p.name.rsplit("-", 1)[-1].zfill(24))
+    return logs[-1] if logs else None
+
+
 def _checkpoint_epochs(run_dir: Path) -> int | None:
     """The whole epochs of a local run's last training checkpoint in its folder (None: none there)."""
     from kfp_pytorch.components.train import RESUME_STATE
@@ -584,7 +595,9 @@ def local_runs(root: Path | None = None, now: float | None = None) -> list[Local
                                 (record or {}).get("result", {}),
                                 _seconds((record or {}).get("elapsed_s")),
                                 owner["pid"] if status == "RUNNING" else None,
-                                _checkpoint_epochs(d) if status in ("CANCELED", "KILLED", "FAILED") else None))
+                                _checkpoint_epochs(d) if status in ("CANCELED", "KILLED", "FAILED") else None,
+                                d / RUN_LOG if (d / RUN_LOG).is_file() else
+                                _live_log(root, owner["pid"]) if status in ("RUNNING", "KILLED") else None))
     return sorted(out, key=lambda r: (r.modified, r.name), reverse=True)
 
 
@@ -677,6 +690,8 @@ def prune_local_runs(keep: int, root: Path | None = None, now: float | None = No
             continue
         if not dry_run:
             shutil.rmtree(r.path)
+            if r.log and r.log.parent == r.path.parent:  # a killed run's log, left beside the runs
+                r.log.unlink(missing_ok=True)
         removed.append(r)
     return removed, spared
 

@@ -1093,6 +1093,9 @@ def test_a_run_killed_outright_is_listed_as_killed_and_resumed_from_its_checkpoi
         [listed] = json.loads(run_cli("runs", "--local", "--json").stdout)
         assert (listed["status"], listed["owner_pid"]) == ("RUNNING", proc.pid)
         name, state = listed["name"], Path(listed["path"]) / "train-op" / "model" / "checkpoints" / "last.json"
+        log = Path(listed["log"])  # where to watch it from: the log its process writes
+        assert "Executing task 'train-op'" in re.sub(r"\x1b\[[0-9;]*m", "", log.read_text())  # kfp.local's colours
+        assert run_cli("runs", "--local").stdout.splitlines()[1].endswith(f"log: {log}")
         r = run_cli("run", "train_and_serve", "--local", "--resume", name)
         assert r.returncode == 2 and f"--resume: {name} is still running" in r.stderr, r.stderr
         assert f"kill {proc.pid}" in r.stderr
@@ -1111,6 +1114,7 @@ def test_a_run_killed_outright_is_listed_as_killed_and_resumed_from_its_checkpoi
         [listed] = json.loads(run_cli("runs", "--local", "--json").stdout)
         assert listed["owner_pid"] is None and not (Path(listed["path"]) / "run.json").exists()
         assert listed["params"]["epochs"] == 100000 and listed["checkpoint_epochs"] == trained  # from its steps
+        assert listed["log"] == str(log)  # left beside the runs by the kill: still its
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -1129,6 +1133,8 @@ def test_a_run_killed_outright_is_listed_as_killed_and_resumed_from_its_checkpoi
         statuses = {r["name"]: (r["status"], r["checkpoint_epochs"])
                     for r in json.loads(run_cli("runs", "--local", "--json").stdout)}
         assert statuses == {name: ("KILLED", trained), Path(summary["run_dir"]).name: ("SUCCEEDED", None)}
+        assert run_cli("runs", "--local", "--keep", "1").returncode == 0  # the killed run goes, and its log
+        assert not log.exists() and [p.name for p in log.parent.iterdir()] == [Path(summary["run_dir"]).name]
     finally:
         run_cli("serve", "stop", "sigkill")
     r = run_cli("run", "train_and_serve", "--local", "--resume", "train-and-serve-nosuch")
