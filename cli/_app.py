@@ -73,6 +73,17 @@ def _complete_pipeline(ctx, param, incomplete):
             if name.startswith(incomplete)]
 
 
+def _complete_resumable_run(ctx, param, incomplete):
+    """`run --resume` completes the local runs that ended early, newest first, with how far they got."""
+    from click.shell_completion import CompletionItem
+
+    from kfp_pytorch.pipelines.local import local_runs
+
+    return [CompletionItem(r.name, help=r.status + (f", {r.checkpoint_epochs} epochs trained"
+                                                     if r.checkpoint_epochs is not None else ""))
+            for r in local_runs() if r.name.startswith(incomplete) and r.status not in ("RUNNING", "RUNNING?")]
+
+
 def _echo_columns(rows: list[tuple[str, ...]]) -> None:
     """``rows`` (the first: the header) in columns three spaces apart, each as wide as its widest
     cell, as kubectl get prints; the last column unpadded (a long URL or model path)."""

@@ -7,8 +7,8 @@ from pathlib import Path
 import click
 
 from ._app import (
-    _complete_pipeline, _examples, _namespace, _output_problem, _parse_params, _PIPELINE, _PipelineParamsCommand,
-    _read_yaml, _said, cli)
+    _complete_pipeline, _complete_resumable_run, _examples, _namespace, _output_problem, _parse_params, _PIPELINE,
+    _PipelineParamsCommand, _read_yaml, _said, cli)
 
 
 @cli.command("pipelines")
@@ -190,7 +190,7 @@ def _before_submit(values: dict, platform, notes: bool = True) -> None:
 @click.option("-v", "--verbose", is_flag=True,
               help="Show kfp.local's whole log as it runs: each step's executor input and outputs too (the run "
                    "keeps it as run.log either way).")
-@click.option("--resume", metavar="RUN", default=None,
+@click.option("--resume", metavar="RUN", default=None, shell_complete=_complete_resumable_run,
               help="Run again a local run that failed, was stopped or killed (`runs --local` lists them): its "
                    "parameters (each --param given overrides one; epochs may grow), training from its last "
                    "checkpoint.")
@@ -205,7 +205,10 @@ def run_cmd(pipeline, local, params, predict, as_json, verbose, resume):
                                              trained_some)
 
     entry = get_pipeline(pipeline)
-    values = _resolve_params(entry, params, resumed_params(entry, resume) if resume else None)
+    resumed = None
+    if resume:  # its name (given as its folder too) and its parameters, under those given here
+        resume, resumed = resumed_params(entry, resume)
+    values = _resolve_params(entry, params, resumed)
     # kfp.local's steps (python -m kfp.dsl.executor_main) and torchrun's workers (python -m) import
     # from the current folder, as a notebook does; the console script's own sys.path lacks it, so
     # model_arch=mymodels:build beside the user failed the checks made before any step

@@ -272,12 +272,16 @@ def trained_some(run_dir: Path, params: dict) -> bool:
     return any(run_dir.glob(f"*/*/{RESUME_STATE}")) or bool(params.get("storage_root") and any(run_dir.glob("train*")))
 
 
-def resumed_params(entry: PipelineEntry, name: str, root: Path | None = None) -> dict:
-    """The parameters the local run ``name`` of ``entry`` was given, to run it again from its last
-    training checkpoint (:func:`run_local`'s ``resume``); a ConfigError that says what to do where it
-    cannot be: no such run, one still running, another pipeline's, or one that kept no parameters."""
+def resumed_params(entry: PipelineEntry, name: str, root: Path | None = None) -> tuple[str, dict]:
+    """The local run ``name`` of ``entry`` (its name, or its folder as a shell completes it) and the
+    parameters it was given, to run it again from its last training checkpoint (:func:`run_local`'s
+    ``resume`` takes the name); a ConfigError that says what to do where it cannot be: no such run,
+    one still running, another pipeline's, or one that kept no parameters."""
     root = Path(root or home() / "local_outputs")
-    if not name or Path(name).name != name or not (root / name).is_dir():
+    given = Path(name.rstrip("/")) if name else None
+    if given and given.name and (given.parent == Path(".") or given.resolve().parent == root.resolve()):
+        name = given.name
+    if not given or given.name != name or not (root / name).is_dir():
         raise ConfigError([f"--resume: no local run {name!r} under {root}"], "`kfp-pytorch runs --local` lists them",
                           title="cannot resume")
     [run] = [r for r in local_runs(root) if r.name == name]
@@ -296,7 +300,7 @@ def resumed_params(entry: PipelineEntry, name: str, root: Path | None = None) ->
     if not run.params:
         raise ConfigError([f"--resume: {name} kept no record of its parameters (it ran before runs did, or its "
                            "record is damaged)"], "run the pipeline again with its -p parameters", title="cannot resume")
-    return dict(run.params)
+    return name, dict(run.params)
 
 
 def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = None,
@@ -312,6 +316,9 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
     from kfp_pytorch.components.processes import RUN_OWNER_ENV, run_owner_token
 
     root = Path(pipeline_root or home() / "local_outputs")
+    if resume and (Path(resume).name != resume or not (root / resume).is_dir()):
+        raise ConfigError([f"resume: no local run {resume!r} under {root}"],
+                          "give a run's name, as resumed_params returns it", title="cannot resume")
     root.mkdir(parents=True, exist_ok=True)
     before = set(root.iterdir())
     # use_venv=False: steps run in this environment, where kfp_pytorch is installed (as in the image).

@@ -485,8 +485,8 @@ def test_a_run_whose_training_failed_keeps_its_checkpoint_and_once_fixed_resumes
     assert 2 <= trained < 12  # each of the four attempts trained on from the last one's checkpoint
     (tmp_path / "bug").unlink()  # the fix
     try:
-        r = subprocess.run([str(script), "run", "train_and_serve", "--local", "--resume", run_dir.name, "--no-predict"],
-                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        r = subprocess.run([str(script), "run", "train_and_serve", "--local", "--resume", f"{run_dir}/",  # as completed
+                            "--no-predict"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
         assert r.returncode == 0, r.stdout[-3000:]
         assert f"training resumes from {run_dir.name}'s last checkpoint ({trained} epoch(s) trained)" in r.stdout
         assert f"resumed:   from {run_dir.name}'s last training checkpoint" in r.stdout
