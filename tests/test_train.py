@@ -104,6 +104,28 @@ def test_s3_dataset_checkpoints_and_model(s3, bucket, tmp_path):
     for rel in (CHECKPOINT, "model/model.pt2", "model/weights.pt", "model/metadata.json", "history.json"):
         assert f"s3://{bucket}/run/{rel}" in objects
     assert result.model_uri == f"s3://{bucket}/run/model" and len(result.history) == 2
+    # a resumed local run with storage_root: its checkpoint copied inside the server into the new
+    # run's output, its table prepared again under another prefix
+    from kfp_pytorch.components.train import seed_checkpoint
+
+    s3.copy_dir(data, f"s3://{bucket}/again-data")
+    spec = TrainSpec(f"s3://{bucket}/again-data", f"s3://{bucket}/again", model="cnn", epochs=3, progress="off")
+    assert seed_checkpoint(spec, f"s3://{bucket}/run") == 2
+    assert f"s3://{bucket}/again/{CHECKPOINT}" in s3.list(f"s3://{bucket}/again")
+    more = train(spec)
+    assert [h["epoch"] for h in more.history] == [1, 2, 3] and more.history[:2] == result.history
+
+
+def test_a_resumed_step_finds_the_earlier_run_s_output_where_that_run_wrote_it():
+    from types import SimpleNamespace
+
+    from kfp_pytorch.components._kfp import artifact_store_uri, resumed_output_uri
+
+    model = SimpleNamespace(path="/home/u/local_outputs/train-and-serve-2/train-op/model",
+                            uri="/home/u/local_outputs/train-and-serve-2/train-op/model")
+    assert resumed_output_uri(model, "", "train-and-serve-1") == "/home/u/local_outputs/train-and-serve-1/train-op/model"
+    assert artifact_store_uri(model, "s3://ml/kfp") == "s3://ml/kfp/train-and-serve-2/train-op/model"
+    assert resumed_output_uri(model, "s3://ml/kfp", "train-and-serve-1") == "s3://ml/kfp/train-and-serve-1/train-op/model"
 
 
 def _children(want) -> list[psutil.Process]:
