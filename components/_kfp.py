@@ -7,8 +7,9 @@ this Python environment.
 """
 from __future__ import annotations
 
+import json
 import os
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
 IMAGE = os.environ.get("KFP_PYTORCH_IMAGE") or "ghcr.io/kfp-pytorch/kfp-pytorch:0.1.0"
@@ -62,9 +63,6 @@ def mark_local_run(artifact) -> None:
     asked. The step, not the run, writes it: kfp.local names the folder, and only the step knows
     which one is its run's (two runs may start together). Nothing happens where the variable is
     unset (a cluster's pods) or the artifact is not a local file under ``RUN/TASK/OUTPUT``."""
-    import json
-    from pathlib import Path
-
     from .processes import RUN_OWNER_ENV
 
     owner = os.environ.get(RUN_OWNER_ENV)
@@ -92,8 +90,6 @@ def resumed_output_uri(artifact, storage_root: str, run_name: str) -> str:
     """Where the local run ``run_name`` wrote what this step writes to :func:`artifact_store_uri`:
     the same task and output, under that run."""
     if not storage_root:
-        from pathlib import Path
-
         path = Path(artifact.path)
         return str(path.parents[2] / run_name / path.parent.name / path.name)
     from .storage import join

@@ -267,9 +267,7 @@ def trained_some(run_dir: Path, params: dict) -> bool:
     """Whether a local run that ended early got as far as training, so `run --resume` has a
     checkpoint to start from: one in its folder, or (its checkpoints on S3, under ``storage_root``)
     a train step that started."""
-    from kfp_pytorch.components.train import RESUME_STATE
-
-    return any(run_dir.glob(f"*/*/{RESUME_STATE}")) or bool(params.get("storage_root") and any(run_dir.glob("train*")))
+    return _checkpoint_epochs(run_dir) is not None or bool(params.get("storage_root") and any(run_dir.glob("train*")))
 
 
 def resumed_params(entry: PipelineEntry, name: str, root: Path | None = None) -> tuple[str, dict]:
@@ -284,19 +282,14 @@ def resumed_params(entry: PipelineEntry, name: str, root: Path | None = None) ->
     if not given or given.name != name or not (root / name).is_dir():
         raise ConfigError([f"--resume: no local run {name!r} under {root}"], "`kfp-pytorch runs --local` lists them",
                           title="cannot resume")
-    [run] = [r for r in local_runs(root) if r.name == name]
+    [run] = local_runs(root, only=name)
     if run.status in ("RUNNING", "RUNNING?"):
         how = (f"stop it first (kill {run.owner_pid}, or Ctrl-C where it runs)" if run.owner_pid
                else "wait for it to end, or stop it first")
         raise ConfigError([f"--resume: {name} is still running"], how, title="cannot resume")
-    try:
-        record = json.loads((run.path / RUN_RECORD).read_text())
-    except (OSError, ValueError):
-        record = None
-    pipeline = (record if isinstance(record, dict) else _run_start(run.path)).get("pipeline")
-    if pipeline and pipeline != entry.name:
-        raise ConfigError([f"--resume: {name} is a run of pipeline {pipeline}, not {entry.name}"],
-                          f"kfp-pytorch run {pipeline} --local --resume {name}", title="cannot resume")
+    if run.pipeline and run.pipeline != entry.name:
+        raise ConfigError([f"--resume: {name} is a run of pipeline {run.pipeline}, not {entry.name}"],
+                          f"kfp-pytorch run {run.pipeline} --local --resume {name}", title="cannot resume")
     if not run.params:
         raise ConfigError([f"--resume: {name} kept no record of its parameters (it ran before runs did, or its "
                            "record is damaged)"], "run the pipeline again with its -p parameters", title="cannot resume")
@@ -492,6 +485,8 @@ class LocalRunInfo:
     log: Path | None = None
     """Its whole log: ``run.log`` in it once it ended; while it runs, the one its process writes
     beside the runs (moved in at the end), for ``tail -f``."""
+    pipeline: str | None = None
+    """The pipeline it ran, from its record or its steps (None: neither says)."""
 
 
 def _seconds(value) -> float | None:
@@ -569,8 +564,9 @@ def _checkpoint_epochs(run_dir: Path) -> int | None:
     return None
 
 
-def local_runs(root: Path | None = None, now: float | None = None) -> list[LocalRunInfo]:
-    """The local runs under ``root`` (default ``KFP_PYTORCH_HOME/local_outputs``), newest first."""
+def local_runs(root: Path | None = None, now: float | None = None, only: str | None = None) -> list[LocalRunInfo]:
+    """The local runs under ``root`` (default ``KFP_PYTORCH_HOME/local_outputs``), newest first;
+    ``only``: the run of that name alone (none: no such run)."""
     import time
 
     root = Path(root or home() / "local_outputs")
@@ -578,7 +574,7 @@ def local_runs(root: Path | None = None, now: float | None = None) -> list[Local
     served = _served_models()
     out = []
     for d in (root.iterdir() if root.is_dir() else []):
-        if not d.is_dir():
+        if not d.is_dir() or (only is not None and d.name != only):
             continue
         size, modified = _tree_stat(d)
         ended = (d / RUN_RECORD).exists()  # the record is written when the run ends
@@ -604,7 +600,8 @@ def local_runs(root: Path | None = None, now: float | None = None) -> list[Local
                                 owner["pid"] if status == "RUNNING" else None,
                                 _checkpoint_epochs(d) if status in ("CANCELED", "KILLED", "FAILED") else None,
                                 d / RUN_LOG if (d / RUN_LOG).is_file() else
-                                _live_log(root, owner["pid"]) if status in ("RUNNING", "KILLED") else None))
+                                _live_log(root, owner["pid"]) if status in ("RUNNING", "KILLED") else None,
+                                (record or {}).get("pipeline") or start.get("pipeline")))
     return sorted(out, key=lambda r: (r.modified, r.name), reverse=True)
 
 

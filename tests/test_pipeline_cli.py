@@ -615,6 +615,16 @@ def test_a_run_whose_process_is_gone_is_listed_as_killed_and_pruned_and_one_whos
         listed = {r["name"][-1]: r for r in json.loads(run_cli("runs", "--local", "--json").stdout)}
         assert listed["a"]["status"] == "RUNNING" and listed["a"]["owner_pid"] == live.pid
         assert listed["b"]["owner_pid"] is None
+        # what --resume refuses, before any step: a run that kept no parameters, another pipeline's
+        r = run_cli("run", "train_and_serve", "--local", "--resume", "train-and-serve-b")
+        assert r.returncode == 2 and "--resume: train-and-serve-b kept no record of its parameters" in r.stderr
+        other = root / "train-and-serve-c" / RUN_START_FILE
+        other.write_text(json.dumps({"owner": reused, "pipeline": "nightly_eval", "params": {"epochs": 3}}))
+        for f in (other, other.parent):  # as old as it was
+            os.utime(f, (now - 0.2 * 3600, now - 0.2 * 3600))
+        r = run_cli("run", "train_and_serve", "--local", "--resume", "train-and-serve-c")
+        assert r.returncode == 2 and "train-and-serve-c is a run of pipeline nightly_eval, not train_and_serve" in r.stderr
+        assert "kfp-pytorch run nightly_eval --local --resume train-and-serve-c" in r.stderr
         r = run_cli("runs", "--local", "--keep", "1")
         assert r.returncode == 0, r.stderr
         assert sorted(d.name[-1] for d in root.iterdir()) == ["a", "d", "e", "f"], r.stdout
