@@ -592,16 +592,18 @@ def local_runs(root: Path | None = None, now: float | None = None, only: str | N
             status = "RUNNING" if same_process(owner) else "KILLED"
         else:
             status = "RUNNING?" if not ended and now - modified < ACTIVE_WINDOW_S else "UNKNOWN"
-        out.append(LocalRunInfo(d.name, d, status, modified, size,
-                                sorted(f.parent.name for f in d.glob("*/executor_output.json")), _served_by(served, d),
-                                (record or {}).get("params") or start.get("params") or {},
-                                (record or {}).get("result", {}),
-                                _seconds((record or {}).get("elapsed_s")),
-                                owner["pid"] if status == "RUNNING" else None,
-                                _checkpoint_epochs(d) if status in ("CANCELED", "KILLED", "FAILED") else None,
-                                d / RUN_LOG if (d / RUN_LOG).is_file() else
-                                _live_log(root, owner["pid"]) if status in ("RUNNING", "KILLED") else None,
-                                (record or {}).get("pipeline") or start.get("pipeline")))
+        def known(key: str):  # what the run's record says, else what its steps said when it started
+            return (record or {}).get(key) or start.get(key)
+
+        log = (d / RUN_LOG if (d / RUN_LOG).is_file()
+               else _live_log(root, owner["pid"]) if status in ("RUNNING", "KILLED") else None)
+        out.append(LocalRunInfo(
+            d.name, d, status, modified, size, steps=sorted(f.parent.name for f in d.glob("*/executor_output.json")),
+            served_by=_served_by(served, d), params=known("params") or {},
+            result=(record or {}).get("result", {}), elapsed_s=_seconds((record or {}).get("elapsed_s")),
+            owner_pid=owner["pid"] if status == "RUNNING" else None,
+            checkpoint_epochs=_checkpoint_epochs(d) if status in ("CANCELED", "KILLED", "FAILED") else None,
+            log=log, pipeline=known("pipeline")))
     return sorted(out, key=lambda r: (r.modified, r.name), reverse=True)
 
 
