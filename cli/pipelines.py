@@ -305,13 +305,15 @@ def _print_summary(s: dict) -> None:
     if s.get("resumed_from"):
         click.echo(f"resumed:   from {s['resumed_from']}'s last training checkpoint")
     if s.get("failed_task"):
+        kept = s.get("checkpoint")
         click.echo(f"failed task: {s['failed_task']} (its log is above, whole in the run's log; partial outputs "
-                   "removed" + (", but for its training checkpoint" if s.get("kept_checkpoint") else "") + ")")
+                   "removed" + (", but for its training checkpoint" if kept else "") + ")")
         if s.get("error"):
             click.secho("\n".join(f"  {line}" for line in s["error"].splitlines()), fg="red")
-        if s.get("kept_checkpoint"):
-            click.echo(f"  once fixed, `kfp-pytorch run {s['pipeline']} --local --resume {Path(s['run_dir']).name}` "
-                       "trains on from that checkpoint")
+        if kept:
+            after = f" after {kept['epochs']} epoch(s)" if kept.get("epochs") is not None else ""
+            click.echo(f"  its checkpoint{after} is kept at {kept['uri']}; once fixed, `kfp-pytorch run "
+                       f"{s['pipeline']} --local --resume {Path(s['run_dir']).name}` trains on from it")
     if "data" in s:
         from kfp_pytorch.components.prepare_data import duplicates_note
 

@@ -102,8 +102,10 @@ class LocalRun:
     elapsed_s: float = 0.0
     error: str | None = None
     """The failed task's own error (its last exception line, list items and hint), from its log."""
-    kept_checkpoint: bool = False
-    """The failed task's training checkpoint was kept (the rest of its outputs went): `run --resume`."""
+    checkpoint: dict | None = None
+    """The failed task's training checkpoint, kept (the rest of its outputs went), which `run
+    --resume` trains on from: ``{"uri": its folder, "epochs": the whole epochs it holds}``; None:
+    it left none (:func:`_failed_checkpoint`)."""
     resumed_from: str | None = None
     """The local run whose last training checkpoint this one started from."""
 
@@ -256,6 +258,38 @@ def _remove_partial_outputs(task_dir: Path) -> list[Path]:
     return kept
 
 
+def _failed_checkpoint(run_dir: Path, failed: str, params: dict) -> dict | None:
+    """Remove the failed task's partial outputs, but for its training checkpoint; where that is
+    (``{"uri", "epochs"}``, :attr:`LocalRun.checkpoint`): in its folder, or with ``storage_root``
+    where the step wrote it, on S3 (None: it left none, or the S3 server cannot say)."""
+    from kfp_pytorch.components.storage import join
+    from kfp_pytorch.components.train import RESUME_STATE
+
+    kept = _remove_partial_outputs(run_dir / failed) if (run_dir / failed).exists() else []
+    if kept:
+        return {"uri": str(kept[0]), "epochs": _state_epochs(kept[0].parent / RESUME_STATE)}
+    if not params.get("storage_root"):
+        return None
+    storage = Storage()
+    try:  # where the step wrote (:func:`.._kfp.artifact_store_uri`): ROOT/RUN/TASK/OUTPUT/checkpoints
+        states = [e.uri for e in storage.entries(join(params["storage_root"], run_dir.name, failed))
+                  if e.uri.endswith("/" + RESUME_STATE)]
+        epochs = _state_epochs(states[0], storage) if states else None
+    except KfpPytorchError:  # the server is down or refuses now (what failed the step, may be): not known
+        return None
+    return {"uri": states[0].rsplit("/", 1)[0], "epochs": epochs} if epochs is not None else None
+
+
+def _state_epochs(uri, storage: Storage | None = None) -> int | None:
+    """The whole epochs a training checkpoint's resume state (:data:`..train.RESUME_STATE`, a
+    path or URI) says it holds; None where it is gone or damaged."""
+    try:
+        epoch = json.loads(Path(uri).read_text() if storage is None else storage.read_bytes(str(uri))).get("epoch")
+    except (OSError, ValueError, AttributeError, KfpPytorchError):
+        return None
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
+
+
 def _read_outputs(run_dir: Path) -> dict:
     out = {}
     for f in sorted(run_dir.glob("*/executor_output.json")):
@@ -365,9 +399,8 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
         run = LocalRun(entry.name, run_dir, True, outputs, elapsed_s=elapsed)
     else:
         failed = failed_task_of(str(error))
-        kept = _remove_partial_outputs(run_dir / failed) if failed and (run_dir / failed).exists() else []
         run = LocalRun(entry.name, run_dir, False, outputs, failed, elapsed, error_of(tee.lines),
-                       kept_checkpoint=bool(kept))
+                       checkpoint=_failed_checkpoint(run_dir, failed, params) if failed and run_dir != root else None)
     run.resumed_from = resume
     if run_dir != root:
         _write_run_record(run, params)
@@ -386,6 +419,7 @@ def _write_run_record(run: LocalRun, params: dict, status: str | None = None) ->
     record = {"pipeline": run.pipeline, "status": status or ("SUCCEEDED" if run.succeeded else "FAILED"),
               "failed_task": run.failed_task, "elapsed_s": round(run.elapsed_s, 2),
               **({"resumed_from": run.resumed_from} if run.resumed_from else {}),
+              **({"checkpoint": run.checkpoint} if run.checkpoint else {}),
               "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "params": params,
               "result": run_result(summarize(run))}
     tmp = run.run_dir / f".{RUN_RECORD}.tmp"  # whole or not at all: a reader never sees half a record
@@ -554,14 +588,18 @@ def _checkpoint_epochs(run_dir: Path) -> int | None:
     """The whole epochs of a local run's last training checkpoint in its folder (None: none there)."""
     from kfp_pytorch.components.train import RESUME_STATE
 
-    for state in run_dir.glob(f"*/*/{RESUME_STATE}"):
-        try:
-            epoch = json.loads(state.read_text()).get("epoch")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(epoch, int) and not isinstance(epoch, bool):
-            return epoch
-    return None
+    return next((e for state in run_dir.glob(f"*/*/{RESUME_STATE}") if (e := _state_epochs(state)) is not None), None)
+
+
+def _ended_early_checkpoint(run_dir: Path, record: dict | None) -> int | None:
+    """The whole epochs of the last training checkpoint of a local run that ended early: the one in
+    its folder, else the one on S3 its record names (a run with ``storage_root``: the listing asks
+    no server)."""
+    if (epochs := _checkpoint_epochs(run_dir)) is not None:
+        return epochs
+    kept = (record or {}).get("checkpoint")
+    epochs = kept.get("epochs") if isinstance(kept, dict) and "://" in str(kept.get("uri")) else None
+    return epochs if isinstance(epochs, int) and not isinstance(epochs, bool) else None
 
 
 def local_runs(root: Path | None = None, now: float | None = None, only: str | None = None) -> list[LocalRunInfo]:
@@ -602,7 +640,7 @@ def local_runs(root: Path | None = None, now: float | None = None, only: str | N
             served_by=_served_by(served, d), params=known("params") or {},
             result=(record or {}).get("result", {}), elapsed_s=_seconds((record or {}).get("elapsed_s")),
             owner_pid=owner["pid"] if status == "RUNNING" else None,
-            checkpoint_epochs=_checkpoint_epochs(d) if status in ("CANCELED", "KILLED", "FAILED") else None,
+            checkpoint_epochs=_ended_early_checkpoint(d, record) if status in ("CANCELED", "KILLED", "FAILED") else None,
             log=log, pipeline=known("pipeline")))
     return sorted(out, key=lambda r: (r.modified, r.name), reverse=True)
 
@@ -740,8 +778,8 @@ def summarize(run: LocalRun) -> dict:
         s["failed_task"] = run.failed_task
     if run.error:
         s["error"] = run.error
-    if run.kept_checkpoint:
-        s["kept_checkpoint"] = True
+    if run.checkpoint:
+        s["checkpoint"] = run.checkpoint
     if run.resumed_from:
         s["resumed_from"] = run.resumed_from
     arts = {}

@@ -459,9 +459,11 @@ def test_a_step_that_fails_is_named_and_its_partial_outputs_removed(tmp_path):
     assert line.split()[1] == "FAILED" and line.endswith(f"  failed in {why[:117]}...")
 
 
-def test_a_run_whose_training_failed_keeps_its_checkpoint_and_once_fixed_resumes_from_it(tmp_path):
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_run_whose_training_failed_keeps_its_checkpoint_and_once_fixed_resumes_from_it(tmp_path, where, request):
     # a bug that strikes after hours of training: the failed step's outputs were all removed, its
-    # checkpoint with them, and the run after the fix started over
+    # checkpoint with them, and the run after the fix started over; with storage_root the checkpoint
+    # stayed on S3, but the summary did not ask there, so it gave no way to train on
     (tmp_path / "flaky.py").write_text(
         "import os\nfrom torch import nn\n\n\nclass Net(nn.Module):\n    def __init__(self, d, k):\n"
         "        super().__init__()\n        self.fc, self.steps = nn.Linear(d, k), 0\n\n    def forward(self, x):\n"
@@ -470,19 +472,31 @@ def test_a_run_whose_training_failed_keeps_its_checkpoint_and_once_fixed_resumes
         "def net(input_dim, num_classes, image_shape=None):\n    return Net(input_dim, num_classes)\n")
     (tmp_path / "bug").touch()
     script = Path(sys.executable).parent / "kfp-pytorch"
+    on_s3 = []
+    if where == "s3":
+        request.getfixturevalue("s3")
+        on_s3 = ["--param", f"storage_root=s3://{request.getfixturevalue('bucket')}/runs"]
     r = subprocess.run([str(script), "run", "train_and_serve", "--local", "--param", "model_arch=flaky:net",
-                        "--param", "epochs=12", "--param", "model_name=flaky", "--no-predict"],
+                        "--param", "epochs=12", "--param", "model_name=flaky", "--no-predict", *on_s3],
                        capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 1 and "RuntimeError: the bug at step 26" in r.stdout, r.stdout[-3000:]
     run_dir = max((Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").iterdir(), key=lambda d: d.stat().st_mtime)
     assert ("failed task: train-op (its log is above, whole in the run's log; partial outputs removed, but for its "
             "training checkpoint)") in r.stdout
-    assert (f"once fixed, `kfp-pytorch run train_and_serve --local --resume {run_dir.name}` trains on from that "
-            "checkpoint") in r.stdout
-    kept = run_dir / "train-op" / "model" / "checkpoints"
-    assert sorted(p.name for p in (run_dir / "train-op").rglob("*") if p.is_file()) == ["last.json", "last.pt"]
-    trained = json.loads((kept / "last.json").read_text())["epoch"]
+    if where == "local":
+        kept = str(run_dir / "train-op" / "model" / "checkpoints")
+        assert sorted(p.name for p in (run_dir / "train-op").rglob("*") if p.is_file()) == ["last.json", "last.pt"]
+        trained = json.loads((Path(kept) / "last.json").read_text())["epoch"]
+    else:
+        from kfp_pytorch.components.storage import Storage
+
+        kept = f"{on_s3[1].removeprefix('storage_root=')}/{run_dir.name}/train-op/model/checkpoints"
+        trained = json.loads(Storage().read_bytes(f"{kept}/last.json"))["epoch"]
     assert 2 <= trained < 12  # each of the four attempts trained on from the last one's checkpoint
+    assert (f"its checkpoint after {trained} epoch(s) is kept at {kept}; once fixed, `kfp-pytorch run train_and_serve "
+            f"--local --resume {run_dir.name}` trains on from it") in r.stdout
+    [listed] = [x for x in json.loads(run_cli("runs", "--local", "--json").stdout) if x["name"] == run_dir.name]
+    assert (listed["status"], listed["checkpoint_epochs"]) == ("FAILED", trained)  # on S3: from the run's record
     (tmp_path / "bug").unlink()  # the fix
     try:
         r = subprocess.run([str(script), "run", "train_and_serve", "--local", "--resume", f"{run_dir}/",  # as completed
