@@ -449,7 +449,8 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
         click.echo(json.dumps([{"name": r.name, "path": str(r.path), "status": r.status, "size_bytes": r.size,
                                 "modified": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r.modified)),
                                 "elapsed_s": r.elapsed_s, "owner_pid": r.owner_pid,
-                                "checkpoint_epochs": r.checkpoint_epochs, "log": str(r.log) if r.log else None,
+                                "checkpoint_epochs": r.checkpoint_epochs, "resumed_from": r.resumed_from,
+                                "log": str(r.log) if r.log else None,
                                 "steps": r.steps,
                                 "served_by": r.served_by,
                                 "params": r.params, "result": r.result,
@@ -465,6 +466,8 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
         when = "-" if r.status == "RUNNING" else time.strftime("%Y-%m-%d %H:%M", time.localtime(r.modified))
         served = f"  serving: {', '.join(r.served_by)}" if r.served_by else ""
         result = f"  {line}" if (line := result_line(r.result, r.params, until.get(r.name))) else ""
+        if r.resumed_from:  # its training went on from that run's: the two are one model's history
+            result += f"  resumed from {r.resumed_from}"
         if r.status == "RUNNING" and r.log:  # where to watch it, from another terminal
             result += f"  log: {r.log}"
         if r.checkpoint_epochs is not None:  # what --resume would save: said where the run is read

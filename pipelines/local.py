@@ -521,6 +521,8 @@ class LocalRunInfo:
     beside the runs (moved in at the end), for ``tail -f``."""
     pipeline: str | None = None
     """The pipeline it ran, from its record or its steps (None: neither says)."""
+    resumed_from: str | None = None
+    """The local run whose last training checkpoint it started from (`run --resume`), from its record."""
 
 
 def _seconds(value) -> float | None:
@@ -641,7 +643,8 @@ def local_runs(root: Path | None = None, now: float | None = None, only: str | N
             result=(record or {}).get("result", {}), elapsed_s=_seconds((record or {}).get("elapsed_s")),
             owner_pid=owner["pid"] if status == "RUNNING" else None,
             checkpoint_epochs=_ended_early_checkpoint(d, record) if status in ("CANCELED", "KILLED", "FAILED") else None,
-            log=log, pipeline=known("pipeline")))
+            log=log, pipeline=known("pipeline"),
+            resumed_from=resumed if isinstance(resumed := (record or {}).get("resumed_from"), str) else None))
     return sorted(out, key=lambda r: (r.modified, r.name), reverse=True)
 
 

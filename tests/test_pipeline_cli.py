@@ -505,6 +505,11 @@ def test_a_run_whose_training_failed_keeps_its_checkpoint_and_once_fixed_resumes
         assert f"training resumes from {run_dir.name}'s last checkpoint ({trained} epoch(s) trained)" in r.stdout
         assert f"resumed:   from {run_dir.name}'s last training checkpoint" in r.stdout
         assert "training:  12 epoch(s)" in r.stdout
+        # the listing says which run a run went on from: the two are one model's training
+        newest = json.loads(run_cli("runs", "--local", "--json").stdout)[0]
+        assert (newest["status"], newest["resumed_from"]) == ("SUCCEEDED", run_dir.name)
+        [line] = [ln for ln in run_cli("runs", "--local").stdout.splitlines() if ln.startswith(newest["name"])]
+        assert f"resumed from {run_dir.name}" in line
     finally:
         run_cli("serve", "stop", "flaky")
 
