@@ -350,7 +350,8 @@ def resume_schedule_cmd(name, host, namespace, experiment, token, ca_cert):
 @click.option("--json", "as_json", is_flag=True, help="Print the runs as JSON.")
 @click.option("--local", is_flag=True, help="The runs of `run --local` on this machine (KFP_PYTORCH_HOME).")
 @click.option("--keep", default=None, type=click.IntRange(min=1), metavar="N",
-              help="With --local: remove all but the newest N runs' outputs (a served model's run is kept), "
+              help="With --local: remove all but the newest N runs' outputs, on S3 too with storage_root (a served "
+                   "model's run is kept), "
                    "and the registered versions downloaded to serve that no server uses.")
 @click.option("--dry-run", is_flag=True, help="With --keep: say what would be removed, remove nothing.")
 def runs_cmd(host, namespace, experiment, token, ca_cert, limit, as_json, local, keep, dry_run):
@@ -422,10 +423,13 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
 
     root = home() / "local_outputs"
     if keep is not None:
-        removed, spared = prune_local_runs(keep, root, dry_run=dry_run)
+        removed, spared, failed = prune_local_runs(keep, root, dry_run=dry_run)
         verb = "would remove" if dry_run else "removed"
         for r in removed:
-            click.echo(f"{verb} {r.name}  {r.status:<10} {_size(r.size)}")
+            click.echo(f"{verb} {r.name}  {r.status:<10} {_size(r.size)}"
+                       + (f", and its artifacts on S3 under {r.remote}/" if r.remote else ""))
+        for r, error in failed:  # its folder says where they are: it stays until they go
+            click.echo(f"kept {r.name}: its artifacts on S3 under {r.remote}/ could not be removed: {error}", err=True)
         for r in spared:
             if r.status == "RUNNING" and not r.served_by:
                 why = f"it is running (process {r.owner_pid})"
@@ -437,10 +441,16 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
                     else "")
             click.echo(f"kept {r.name}: {why}")
         click.echo(f"{verb} {len(removed)} local run(s), {_size(sum(r.size for r in removed))}; "
-                   f"kept the newest {keep}" + (f" and {len(spared)} more" if spared else "")
+                   f"kept the newest {keep}" + (f" and {len(spared) + len(failed)} more" if spared or failed else "")
                    + ("" if not removed or dry_run else
                       "; the MLflow registry keeps its own copy of each registered model"))
         _prune_downloads(verb, dry_run)
+        if failed:
+            from kfp_pytorch.components.errors import StorageError
+
+            raise StorageError(f"{len(failed)} run(s) kept: their artifacts on S3 could not be removed (above)",
+                               f"once the S3 server answers (`kfp-pytorch storage check`), run `kfp-pytorch runs "
+                               f"--local --keep {keep}` again")
         return
     runs = local_runs(root)
     shown = runs[:limit] if limit else runs
@@ -450,6 +460,7 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
                                 "modified": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r.modified)),
                                 "elapsed_s": r.elapsed_s, "owner_pid": r.owner_pid,
                                 "checkpoint_epochs": r.checkpoint_epochs, "resumed_from": r.resumed_from,
+                                "remote": r.remote,
                                 "log": str(r.log) if r.log else None,
                                 "steps": r.steps,
                                 "served_by": r.served_by,

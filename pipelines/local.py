@@ -17,6 +17,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from kfp_pytorch.components.errors import ConfigError, KfpPytorchError, PipelineFailed, RegistryError, ServingError
 from kfp_pytorch.components.paths import home
@@ -523,6 +524,9 @@ class LocalRunInfo:
     """The pipeline it ran, from its record or its steps (None: neither says)."""
     resumed_from: str | None = None
     """The local run whose last training checkpoint it started from (`run --resume`), from its record."""
+    remote: str | None = None
+    """Where its steps wrote their artifacts on S3, a run with ``storage_root``: ``s3://BUCKET/ROOT/RUN``
+    (:func:`.._kfp.artifact_store_uri`), which pruning the run removes too."""
 
 
 def _seconds(value) -> float | None:
@@ -530,13 +534,27 @@ def _seconds(value) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
 
 
-def _served_models() -> list[tuple[str, Path]]:
-    """(server, model directory) of every local server record; ``NAME (down)`` for one that is down:
-    it keeps its model too, since `serve start` starts it again with that model."""
+def _served_models() -> list[tuple[str, str]]:
+    """(server, :func:`_place` of its model) of every local server record; ``NAME (down)`` for one
+    that is down: it keeps its model too, since `serve start` starts it again with that model."""
     from kfp_pytorch.components.serve import list_servers
 
-    return [(s["name"] if s.get("alive") else f"{s['name']} (down)", Path(s["model_uri"]).resolve())
-            for s in list_servers() if s.get("model_uri") and "://" not in s["model_uri"]]
+    return [(s["name"] if s.get("alive") else f"{s['name']} (down)", place)
+            for s in list_servers() if s.get("model_uri") and (place := _place(s["model_uri"]))]
+
+
+def _place(uri: str) -> str | None:
+    """A model's or a run's place, comparable with another's: the resolved path of a local one,
+    ``s3://BUCKET/KEY`` for one on S3 (``minio://`` too); None for any other (``models:/``)."""
+    from kfp_pytorch.components.storage import parse_uri
+
+    if "://" not in uri:
+        return str(Path(uri).resolve())
+    try:
+        loc = parse_uri(uri)
+    except KfpPytorchError:  # a record edited by hand
+        return None
+    return f"s3://{loc.bucket}/{loc.key.strip('/')}" if loc.is_s3 else str(Path(loc.key).resolve())
 
 
 def _tree_stat(d: Path) -> tuple[int, float]:
@@ -552,9 +570,9 @@ def _tree_stat(d: Path) -> tuple[int, float]:
     return size, modified
 
 
-def _served_by(served: list[tuple[str, Path]], d: Path) -> list[str]:
-    resolved = d.resolve()
-    return [n for n, m in served if m == resolved or resolved in m.parents]
+def _served_by(served: list[tuple[str, str]], *places: str | None) -> list[str]:
+    """The servers whose model is in one of ``places`` (:func:`_place`s) or below it."""
+    return [n for n, m in served if any(p and (m == p or m.startswith(p.rstrip("/") + "/")) for p in places)]
 
 
 def _run_start(run_dir: Path) -> dict:
@@ -635,11 +653,15 @@ def local_runs(root: Path | None = None, now: float | None = None, only: str | N
         def known(key: str):  # what the run's record says, else what its steps said when it started
             return (record or {}).get(key) or start.get(key)
 
+        params = known("params") or {}
+        root_uri = params.get("storage_root") if isinstance(params, dict) else None
+        remote = _place(f"{root_uri.rstrip('/')}/{d.name}") if isinstance(root_uri, str) and "://" in root_uri else None
+        remote = remote if remote and remote.startswith("s3://") else None
         log = (d / RUN_LOG if (d / RUN_LOG).is_file()
                else _live_log(root, owner["pid"]) if status in ("RUNNING", "KILLED") else None)
         out.append(LocalRunInfo(
             d.name, d, status, modified, size, steps=sorted(f.parent.name for f in d.glob("*/executor_output.json")),
-            served_by=_served_by(served, d), params=known("params") or {},
+            served_by=_served_by(served, _place(str(d)), remote), params=params, remote=remote,
             result=(record or {}).get("result", {}), elapsed_s=_seconds((record or {}).get("elapsed_s")),
             owner_pid=owner["pid"] if status == "RUNNING" else None,
             checkpoint_epochs=_ended_early_checkpoint(d, record) if status in ("CANCELED", "KILLED", "FAILED") else None,
@@ -672,7 +694,7 @@ def registry_downloads(root: Path | None = None) -> list[RegistryDownload]:
     for d in (root.iterdir() if root.is_dir() else []):
         if d.name.startswith(".") or not d.is_dir():
             continue
-        out.append(RegistryDownload(d.name, d, _tree_stat(d)[0], d.stat().st_mtime, _served_by(served, d)))
+        out.append(RegistryDownload(d.name, d, _tree_stat(d)[0], d.stat().st_mtime, _served_by(served, _place(str(d)))))
     return sorted(out, key=lambda r: (r.used, r.name), reverse=True)
 
 
@@ -721,26 +743,45 @@ def pile_note(root: Path | None = None) -> str | None:
             "`kfp-pytorch runs --local --keep 5` removes all but the newest 5 (a served model's run is kept)")
 
 
+class Pruned(NamedTuple):
+    """What :func:`prune_local_runs` did."""
+
+    removed: list[LocalRunInfo]
+    spared: list[LocalRunInfo]
+    """Kept, whatever their age: served, or still running."""
+    failed: list[tuple[LocalRunInfo, str]]
+    """Kept because their artifacts on S3 could not be removed (the error, with what to do): its
+    folder is what says where they are, so it goes only once they have."""
+
+
 def prune_local_runs(keep: int, root: Path | None = None, now: float | None = None,
-                     dry_run: bool = False) -> tuple[list[LocalRunInfo], list[LocalRunInfo]]:
-    """Remove all but the newest ``keep`` local runs; returns (removed, spared). Spared, whatever
-    their age: a run whose model a local server serves (or served, and is down: `serve start`
-    needs it), and a run still running: its process lives, or, for a run whose steps did not name
-    its process, it has no record and wrote within the last hour."""
+                     dry_run: bool = False, storage: Storage | None = None) -> Pruned:
+    """Remove all but the newest ``keep`` local runs, and for a run with ``storage_root`` its
+    artifacts on S3 (:attr:`LocalRunInfo.remote`) first. Spared, whatever their age: a run whose
+    model a local server serves (or served, and is down: `serve start` needs it), and a run still
+    running: its process lives, or, for a run whose steps did not name its process, it has no
+    record and wrote within the last hour."""
     if keep < 0:
         raise ValueError("keep must be >= 0")
     runs = local_runs(root, now)
-    removed, spared = [], []
+    out = Pruned([], [], [])
     for r in runs[keep:]:
         if r.served_by or r.status in ("RUNNING", "RUNNING?"):
-            spared.append(r)
+            out.spared.append(r)
             continue
         if not dry_run:
+            if r.remote:
+                storage = storage or Storage()
+                try:
+                    storage.delete_prefix(r.remote)
+                except KfpPytorchError as e:  # unreachable, or refused: the next prune tries again
+                    out.failed.append((r, str(e)))
+                    continue
             shutil.rmtree(r.path)
             if r.log and r.log.parent == r.path.parent:  # a killed run's log, left beside the runs
                 r.log.unlink(missing_ok=True)
-        removed.append(r)
-    return removed, spared
+        out.removed.append(r)
+    return out
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

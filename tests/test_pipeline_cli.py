@@ -596,6 +596,60 @@ def test_local_runs_are_listed_and_pruned_but_a_served_model_and_a_running_run_a
     assert sorted(d.name for d in root.iterdir()) == ["train-and-serve-e", "train-and-serve-f"]
 
 
+def test_pruning_a_run_that_wrote_to_s3_removes_its_artifacts_there_unless_a_server_serves_its_model(s3, bucket,
+                                                                                                    trained_model):
+    # `runs --local --keep` removed a run's folder and left everything its steps wrote under
+    # storage_root on S3 (its shards, checkpoints and model, every night), and a local server
+    # serving a run's model from S3 did not keep that run
+    import time
+
+    from kfp_pytorch.components.serve import ServeSpec, serve, stop_server
+
+    root, now = Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs", time.time()
+    runs = f"s3://{bucket}/runs"
+
+    def make(name, age_h, storage_root=f"minio://{bucket}/runs/"):  # minio:// and a trailing slash: the same place
+        d = root / name
+        (d / "train-op").mkdir(parents=True)
+        (d / "train-op" / "executor_output.json").write_text("{}")
+        (d / "run.json").write_text(json.dumps({"status": "SUCCEEDED", "params": {"storage_root": storage_root}}))
+        s3.upload_dir(trained_model.model_uri, f"{runs}/{name}/train-op/model")
+        s3.write_bytes(f"{runs}/{name}/prepare-data-op/dataset/train/shard-00000.npz", b"x" * 1000)
+        for f in [d, *d.rglob("*")]:
+            os.utime(f, (now - age_h * 3600, now - age_h * 3600))
+
+    make("s3run-served", 30)
+    make("s3run-old", 20)
+    make("s3run-new", 1)
+    s3.write_bytes(f"{runs}/s3run-old-not-a-run/keep.txt", b"another prefix that starts alike")
+    served = serve(ServeSpec(f"{runs}/s3run-served/train-op/model", "s3-kept"))
+    try:
+        listed = {x["name"]: x for x in json.loads(run_cli("runs", "--local", "--json").stdout)}
+        assert listed["s3run-old"]["remote"] == f"{runs}/s3run-old"
+        assert listed["s3run-served"]["served_by"] == ["s3-kept"]
+        r = run_cli("runs", "--local", "--keep", "1", "--dry-run")
+        assert r.returncode == 0, r.stderr
+        assert "would remove s3run-old  SUCCEEDED" in r.stdout and f", and its artifacts on S3 under {runs}/s3run-old/" in r.stdout
+        assert "kept s3run-served: its model is served by s3-kept" in r.stdout
+        assert any(u.startswith(f"{runs}/s3run-old/") for u in s3.list(runs)) and (root / "s3run-old").is_dir()
+        # the S3 server refuses the credentials: the run's folder, which says where they are, stays
+        r = run_cli("runs", "--local", "--keep", "1", env={"AWS_SECRET_ACCESS_KEY": "wrong-secret"})
+        assert r.returncode == 1
+        assert f"kept s3run-old: its artifacts on S3 under {runs}/s3run-old/ could not be removed" in r.stderr
+        assert "refused the credentials" in r.stderr and "run `kfp-pytorch runs --local --keep 1` again" in r.stderr
+        assert (root / "s3run-old").is_dir() and any(u.startswith(f"{runs}/s3run-old/") for u in s3.list(runs))
+        r = run_cli("runs", "--local", "--keep", "1")
+        assert r.returncode == 0, r.stderr
+        assert "removed s3run-old  SUCCEEDED" in r.stdout
+        left = s3.list(runs)
+        assert not any(u.startswith(f"{runs}/s3run-old/") for u in left) and not (root / "s3run-old").exists()
+        assert f"{runs}/s3run-old-not-a-run/keep.txt" in left  # another prefix, though its name starts alike
+        assert f"{runs}/s3run-served/train-op/model/metadata.json" in left and (root / "s3run-served").is_dir()
+        assert any(u.startswith(f"{runs}/s3run-new/") for u in left)
+    finally:
+        stop_server(served.name)
+
+
 def test_a_run_whose_process_is_gone_is_listed_as_killed_and_pruned_and_one_whose_process_lives_is_kept():
     # a run killed outright leaves no record: listed as RUNNING? for an hour, then UNKNOWN, and a
     # run still going that wrote nothing for an hour (a long epoch) could be pruned under it
