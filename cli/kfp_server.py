@@ -354,14 +354,20 @@ def resume_schedule_cmd(name, host, namespace, experiment, token, ca_cert):
                    "model's run is kept), "
                    "and the registered versions downloaded to serve that no server uses.")
 @click.option("--dry-run", is_flag=True, help="With --keep: say what would be removed, remove nothing.")
-def runs_cmd(host, namespace, experiment, token, ca_cert, limit, as_json, local, keep, dry_run):
+@click.option("--leave-s3", is_flag=True,
+              help="With --keep: remove the runs' folders here only, leaving what their steps wrote on S3 (its "
+                   "server is gone, say).")
+def runs_cmd(host, namespace, experiment, token, ca_cert, limit, as_json, local, keep, dry_run, leave_s3):
     """List runs and their status, newest first (--local: this machine's, and prune them)."""
     if local:  # KFP_HOST exported for the other commands is no reason to refuse
         if host and click.get_current_context().get_parameter_source("host") != ParameterSource.ENVIRONMENT:
             raise click.UsageError("--local lists this machine's runs: leave out --host")
-        return _local_runs(limit, as_json, keep, dry_run)
-    if keep is not None or dry_run:
-        raise click.UsageError("--keep and --dry-run prune local runs: add --local (a KFP server keeps its runs; "
+        if (dry_run or leave_s3) and keep is None:
+            raise click.UsageError(f"{'--dry-run' if dry_run else '--leave-s3'} goes with --keep N: say how many "
+                                   "of the newest runs to keep")
+        return _local_runs(limit, as_json, keep, dry_run, leave_s3)
+    if keep is not None or dry_run or leave_s3:
+        raise click.UsageError("--keep, --dry-run and --leave-s3 prune local runs: add --local (a KFP server keeps its runs; "
                                "archive them in the KFP UI)")
     if not host:
         ctx = click.get_current_context()
@@ -413,7 +419,7 @@ def _run_seconds(run) -> float | None:
     return max((end - start).total_seconds(), 0.0)
 
 
-def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> None:
+def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool, leave_s3: bool = False) -> None:
     import time
 
     from kfp_pytorch.components.paths import home
@@ -423,11 +429,12 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
 
     root = home() / "local_outputs"
     if keep is not None:
-        removed, spared, failed = prune_local_runs(keep, root, dry_run=dry_run)
+        removed, spared, failed = prune_local_runs(keep, root, dry_run=dry_run, remote=not leave_s3)
         verb = "would remove" if dry_run else "removed"
         for r in removed:
-            click.echo(f"{verb} {r.name}  {r.status:<10} {_size(r.size)}"
-                       + (f", and its artifacts on S3 under {r.remote}/" if r.remote else ""))
+            click.echo(f"{verb} {r.name}  {r.status:<10} {_size(r.size)}" + (
+                "" if not r.remote else f"; left its artifacts on S3 under {r.remote}/" if leave_s3 else
+                f", and its artifacts on S3 under {r.remote}/"))
         for r, error in failed:  # its folder says where they are: it stays until they go
             click.echo(f"kept {r.name}: its artifacts on S3 under {r.remote}/ could not be removed: {error}", err=True)
         for r in spared:
@@ -450,7 +457,7 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool) -> N
 
             raise StorageError(f"{len(failed)} run(s) kept: their artifacts on S3 could not be removed (above)",
                                f"once the S3 server answers (`kfp-pytorch storage check`), run `kfp-pytorch runs "
-                               f"--local --keep {keep}` again")
+                               f"--local --keep {keep}` again; --leave-s3 removes their folders here only")
         return
     runs = local_runs(root)
     shown = runs[:limit] if limit else runs

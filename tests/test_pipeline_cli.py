@@ -637,7 +637,11 @@ def test_pruning_a_run_that_wrote_to_s3_removes_its_artifacts_there_unless_a_ser
         assert r.returncode == 1
         assert f"kept s3run-old: its artifacts on S3 under {runs}/s3run-old/ could not be removed" in r.stderr
         assert "refused the credentials" in r.stderr and "run `kfp-pytorch runs --local --keep 1` again" in r.stderr
+        assert "--leave-s3 removes their folders here only" in r.stderr
         assert (root / "s3run-old").is_dir() and any(u.startswith(f"{runs}/s3run-old/") for u in s3.list(runs))
+        for flag in ("--dry-run", "--leave-s3"):  # alone, it said nothing and did nothing
+            r = run_cli("runs", "--local", flag)
+            assert r.returncode == 2 and f"{flag} goes with --keep N" in r.stderr
         r = run_cli("runs", "--local", "--keep", "1")
         assert r.returncode == 0, r.stderr
         assert "removed s3run-old  SUCCEEDED" in r.stdout
@@ -646,6 +650,12 @@ def test_pruning_a_run_that_wrote_to_s3_removes_its_artifacts_there_unless_a_ser
         assert f"{runs}/s3run-old-not-a-run/keep.txt" in left  # another prefix, though its name starts alike
         assert f"{runs}/s3run-served/train-op/model/metadata.json" in left and (root / "s3run-served").is_dir()
         assert any(u.startswith(f"{runs}/s3run-new/") for u in left)
+        # its S3 server is gone for good: --leave-s3 removes the folder here, and leaves the objects
+        make("s3run-oldest", 40)
+        r = run_cli("runs", "--local", "--keep", "1", "--leave-s3", env={"AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
+        assert r.returncode == 0, r.stderr
+        assert "removed s3run-oldest  SUCCEEDED" in r.stdout and f"left its artifacts on S3 under {runs}/s3run-oldest/" in r.stdout
+        assert not (root / "s3run-oldest").exists() and any(u.startswith(f"{runs}/s3run-oldest/") for u in s3.list(runs))
     finally:
         stop_server(served.name)
 
