@@ -757,10 +757,10 @@ class Pruned(NamedTuple):
 def prune_local_runs(keep: int, root: Path | None = None, now: float | None = None,
                      dry_run: bool = False, storage: Storage | None = None, remote: bool = True) -> Pruned:
     """Remove all but the newest ``keep`` local runs, and for a run with ``storage_root`` its
-    artifacts on S3 (:attr:`LocalRunInfo.remote`) first (not ``remote``: they stay). Spared, whatever their age: a run whose
-    model a local server serves (or served, and is down: `serve start` needs it), and a run still
-    running: its process lives, or, for a run whose steps did not name its process, it has no
-    record and wrote within the last hour."""
+    artifacts on S3 (:attr:`LocalRunInfo.remote`) first (not ``remote``: they stay). Spared,
+    whatever their age: a run whose model a local server serves (or served, and is down: `serve
+    start` needs it), and a run still running: its process lives, or, for a run whose steps did
+    not name its process, it has no record and wrote within the last hour."""
     if keep < 0:
         raise ValueError("keep must be >= 0")
     runs = local_runs(root, now)
