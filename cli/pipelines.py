@@ -219,7 +219,7 @@ def run_cmd(pipeline, local, params, predict, as_json, verbose, resume):
     try:
         run = run_local(entry, values, verbose=verbose, out=sys.stderr if as_json else None, resume=resume)
     except BaseException as e:  # Ctrl-C or a stop signal: how to train on, once the stop is said
-        if (canceled := getattr(e, "local_run", None)) and trained_some(canceled, values):
+        if (canceled := getattr(e, "local_run", None)) and trained_some(canceled):
             click.echo(f"kfp-pytorch: run {canceled.name} canceled; `kfp-pytorch run {pipeline} --local --resume "
                        f"{canceled.name}` trains on from its last checkpoint", err=True)
         raise

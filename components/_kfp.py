@@ -7,6 +7,7 @@ this Python environment.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path, PurePosixPath
@@ -84,6 +85,40 @@ def mark_local_run(artifact) -> None:
         pass
     finally:
         tmp.unlink(missing_ok=True)
+
+
+CHECKPOINT_NOTE_ENV = "KFP_PYTORCH_CHECKPOINT_NOTE"
+"""Set by the train step of a local run whose checkpoints go to S3 (``storage_root``): a file in the
+run's folder (:func:`checkpoint_note_path`) in which training notes each checkpoint it writes
+(:func:`note_checkpoint`). `runs --local` reads it to say what a canceled or killed run has trained;
+it asks no server, and a killed run writes no record."""
+CHECKPOINT_NOTE_GLOB = ".checkpoint.*.json"
+
+
+def checkpoint_note_path(artifact, output_uri: str) -> Path | None:
+    """The file ``RUN/.checkpoint.TASK.json`` in which the training of a local run's step notes the
+    checkpoints it writes under ``output_uri`` on S3. None where nothing is to be noted: a cluster's
+    pods, or a local output, whose checkpoints are in the run's folder already."""
+    from .processes import RUN_OWNER_ENV
+
+    path = getattr(artifact, "path", None)
+    if not os.environ.get(RUN_OWNER_ENV) or not path or "://" in str(path) or "://" not in output_uri:
+        return None
+    task = Path(path).parent
+    return task.parent / CHECKPOINT_NOTE_GLOB.replace("*", task.name)
+
+
+def note_checkpoint(note: str | Path, uri: str, epochs: int) -> None:
+    """Write ``{"uri", "epochs"}`` of the checkpoint just written at ``uri`` to ``note``, whole or
+    not at all. A disk that is full or read-only loses the note only, never the training."""
+    note = Path(note)
+    tmp = note.with_name(f".{note.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"uri": uri, "epochs": epochs}))
+        tmp.replace(note)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def resumed_output_uri(artifact, storage_root: str, run_name: str) -> str:

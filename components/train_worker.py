@@ -48,6 +48,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from ._kfp import CHECKPOINT_NOTE_ENV, note_checkpoint
 from .errors import KfpPytorchError, TrainingError
 from .exported_model import EXPORT_MAX_BATCH
 from .models import build_model
@@ -381,6 +382,8 @@ def run(args: argparse.Namespace) -> dict:
         storage.write_bytes(join(args.output_uri, RESUME_STATE), json.dumps(
             {"epoch": done + 1, **({"step": step} if step is not None else {}),
              "args": {k: getattr(args, k) for k in RESUME_KEYS}}).encode())
+        if note := os.environ.get(CHECKPOINT_NOTE_ENV):  # a local run's, on S3: for `runs --local`
+            note_checkpoint(note, join(args.output_uri, "checkpoints"), done + 1)
 
     ddp = DDP(model, device_ids=[local_rank] if use_cuda else None)
     stop = _StopRequest(backend)

@@ -262,7 +262,8 @@ def _remove_partial_outputs(task_dir: Path) -> list[Path]:
 def _failed_checkpoint(run_dir: Path, failed: str, params: dict) -> dict | None:
     """Remove the failed task's partial outputs, but for its training checkpoint; where that is
     (``{"uri", "epochs"}``, :attr:`LocalRun.checkpoint`): in its folder, or with ``storage_root``
-    where the step wrote it, on S3 (None: it left none, or the S3 server cannot say)."""
+    where the step wrote it, on S3 (None: it left none; where the S3 server cannot say, the one its
+    training noted, :func:`_noted_checkpoint`)."""
     from kfp_pytorch.components.storage import join
     from kfp_pytorch.components.train import RESUME_STATE
 
@@ -276,8 +277,8 @@ def _failed_checkpoint(run_dir: Path, failed: str, params: dict) -> dict | None:
         states = [e.uri for e in storage.entries(join(params["storage_root"], run_dir.name, failed))
                   if e.uri.endswith("/" + RESUME_STATE)]
         epochs = _state_epochs(states[0], storage) if states else None
-    except KfpPytorchError:  # the server is down or refuses now (what failed the step, may be): not known
-        return None
+    except KfpPytorchError:  # the server is down or refuses now (what failed the step, may be): as training noted it
+        return _noted_checkpoint(run_dir)
     return {"uri": states[0].rsplit("/", 1)[0], "epochs": epochs} if epochs is not None else None
 
 
@@ -298,11 +299,10 @@ def _read_outputs(run_dir: Path) -> dict:
     return out
 
 
-def trained_some(run_dir: Path, params: dict) -> bool:
-    """Whether a local run that ended early got as far as training, so `run --resume` has a
-    checkpoint to start from: one in its folder, or (its checkpoints on S3, under ``storage_root``)
-    a train step that started."""
-    return _checkpoint_epochs(run_dir) is not None or bool(params.get("storage_root") and any(run_dir.glob("train*")))
+def trained_some(run_dir: Path) -> bool:
+    """Whether a local run that ended early got as far as a training checkpoint, which `run
+    --resume` starts from: one in its folder, or one on S3 (``storage_root``) its training noted."""
+    return _checkpoint_epochs(run_dir) is not None or _noted_checkpoint(run_dir) is not None
 
 
 def resumed_params(entry: PipelineEntry, name: str, root: Path | None = None) -> tuple[str, dict]:
@@ -611,12 +611,34 @@ def _checkpoint_epochs(run_dir: Path) -> int | None:
     return next((e for state in run_dir.glob(f"*/*/{RESUME_STATE}") if (e := _state_epochs(state)) is not None), None)
 
 
+def _noted_checkpoint(run_dir: Path) -> dict | None:
+    """The last training checkpoint a local run's train step wrote to S3 (``storage_root``), as its
+    training noted it in the run's folder (:func:`.._kfp.note_checkpoint`): ``{"uri", "epochs"}``,
+    the newest where several steps trained; None where none was noted (or the note is damaged)."""
+    from kfp_pytorch.components._kfp import CHECKPOINT_NOTE_GLOB
+
+    notes = []
+    for f in run_dir.glob(CHECKPOINT_NOTE_GLOB):
+        try:
+            note, written = json.loads(f.read_text()), f.stat().st_mtime
+        except (OSError, ValueError):
+            continue
+        if not isinstance(note, dict):  # a file edited by hand
+            continue
+        epochs = note.get("epochs")
+        if isinstance(note.get("uri"), str) and isinstance(epochs, int) and not isinstance(epochs, bool):
+            notes.append((written, f.name, {"uri": note["uri"], "epochs": epochs}))
+    return max(notes)[2] if notes else None
+
+
 def _ended_early_checkpoint(run_dir: Path, record: dict | None) -> int | None:
     """The whole epochs of the last training checkpoint of a local run that ended early: the one in
-    its folder, else the one on S3 its record names (a run with ``storage_root``: the listing asks
-    no server)."""
+    its folder, else (a run with ``storage_root``) the one on S3 its training noted, or its record
+    names. The listing asks no server."""
     if (epochs := _checkpoint_epochs(run_dir)) is not None:
         return epochs
+    if noted := _noted_checkpoint(run_dir):  # as training left it: a canceled or killed run has no word on it else
+        return noted["epochs"]
     kept = (record or {}).get("checkpoint")
     epochs = kept.get("epochs") if isinstance(kept, dict) and "://" in str(kept.get("uri")) else None
     return epochs if isinstance(epochs, int) and not isinstance(epochs, bool) else None

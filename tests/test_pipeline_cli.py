@@ -1133,14 +1133,15 @@ def test_a_tracking_server_that_does_not_answer_is_found_before_any_step():
     assert not (Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").exists()  # nothing ran
 
 
-def _training_run(model_name: str) -> tuple[subprocess.Popen, list]:
+def _training_run(model_name: str, *params: str) -> tuple[subprocess.Popen, list]:
     """`run --local` of a run that trains until stopped, once its workers run; and the processes
-    it started by then."""
+    it started by then. ``params``: more ``--param`` values."""
     import signal
     import time
 
     proc = subprocess.Popen([*CLI, "run", "train_and_serve", "--local", "--param", "epochs=100000",
-                             "--param", f"model_name={model_name}", "--no-predict"], stdout=subprocess.DEVNULL,
+                             "--param", f"model_name={model_name}", "--no-predict",
+                             *(a for p in params for a in ("--param", p))], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 240
     while not [p for p in _project_processes() if "train_worker" in " ".join(p.cmdline())]:
@@ -1172,6 +1173,78 @@ def test_a_run_stopped_by_sigterm_takes_its_workers_down(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_run_stopped_while_training_to_s3_says_how_far_it_trained_and_how_to_train_on(s3, bucket):
+    # with storage_root the checkpoints are on S3: a stopped run wrote no record of them (asking the
+    # server while a stop goes on could hang it), so the listing showed no checkpoint, and the stop
+    # gave no `--resume` command, or, once the train step had merely started, gave one with nothing to resume
+    import signal
+    import time
+
+    root = f"s3://{bucket}/runs"
+    proc, started = _training_run("stopped-s3", f"storage_root={root}")
+    try:
+        [run_dir] = [d for d in (Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").iterdir() if d.is_dir()]
+        checkpoints = f"{root}/{run_dir.name}/train-op/model/checkpoints"
+        deadline = time.monotonic() + 120
+        while not s3.exists(f"{checkpoints}/last.json"):  # an epoch trained
+            assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+        psutil.wait_procs(started, timeout=30)  # the workers' last checkpoint is written by now
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert (f"kfp-pytorch: run {run_dir.name} canceled; `kfp-pytorch run train_and_serve --local --resume "
+            f"{run_dir.name}` trains on from its last checkpoint") in err
+    trained = json.loads(s3.read_bytes(f"{checkpoints}/last.json"))["epoch"]
+    assert trained >= 1 and not list(run_dir.rglob("last.json"))  # on S3 alone
+    line = run_cli("runs", "--local").stdout.splitlines()[1]
+    assert line.split()[1] == "CANCELED" and line.endswith(
+        f"checkpoint after {trained} of 100000 epochs: `run --resume` trains on"), line
+    [listed] = json.loads(run_cli("runs", "--local", "--json").stdout)
+    assert (listed["checkpoint_epochs"], listed["remote"]) == (trained, f"{root}/{run_dir.name}")
+    # killed outright, a run writes no record at all: the note in its folder is all there is
+    (run_dir / "run.json").unlink()  # its steps named the CLI's process, which is gone
+    [listed] = json.loads(run_cli("runs", "--local", "--json").stdout)
+    assert (listed["status"], listed["checkpoint_epochs"]) == ("KILLED", trained)
+
+
+def test_the_checkpoint_training_notes_for_a_run_on_s3_is_read_back_and_kept_when_the_server_is_down(tmp_path,
+                                                                                                     monkeypatch):
+    import time
+    from types import SimpleNamespace
+
+    from kfp_pytorch.components._kfp import checkpoint_note_path, note_checkpoint
+    from kfp_pytorch.components.processes import RUN_OWNER_ENV, run_owner_token
+    from kfp_pytorch.pipelines import local
+
+    run = tmp_path / "train-and-serve-x"
+    model = SimpleNamespace(path=str(run / "train-op" / "model"))
+    (run / "train-op" / "model").mkdir(parents=True)
+    monkeypatch.delenv(RUN_OWNER_ENV, raising=False)
+    assert checkpoint_note_path(model, "s3://b/runs/x/train-op/model") is None  # a cluster's pod
+    monkeypatch.setenv(RUN_OWNER_ENV, run_owner_token())
+    assert checkpoint_note_path(model, str(run / "train-op" / "model")) is None  # in the folder already
+    note = checkpoint_note_path(model, "s3://b/runs/x/train-op/model")
+    assert note == run / ".checkpoint.train-op.json" and local._noted_checkpoint(run) is None
+    note_checkpoint(note, "s3://b/runs/x/train-op/model/checkpoints", 2)
+    note_checkpoint(note, "s3://b/runs/x/train-op/model/checkpoints", 3)  # the next epoch's, over it
+    note_checkpoint(tmp_path / "gone" / "note.json", "s3://b/c", 1)  # a disk that refuses: the note alone is lost
+    (run / ".checkpoint.edited.json").write_text("[3]")
+    (run / ".checkpoint.older.json").write_text(json.dumps({"uri": "s3://b/older", "epochs": 9}))
+    os.utime(run / ".checkpoint.older.json", (time.time() - 60, time.time() - 60))
+    kept = {"uri": "s3://b/runs/x/train-op/model/checkpoints", "epochs": 3}
+    assert local._noted_checkpoint(run) == kept and local.trained_some(run)
+    assert local._ended_early_checkpoint(run, None) == 3
+    # a failed run whose S3 server does not answer now: its training's word on the checkpoint
+    (run / "train-op" / "model" / "partial.bin").write_bytes(b"x")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    assert local._failed_checkpoint(run, "train-op", {"storage_root": "s3://b/runs"}) == kept
+    assert not (run / "train-op").exists()  # the partial outputs went all the same
 
 
 def test_a_run_killed_outright_is_listed_as_killed_and_resumed_from_its_checkpoint():

@@ -25,13 +25,16 @@ def train_op(dataset: Input[Dataset], model: Output[Model], metrics: Output[Metr
     import os
     from collections import namedtuple
 
-    from kfp_pytorch.components._kfp import RESUME_ENV, artifact_store_uri, mark_local_run, resumed_output_uri
+    from kfp_pytorch.components._kfp import (CHECKPOINT_NOTE_ENV, RESUME_ENV, artifact_store_uri, checkpoint_note_path,
+                                             mark_local_run, resumed_output_uri)
     from kfp_pytorch.components.prepare_data import read_metadata
     from kfp_pytorch.components.tracking import Tracker
     from kfp_pytorch.components.train import TrainSpec, seed_checkpoint, train
 
     mark_local_run(model)
     out = artifact_store_uri(model, storage_root)
+    if note := checkpoint_note_path(model, out):  # a local run's checkpoints on S3, noted in its folder
+        os.environ[CHECKPOINT_NOTE_ENV] = str(note)
     spec = TrainSpec(dataset_uri=dataset.metadata.get("uri", dataset.path), output_uri=out, model=model_arch,
                      epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, workers=workers,
                      max_restarts=max_restarts, backend=backend, nodes=nodes, gpus_per_node=gpus_per_node,
