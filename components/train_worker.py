@@ -367,6 +367,8 @@ def run(args: argparse.Namespace) -> dict:
                       f"{within['world']} workers, this run has {world})")
         if rank == 0:
             print(f"[kfp-pytorch] resuming from checkpoint {ckpt_uri}: {where} (restart {attempt})", flush=True)
+            if note := os.environ.get(CHECKPOINT_NOTE_ENV):  # one seeded from an earlier run is this run's too:
+                note_checkpoint(note, join(args.output_uri, "checkpoints"), start_epoch)  # noted before any epoch
 
     def checkpoint(epoch: int, step: int | None = None) -> None:
         """Rank 0 only. ``step`` (mid-epoch): ``step`` steps of ``epoch`` (0-based) are trained on.

@@ -392,6 +392,22 @@ def test_a_checkpoint_is_resumed_on_the_same_data_prepared_again_and_seeded_into
     assert f"holds the checkpoint of another training run (epoch 2: dataset_uri '{again}' there" in str(e.value)
 
 
+def test_a_resumed_run_notes_the_checkpoint_it_starts_from_before_it_trains_an_epoch(digits_data, tmp_path,
+                                                                                      monkeypatch):
+    # a local run on S3 resumed from an earlier one, stopped before its own first checkpoint:
+    # `runs --local` reads from the note that it holds the seeded epochs, and --resume trains on
+    from kfp_pytorch.components._kfp import CHECKPOINT_NOTE_ENV
+
+    out, note = str(tmp_path / "out"), tmp_path / "run" / ".checkpoint.train-op.json"
+    note.parent.mkdir()
+    train(TrainSpec(digits_data, out, epochs=1, progress="off"))
+    assert not note.exists()  # the first run was not asked to note
+    monkeypatch.setenv(CHECKPOINT_NOTE_ENV, str(note))
+    again = train(TrainSpec(digits_data, out, epochs=1, progress="off"))  # nothing left to train: no epoch ends
+    assert [h["epoch"] for h in again.history] == [1]
+    assert json.loads(note.read_text()) == {"uri": os.path.join(out, "checkpoints"), "epochs": 1}
+
+
 def test_a_checkpoint_that_would_run_code_is_not_loaded(digits_data, tmp_path):
     import argparse
 
