@@ -202,7 +202,8 @@ def _serve_model_as(names, start_all, port, model_uri, tracking_uri) -> None:
     from kfp_pytorch.components.serve import ServeSpec, serve
 
     if start_all or len(names) != 1:
-        raise click.UsageError("--model-uri serves one model: give one NAME (the endpoint's name), not --all")
+        given = "not --all" if start_all else (f"not {len(names)}: {' '.join(names)}" if names else "none was given")
+        raise click.UsageError(f"--model-uri serves one model: give one NAME (the endpoint's name), {given}")
     [name] = names
     ServeSpec(model_uri, name, port=port).validate()  # a bad name before any download
     what = model_uri

@@ -1260,6 +1260,18 @@ def test_trains_output_folder_given_for_its_model_names_the_model_folder(digits_
     assert r.returncode == 2 and f"no trained model at {digits_data} (it is a prepared dataset)" in r.stderr
 
 
+def test_serve_start_model_uri_says_which_names_it_was_given_when_it_needs_one(tmp_path):
+    # "give one NAME, not --all" was said also to a command with no --all: with no name, or two
+    from click.testing import CliRunner
+
+    from kfp_pytorch.cli import cli
+
+    for names, said in [([], "none was given"), (["a", "b"], "not 2: a b"), (["--all"], "not --all")]:
+        r = CliRunner().invoke(cli, ["serve", "start", *names, "--model-uri", str(tmp_path)], prog_name="kfp-pytorch")
+        assert r.exit_code == 2, r.output
+        assert f"--model-uri serves one model: give one NAME (the endpoint's name), {said}" in r.output
+
+
 def test_a_predictor_without_its_model_says_so_in_its_log_not_a_traceback(tmp_path):
     # an InferenceService whose storage initializer fetched nothing: the container log is what
     # `kubectl logs` shows the user
