@@ -129,8 +129,16 @@ class UsageLedger:
         """The URL with any password masked: the one messages and listings show."""
         if must_exist:
             _check_sqlite_file(url)
+        from sqlalchemy.exc import NoSuchModuleError
+
         try:
             self.engine = create_engine(url, future=True)
+        except NoSuchModuleError as e:  # a scheme SQLAlchemy has no dialect or driver for (a typo, bogus://)
+            scheme = url.split("://", 1)[0]
+            raise LedgerError(f"cannot open usage ledger {self.display_url!r}: SQLAlchemy has no database "
+                              f"dialect or driver {scheme!r}",
+                              "use sqlite:///PATH, or postgresql+psycopg://USER@HOST/DB for a shared one "
+                              "(pip install 'kfp-pytorch[postgres]')") from e
         except ImportError as e:  # the URL names a driver that is not installed
             raise LedgerError(f"cannot open usage ledger {self.display_url!r}: {e}",
                               "for PostgreSQL: pip install 'kfp-pytorch[postgres]' and use postgresql+psycopg://...") from e

@@ -212,6 +212,16 @@ def test_a_file_that_is_not_a_ledger_database_is_named_as_such(tmp_path, capsys)
     assert e.value.message.endswith(": file is not a database") and "not a SQLite database" in e.value.hint
 
 
+def test_a_ledger_url_with_a_scheme_sqlalchemy_does_not_know_says_which_ones_to_use(capsys):
+    # "Can't load plugin: sqlalchemy.dialects:postgres.psycopg" left the user to guess what that means
+    for url, scheme in (("postgres+psycopg://kfp:pw@db/ledger", "postgres+psycopg"), ("sqllite:///l.db", "sqllite")):
+        rc, out, err = _run(capsys, "ledger", "show", "--ledger", url)
+        assert rc == 1 and out == "", err
+        assert err.startswith(f"Error: cannot open usage ledger '{url.replace(':pw@', ':***@')}': SQLAlchemy has no "
+                              f"database dialect or driver '{scheme}'\n"), err
+        assert "hint: use sqlite:///PATH, or postgresql+psycopg://USER@HOST/DB" in err and "plugin" not in err
+
+
 def test_compacted_usage_is_never_shown_for_a_time_it_cannot_be_known(tmp_path, capsys):
     url = f"sqlite:///{tmp_path / 'l.db'}"
     led = UsageLedger(url, half_life=H)
