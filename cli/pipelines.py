@@ -214,7 +214,8 @@ def run_cmd(pipeline, local, params, predict, as_json, verbose, resume):
     # model_arch=mymodels:build beside the user failed the checks made before any step
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    preflight(values)
+    for note in preflight(values):
+        click.echo(f"note: {note}", err=True)
     # with --json, stdout is the summary alone (`| jq` reads it); the steps' lines go to stderr
     try:
         run = run_local(entry, values, verbose=verbose, out=sys.stderr if as_json else None, resume=resume)

@@ -29,8 +29,9 @@ from kfp_pytorch.components.tracking import resolve_tracking_uri, tracking_uri_p
 from .registry import PipelineEntry
 
 
-def preflight(params: dict, storage: Storage | None = None) -> None:
-    """Fail fast, before any step, on bad input a step would only discover later."""
+def preflight(params: dict, storage: Storage | None = None) -> list[str]:
+    """Fail fast, before any step, on bad input a step would only discover later. Returns notes on
+    what it did for the run: a ``storage_root`` bucket it made."""
     # here, not at the top: torch and pandas are half a second each, and `runs --local` or
     # `serve list` import this module for what it says of runs and servers, needing neither
     from kfp_pytorch.components.models import build_model, resolve_factory
@@ -59,8 +60,6 @@ def preflight(params: dict, storage: Storage | None = None) -> None:
         ids, _ = encode_labels(table[label])  # as prepare_data numbers the classes
         build_model(params["model_arch"], len(feature_names(table, label, chosen)), int(ids.max()) + 1,
                     image_shape(table, label, chosen))
-    if params.get("storage_root"):
-        storage.ensure_bucket(params["storage_root"])
     if "tracking_uri" in params:
         env_uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not params["tracking_uri"] and env_uri and (problem := tracking_uri_problem(env_uri, "MLFLOW_TRACKING_URI")):
@@ -74,6 +73,14 @@ def preflight(params: dict, storage: Storage | None = None) -> None:
         if not port_is_free("127.0.0.1", port) and not (mine and mine.get("url", "").endswith(f":{port}")):
             raise port_taken(port, "127.0.0.1", "pass --param serve_port=0 for a free port, or stop the process using it",
                              what="serve_port")
+    notes = []
+    # last, once nothing else refuses the run: a refused one makes no bucket
+    if params.get("storage_root") and storage.ensure_bucket(params["storage_root"]):
+        # said, not done silently: a misspelt name would put the run's outputs where nobody looks
+        bucket = "s3://" + params["storage_root"].split("://", 1)[1].split("/", 1)[0]
+        notes.append(f"made the bucket {bucket} for storage_root, as it was not there; if that name is misspelt, "
+                     f"`kfp-pytorch storage rb {bucket} --force` removes it with the run's outputs in it")
+    return notes
 
 
 def check_tracking_server(uri: str, timeout: float = 5.0) -> None:

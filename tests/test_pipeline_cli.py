@@ -328,6 +328,7 @@ def test_end_to_end_on_s3_and_mlflow_server(s3, bucket, mlflow_server):
         assert secret not in r.stdout and secret not in r.stderr
         # kfp.local's per-step warnings about display names and our image are not printed (20 lines a run)
         assert "DockerRunner" not in r.stderr and "have no effect in the current local runner" not in r.stderr
+        assert "made the bucket" not in r.stderr  # it was there
         # A nightly retraining that passes the gate but does not beat the champion: registered, not
         # served; the champion's server goes on answering, started again as it was, had it died (a reboot)
         [first] = [x for x in json.loads(run_cli("serve", "list", "--json").stdout) if x["name"] == "digits-e2e"]
@@ -1182,7 +1183,9 @@ def test_a_run_stopped_while_training_to_s3_says_how_far_it_trained_and_how_to_t
     import signal
     import time
 
-    root = f"s3://{bucket}/runs"
+    made = f"s3://{bucket}-made"  # a bucket the run makes: it says so, as a misspelt name would be made too
+    root = f"{made}/runs"
+    assert not s3.bucket_exists(made)
     proc, started = _training_run("stopped-s3", f"storage_root={root}")
     try:
         [run_dir] = [d for d in (Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").iterdir() if d.is_dir()]
@@ -1200,6 +1203,8 @@ def test_a_run_stopped_while_training_to_s3_says_how_far_it_trained_and_how_to_t
             os.killpg(proc.pid, signal.SIGKILL)
     assert (f"kfp-pytorch: run {run_dir.name} canceled; `kfp-pytorch run train_and_serve --local --resume "
             f"{run_dir.name}` trains on from its last checkpoint") in err
+    assert (f"note: made the bucket {made} for storage_root, as it was not there; if that name is misspelt, "
+            f"`kfp-pytorch storage rb {made} --force` removes it with the run's outputs in it") in err
     trained = json.loads(s3.read_bytes(f"{checkpoints}/last.json"))["epoch"]
     assert trained >= 1 and not list(run_dir.rglob("last.json"))  # on S3 alone
     line = run_cli("runs", "--local").stdout.splitlines()[1]
@@ -1211,6 +1216,15 @@ def test_a_run_stopped_while_training_to_s3_says_how_far_it_trained_and_how_to_t
     (run_dir / "run.json").unlink()  # its steps named the CLI's process, which is gone
     [listed] = json.loads(run_cli("runs", "--local", "--json").stdout)
     assert (listed["status"], listed["checkpoint_epochs"]) == ("KILLED", trained)
+
+
+def test_a_run_refused_before_its_first_step_makes_no_storage_root_bucket(s3, bucket):
+    # the bucket was made first, then the MLflow server's check refused the run: a bucket left behind
+    never = f"s3://{bucket}-never"
+    r = run_cli("run", "train_and_serve", "--local", "--param", f"storage_root={never}/runs",
+                "--param", "tracking_uri=http://127.0.0.1:9")
+    assert r.returncode != 0 and "cannot reach the MLflow tracking server at http://127.0.0.1:9" in r.stderr, r.stderr
+    assert not s3.bucket_exists(never) and "made the bucket" not in r.stderr
 
 
 def test_the_checkpoint_training_notes_for_a_run_on_s3_is_read_back_and_kept_when_the_server_is_down(tmp_path,
