@@ -23,7 +23,7 @@ from kfp_pytorch.components.errors import ConfigError, KfpPytorchError, Pipeline
 from kfp_pytorch.components.paths import home
 from kfp_pytorch.components.processes import same_process
 from kfp_pytorch.components.serve import port_is_free, port_taken, read_server
-from kfp_pytorch.components.storage import Storage
+from kfp_pytorch.components.storage import Storage, parse_uri
 from kfp_pytorch.components.tracking import resolve_tracking_uri, tracking_uri_problem
 
 from .registry import PipelineEntry
@@ -77,7 +77,7 @@ def preflight(params: dict, storage: Storage | None = None) -> list[str]:
     # last, once nothing else refuses the run: a refused one makes no bucket
     if params.get("storage_root") and storage.ensure_bucket(params["storage_root"]):
         # said, not done silently: a misspelt name would put the run's outputs where nobody looks
-        bucket = "s3://" + params["storage_root"].split("://", 1)[1].split("/", 1)[0]
+        bucket = f"s3://{parse_uri(params['storage_root']).bucket}"
         notes.append(f"made the bucket {bucket} for storage_root, as it was not there; if that name is misspelt, "
                      f"`kfp-pytorch storage rb {bucket} --force` removes it with the run's outputs in it")
     return notes
@@ -553,8 +553,6 @@ def _served_models() -> list[tuple[str, str]]:
 def _place(uri: str) -> str | None:
     """A model's or a run's place, comparable with another's: the resolved path of a local one,
     ``s3://BUCKET/KEY`` for one on S3 (``minio://`` too); None for any other (``models:/``)."""
-    from kfp_pytorch.components.storage import parse_uri
-
     if "://" not in uri:
         return str(Path(uri).resolve())
     try:
