@@ -37,7 +37,10 @@ WORKER_MODULE = "kfp_pytorch.components.train_worker"
 BUILTIN_MODELS = ("mlp", "cnn")
 """The names of :data:`.models.ZOO`, known here without importing torch, so that checking settings
 (run, compile, submit, manifest) does not take torch's 1.5 s import (a test keeps the two equal)."""
-RESUME_STATE = "checkpoints/last.json"
+CHECKPOINTS = "checkpoints"
+"""The folder of a training's checkpoints under its output URI: what a user deletes to start over,
+what a resume copies, what a local run notes."""
+RESUME_STATE = f"{CHECKPOINTS}/last.json"
 """Beside each checkpoint: its epoch and the settings it was trained with (read without torch)."""
 RESUME_KEYS = ("dataset_uri", "model", "batch_size", "lr", "seed")
 """Settings a checkpoint is only resumed with when they are unchanged (``epochs`` may grow)."""
@@ -542,11 +545,11 @@ def seed_checkpoint(spec: TrainSpec, source_uri: str, storage: Storage | None = 
                             f"({'; '.join(changed)})",
                             "resume with the settings it was trained with (more epochs are fine), or run without "
                             "resuming to start over")
-    base = join(source_uri, "checkpoints") + "/"
-    found = [e.uri for e in storage.entries(join(source_uri, "checkpoints")) if not e.uri.endswith("/")]
+    base = join(source_uri, CHECKPOINTS) + "/"
+    found = [e.uri for e in storage.entries(join(source_uri, CHECKPOINTS)) if not e.uri.endswith("/")]
     # the state last: a copy cut short leaves no resume state over a partial checkpoint
     for src in sorted(found, key=lambda u: u == last):
-        dst = join(spec.output_uri, "checkpoints", src[len(base):])
+        dst = join(spec.output_uri, CHECKPOINTS, src[len(base):])
         if src.startswith("s3://") and dst.startswith("s3://"):
             storage.copy(src, dst)  # inside the server
         else:

@@ -54,10 +54,10 @@ from .exported_model import EXPORT_MAX_BATCH
 from .models import build_model
 from .prepare_data import load_split, read_metadata
 from .storage import Storage, join
-from .train import DIVERGED, RESUME_KEYS, RESUME_STATE, batch_note, cuda_problem, early_stop, scheduled_lr
+from .train import CHECKPOINTS, DIVERGED, RESUME_KEYS, RESUME_STATE, batch_note, cuda_problem, early_stop, scheduled_lr
 from .trainer_status import TrainerStatusReporter
 
-CHECKPOINT = "checkpoints/last.pt"
+CHECKPOINT = f"{CHECKPOINTS}/last.pt"
 HISTORY = "history.json"
 STOP_CHECK_STEPS = 8  # the ranks agree on a stop every this many steps (one 1-element all-reduce)
 EXIT_STOPPED = 128 + signal.SIGTERM  # what a process ended by SIGTERM returns, as the shell says it
@@ -338,6 +338,7 @@ def run(args: argparse.Namespace) -> dict:
     if rank == 0:
         storage.delete(diverged_uri)  # a mark from an earlier run into this output
     ckpt_uri = join(args.output_uri, CHECKPOINT)
+    ckpt_dir = join(args.output_uri, CHECKPOINTS)
     if storage.exists(ckpt_uri):
         # weights_only: tensors and plain data, never code. The bucket is shared, and a pickle
         # there that runs code on load would run it in every rank of the next job.
@@ -346,7 +347,7 @@ def run(args: argparse.Namespace) -> dict:
         except pickle.UnpicklingError as e:
             # the remedy goes in the message: the step reads a worker's error from its last line
             what = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
-            fix = f"delete {join(args.output_uri, 'checkpoints')} to start over, or give a new output_uri"
+            fix = f"delete {ckpt_dir} to start over, or give a new output_uri"
             raise TrainingError(f"{ckpt_uri} holds more than tensors and plain data"
                                 + (f" (it pickles {what.group(1)})" if what else "")
                                 + f", so it is not loaded, since it could run code: {fix}", fix) from e
@@ -368,7 +369,7 @@ def run(args: argparse.Namespace) -> dict:
         if rank == 0:
             print(f"[kfp-pytorch] resuming from checkpoint {ckpt_uri}: {where} (restart {attempt})", flush=True)
             if note := os.environ.get(CHECKPOINT_NOTE_ENV):  # one seeded from an earlier run is this run's too:
-                note_checkpoint(note, join(args.output_uri, "checkpoints"), start_epoch)  # noted before any epoch
+                note_checkpoint(note, ckpt_dir, start_epoch)  # noted before any epoch
 
     def checkpoint(epoch: int, step: int | None = None) -> None:
         """Rank 0 only. ``step`` (mid-epoch): ``step`` steps of ``epoch`` (0-based) are trained on.
@@ -385,7 +386,7 @@ def run(args: argparse.Namespace) -> dict:
             {"epoch": done + 1, **({"step": step} if step is not None else {}),
              "args": {k: getattr(args, k) for k in RESUME_KEYS}}).encode())
         if note := os.environ.get(CHECKPOINT_NOTE_ENV):  # a local run's, on S3: for `runs --local`
-            note_checkpoint(note, join(args.output_uri, "checkpoints"), done + 1)
+            note_checkpoint(note, ckpt_dir, done + 1)
 
     ddp = DDP(model, device_ids=[local_rank] if use_cuda else None)
     stop = _StopRequest(backend)
