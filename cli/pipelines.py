@@ -355,7 +355,9 @@ def _print_summary(s: dict) -> None:
     if "endpoint" in s:
         click.echo(f"endpoint:  {s['endpoint']}")
     elif "not_served" in s:
-        click.echo(f"serve:     skipped: {s['not_served']}; `kfp-pytorch serve list` shows what serves")
+        said = s["not_served"]  # where it names the command that serves the champion, that is the next step
+        click.echo(f"serve:     skipped: {said}" + ("" if "`kfp-pytorch serve " in said else
+                                                    "; `kfp-pytorch serve list` shows what serves"))
     click.echo("artifacts:")
     for k, v in s.get("artifacts", {}).items():
         click.echo(f"  {k:<28} {v}")

@@ -12,6 +12,7 @@ import collections
 import json
 import os
 import re
+import shlex
 import shutil
 import sys
 import warnings
@@ -116,6 +117,8 @@ class LocalRun:
     it left none (:func:`_failed_checkpoint`)."""
     resumed_from: str | None = None
     """The local run whose last training checkpoint this one started from."""
+    params: dict = field(default_factory=dict)
+    """The parameters it ran with (what the summary's hints repeat: the registry, the serving backend)."""
 
     def raise_for_status(self) -> "LocalRun":
         """This run, when it succeeded; else :class:`PipelineFailed` with the failed step, its error and
@@ -409,7 +412,7 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
         failed = failed_task_of(str(error))
         run = LocalRun(entry.name, run_dir, False, outputs, failed, elapsed, error_of(tee.lines),
                        checkpoint=_failed_checkpoint(run_dir, failed, params) if failed and run_dir != root else None)
-    run.resumed_from = resume
+    run.resumed_from, run.params = resume, dict(params)
     if run_dir != root:
         _write_run_record(run, params)
     return run
@@ -895,10 +898,17 @@ def summarize(run: LocalRun) -> dict:
         name = (reg.get("registry_uri") or "").removeprefix("models:/").split("/")[0]
         from kfp_pytorch.components.serve import server_status
 
-        # what serves the champion on this machine now, read, not claimed (no record: it serves elsewhere)
+        # what serves the champion on this machine now, read, not claimed
         if name and (server := server_status(name)) is not None:
             s["not_served"] += (f"; the champion serves at {server['infer_url']}" if server["alive"] else
                                 f"; its local server is down (`kfp-pytorch serve start {name}`)")
+        elif name and run.params.get("serve_backend", "local") == "local":
+            # no record: stopped (`serve stop`), or it was never served here (another machine's run into
+            # a shared registry). Either way, nothing here answers for it: the command that serves it
+            registry = run.params.get("tracking_uri") or ""
+            s["not_served"] += (f"; no model server on this machine serves the champion (`kfp-pytorch serve start "
+                                f"{name} --model-uri models:/{name}@champion"
+                                + (f" --tracking-uri {shlex.quote(registry)}" if registry else "") + "` starts one)")
     return s
 
 

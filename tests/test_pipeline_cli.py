@@ -888,6 +888,46 @@ def test_code_that_reads_a_runs_outputs_is_told_why_there_are_none(tmp_path):
         served_url({"pipeline": "train_only", "status": "SUCCEEDED"})
 
 
+def test_a_run_whose_champion_no_local_server_serves_names_the_command_that_serves_it(tmp_path, capsys):
+    # a retraining that did not beat the champion serves nothing; where the champion's server was
+    # stopped (no record), the summary said only "only a new champion is served", and `serve list`
+    # (which the CLI points to) showed nothing: no endpoint, and no word on how to get one
+    from kfp_pytorch.components.serve import _write_record
+    from kfp_pytorch.pipelines.local import LocalRun, summarize
+
+    note = "version 3 is registered, not champion: accuracy 0.9 does not beat version 1's 0.95"
+    outputs = {"register-op": {"parameterValues": {"registry_uri": "models:/digits/3", "version": 3,
+                                                   "champion": False, "note": note}}}
+
+    def not_served(**params):
+        return summarize(LocalRun("train_and_serve", tmp_path, True, outputs, params=params))["not_served"]
+
+    said = f"{note} (only a new champion is served); no model server on this machine serves the champion "
+    assert not_served(tracking_uri="", serve_backend="local") == (
+        said + "(`kfp-pytorch serve start digits --model-uri models:/digits@champion` starts one)")
+    assert not_served(tracking_uri="http://mlflow:5000/x y", serve_backend="local") == (  # the run's registry
+        said + "(`kfp-pytorch serve start digits --model-uri models:/digits@champion "
+               "--tracking-uri 'http://mlflow:5000/x y'` starts one)")
+    # served by KServe, on a cluster: no local command applies
+    assert not_served(tracking_uri="", serve_backend="cluster") == f"{note} (only a new champion is served)"
+    # a record of a server that is down (no pid above Linux's limit lives): starting it again
+    _write_record("digits", {"pid": 2 ** 22 + 7, "url": "http://127.0.0.1:1", "infer_url": "http://127.0.0.1:1/x",
+                            "model_uri": "/m"})
+    assert not_served(tracking_uri="", serve_backend="local") == (
+        f"{note} (only a new champion is served); its local server is down (`kfp-pytorch serve start digits`)")
+
+    # the CLI's line: the command where there is one, else where to look
+    from kfp_pytorch.cli.pipelines import _print_summary
+
+    def printed(said):
+        _print_summary({"pipeline": "train_and_serve", "status": "SUCCEEDED", "not_served": said})
+        return [line for line in capsys.readouterr().out.splitlines() if line.startswith("serve:")]
+
+    assert printed(not_served()) == [f"serve:     skipped: {not_served()}"]
+    assert printed("version 3 did not beat the champion") == [
+        "serve:     skipped: version 3 did not beat the champion; `kfp-pytorch serve list` shows what serves"]
+
+
 def test_a_steps_error_is_read_from_its_log_with_its_problems_and_hint():
     from kfp_pytorch.pipelines.local import error_of
 
