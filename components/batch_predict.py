@@ -70,8 +70,9 @@ def resolve_target(name: str, url: str | None = None, model_uri: str | None = No
     info = server_status(name)
     if info is None or info.get("unreadable") or not info.get("url"):
         raise ServingError(unknown_server(name),
-                           "`kfp-pytorch serve list` shows the local ones; for a KServe InferenceService "
-                           "pass --url (its status.url) and the model's name")
+                           f"`kfp-pytorch serve start {name} --model-uri models:/{name}@champion` serves a registered "
+                           f"model here; `kfp-pytorch serve list` shows the local servers; for a KServe "
+                           "InferenceService pass --url (its status.url) and the model's name")
     if not info["alive"]:  # told before the table is read, and by what starts it again
         raise ServingError(f"the local model server {name!r} is down (its process {info.get('pid')} is gone: a reboot, "
                            "a crash or a kill)", f"`kfp-pytorch serve start {name}` starts it again with its model")

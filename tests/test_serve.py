@@ -819,6 +819,7 @@ def test_serve_predict_sends_a_whole_table_by_feature_name(endpoint, trained_mod
     assert r.returncode == 2 and "feature column 'pixel_1_1' is not numeric (row 10: 'twelve')" in r.stderr, r.stderr
     r = cli("nothere", str(tmp_path / "plain.csv"))
     assert r.returncode == 1 and "no local model server named 'nothere'" in r.stderr and "--url" in r.stderr
+    assert "`kfp-pytorch serve start nothere --model-uri models:/nothere@champion` serves a registered" in r.stderr
     r = cli("digts", str(tmp_path / "plain.csv"))  # a slip of the name: the server meant is named
     assert r.returncode == 1 and "no local model server named 'digts'; did you mean 'digits'?" in r.stderr, r.stderr
     # an output that cannot be written is refused before a row is sent (even to a server not there);
