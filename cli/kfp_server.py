@@ -347,7 +347,8 @@ def resume_schedule_cmd(name, host, namespace, experiment, token, ca_cert):
 @_kfp_options(host_required=False)
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(min=0),
               help="Newest runs to list; 0: all of them.")
-@click.option("--json", "as_json", is_flag=True, help="Print the runs as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the runs as JSON (with --keep: what was removed and what was kept, and why).")
 @click.option("--local", is_flag=True, help="The runs of `run --local` on this machine (KFP_PYTORCH_HOME).")
 @click.option("--keep", default=None, type=click.IntRange(min=1), metavar="N",
               help="With --local: remove all but the newest N runs' outputs, on S3 too with storage_root (a served "
@@ -424,41 +425,12 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool, leav
 
     from kfp_pytorch.components.paths import home
     from kfp_pytorch.fairness_scheduler.usage import format_duration
-    from kfp_pytorch.pipelines.local import (later_champions, local_runs, prune_local_runs, registry_downloads,
+    from kfp_pytorch.pipelines.local import (later_champions, local_runs, registry_downloads,
                                              result_line)
 
     root = home() / "local_outputs"
     if keep is not None:
-        removed, spared, failed = prune_local_runs(keep, root, dry_run=dry_run, remote=not leave_s3)
-        verb = "would remove" if dry_run else "removed"
-        for r in removed:
-            click.echo(f"{verb} {r.name}  {r.status:<10} {_size(r.size)}" + (
-                "" if not r.remote else f"; left its artifacts on S3 under {r.remote}/" if leave_s3 else
-                f", and its artifacts on S3 under {r.remote}/"))
-        for r, error in failed:  # its folder says where they are: it stays until they go
-            click.echo(f"kept {r.name}: its artifacts on S3 under {r.remote}/ could not be removed: {error}", err=True)
-        for r in spared:
-            if r.status == "RUNNING" and not r.served_by:
-                why = f"it is running (process {r.owner_pid})"
-            elif not r.served_by:
-                why = "no record and written within the hour: it may still be running"
-            else:
-                why = f"its model is served by {', '.join(r.served_by)}" + (
-                    "; `kfp-pytorch serve start --all` starts what is down" if any(n.endswith(" (down)") for n in r.served_by)
-                    else "")
-            click.echo(f"kept {r.name}: {why}")
-        click.echo(f"{verb} {len(removed)} local run(s), {_size(sum(r.size for r in removed))}; "
-                   f"kept the newest {keep}" + (f" and {len(spared) + len(failed)} more" if spared or failed else "")
-                   + ("" if not removed or dry_run else
-                      "; the MLflow registry keeps its own copy of each registered model"))
-        _prune_downloads(verb, dry_run)
-        if failed:
-            from kfp_pytorch.components.errors import StorageError
-
-            raise StorageError(f"{len(failed)} run(s) kept: their artifacts on S3 could not be removed (above)",
-                               f"once the S3 server answers (`kfp-pytorch storage check`), run `kfp-pytorch runs "
-                               f"--local --keep {keep}` again; --leave-s3 removes their folders here only")
-        return
+        return _prune_local(root, keep, dry_run, leave_s3, as_json)
     runs = local_runs(root)
     shown = runs[:limit] if limit else runs
     until = later_champions(runs)
@@ -506,18 +478,63 @@ def _local_runs(limit: int, as_json: bool, keep: int | None, dry_run: bool, leav
                                                           if unused else ""))
 
 
-def _prune_downloads(verb: str, dry_run: bool) -> None:
-    """`runs --local --keep`'s second half: the registered versions downloaded to serve that no server uses."""
-    from kfp_pytorch.pipelines.local import prune_registry_downloads
+def _prune_local(root, keep: int, dry_run: bool, leave_s3: bool, as_json: bool) -> None:
+    """`runs --local --keep N`: all but the newest N runs' outputs go (on S3 too, unless
+    ``leave_s3``), then the registered versions downloaded to serve that no server uses. Said line
+    by line, or with ``as_json`` as one object on stdout (a script's --json is not answered in text)."""
+    from kfp_pytorch.pipelines.local import prune_local_runs, prune_registry_downloads
 
-    removed, spared = prune_registry_downloads(dry_run=dry_run)
-    for d in removed:
-        click.echo(f"{verb} {d.name}  (downloaded from the registry) {_size(d.size)}")
-    for d in spared:
-        why = (f"served by {', '.join(d.served_by)}" if d.served_by
-               else "wanted within the hour: a `serve start` or `serve predict` may be using it")
-        click.echo(f"kept {d.name}: {why}")
-    if removed:
-        click.echo(f"{verb} {len(removed)} registered version(s) downloaded to serve, "
-                   f"{_size(sum(d.size for d in removed))}; the registry keeps them (`serve start --model-uri` "
-                   "downloads one again)")
+    removed, spared, failed = prune_local_runs(keep, root, dry_run=dry_run, remote=not leave_s3)
+    gone, left = prune_registry_downloads(dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+
+    def why_spared(r) -> str:
+        if r.status == "RUNNING" and not r.served_by:
+            return f"it is running (process {r.owner_pid})"
+        if not r.served_by:
+            return "no record and written within the hour: it may still be running"
+        return f"its model is served by {', '.join(r.served_by)}" + (
+            "; `kfp-pytorch serve start --all` starts what is down" if any(n.endswith(" (down)") for n in r.served_by)
+            else "")
+
+    def why_left(d) -> str:
+        return (f"served by {', '.join(d.served_by)}" if d.served_by
+                else "wanted within the hour: a `serve start` or `serve predict` may be using it")
+
+    if as_json:
+        click.echo(json.dumps({
+            "dry_run": dry_run, "keep": keep,
+            "removed": [{"name": r.name, "path": str(r.path), "status": r.status, "size_bytes": r.size,
+                         "remote": r.remote, "remote_removed": bool(r.remote) and not leave_s3} for r in removed],
+            "kept": [{"name": r.name, "why": why_spared(r)} for r in spared]
+            + [{"name": r.name, "why": f"its artifacts on S3 under {r.remote}/ could not be removed: {error}"}
+               for r, error in failed],
+            "registry_downloads": {"removed": [{"name": d.name, "size_bytes": d.size} for d in gone],
+                                   "kept": [{"name": d.name, "why": why_left(d)} for d in left]}}, indent=1))
+    else:
+        for r in removed:
+            click.echo(f"{verb} {r.name}  {r.status:<10} {_size(r.size)}" + (
+                "" if not r.remote else f"; left its artifacts on S3 under {r.remote}/" if leave_s3 else
+                f", and its artifacts on S3 under {r.remote}/"))
+        for r, error in failed:  # its folder says where they are: it stays until they go
+            click.echo(f"kept {r.name}: its artifacts on S3 under {r.remote}/ could not be removed: {error}", err=True)
+        for r in spared:
+            click.echo(f"kept {r.name}: {why_spared(r)}")
+        click.echo(f"{verb} {len(removed)} local run(s), {_size(sum(r.size for r in removed))}; "
+                   f"kept the newest {keep}" + (f" and {len(spared) + len(failed)} more" if spared or failed else "")
+                   + ("" if not removed or dry_run else
+                      "; the MLflow registry keeps its own copy of each registered model"))
+        for d in gone:
+            click.echo(f"{verb} {d.name}  (downloaded from the registry) {_size(d.size)}")
+        for d in left:
+            click.echo(f"kept {d.name}: {why_left(d)}")
+        if gone:
+            click.echo(f"{verb} {len(gone)} registered version(s) downloaded to serve, "
+                       f"{_size(sum(d.size for d in gone))}; the registry keeps them (`serve start --model-uri` "
+                       "downloads one again)")
+    if failed:  # after what was done is said (or printed as JSON): the exit status says some were kept
+        from kfp_pytorch.components.errors import StorageError
+
+        raise StorageError(f"{len(failed)} run(s) kept: their artifacts on S3 could not be removed",
+                           f"once the S3 server answers (`kfp-pytorch storage check`), run `kfp-pytorch runs "
+                           f"--local --keep {keep}` again; --leave-s3 removes their folders here only")

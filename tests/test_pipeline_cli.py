@@ -569,6 +569,15 @@ def test_local_runs_are_listed_and_pruned_but_a_served_model_and_a_running_run_a
         assert d_json["elapsed_s"] == 125.0
         dry = run_cli("runs", "--local", "--keep", "1", "--dry-run")
         assert dry.returncode == 0 and "would remove 4 local run(s), 39.4 KB" in dry.stdout, dry.stdout
+        # --json: one object on stdout, as `runs --local --json` is (it was answered in text)
+        said = json.loads(run_cli("runs", "--local", "--keep", "1", "--dry-run", "--json").stdout)
+        assert said["dry_run"] is True and said["keep"] == 1
+        assert sorted(x["name"] for x in said["removed"]) == [f"train-and-serve-{x}" for x in "bcdg"]
+        assert all(x["size_bytes"] > 0 and x["remote"] is None for x in said["removed"])
+        assert {x["name"]: x["why"] for x in said["kept"]} == {
+            "train-and-serve-a": "its model is served by kept-model",
+            "train-and-serve-e": "no record and written within the hour: it may still be running"}
+        assert said["registry_downloads"] == {"removed": [], "kept": []}
         assert len(list(root.iterdir())) == 7
         r = run_cli("runs", "--local", "--keep", "1")
         assert r.returncode == 0, r.stderr
@@ -639,6 +648,11 @@ def test_pruning_a_run_that_wrote_to_s3_removes_its_artifacts_there_unless_a_ser
         assert f"kept s3run-old: its artifacts on S3 under {runs}/s3run-old/ could not be removed" in r.stderr
         assert "refused the credentials" in r.stderr and "run `kfp-pytorch runs --local --keep 1` again" in r.stderr
         assert "--leave-s3 removes their folders here only" in r.stderr
+        r = run_cli("runs", "--local", "--keep", "1", "--json", env={"AWS_SECRET_ACCESS_KEY": "wrong-secret"})
+        assert r.returncode == 1 and "1 run(s) kept: their artifacts on S3 could not be removed" in r.stderr
+        kept = {x["name"]: x["why"] for x in json.loads(r.stdout)["kept"]}  # JSON on stdout, with why
+        assert kept["s3run-old"].startswith(f"its artifacts on S3 under {runs}/s3run-old/ could not be removed")
+        assert "refused the credentials" in kept["s3run-old"]
         assert (root / "s3run-old").is_dir() and any(u.startswith(f"{runs}/s3run-old/") for u in s3.list(runs))
         for flag in ("--dry-run", "--leave-s3"):  # alone, it said nothing and did nothing
             r = run_cli("runs", "--local", flag)
