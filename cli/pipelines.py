@@ -193,7 +193,7 @@ def _before_submit(values: dict, platform, notes: bool = True) -> None:
 @click.option("--resume", metavar="RUN", default=None, shell_complete=_complete_resumable_run,
               help="Run again a local run that failed, was stopped or killed (`runs --local` lists them): its "
                    "parameters (each --param given overrides one; epochs may grow), training from its last "
-                   "checkpoint.")
+                   "checkpoint. One that succeeded: with a parameter changed (more epochs).")
 def run_cmd(pipeline, local, params, predict, as_json, verbose, resume):
     """Run PIPELINE end-to-end (--local: kfp.local, local DDP workers, local model server)."""
     if not local:  # spelled out, so that nobody reads `run` as the way to a cluster and looks for its --host
@@ -201,14 +201,16 @@ def run_cmd(pipeline, local, params, predict, as_json, verbose, resume):
                                f"kfp-pytorch submit {pipeline} --host URL (or export KFP_HOST)")
     from kfp_pytorch.pipelines import get_pipeline
     from kfp_pytorch.components.evaluate import gate_note
-    from kfp_pytorch.pipelines.local import (gate_advice, pile_note, preflight, resumed_params, run_local, summarize,
-                                             trained_some)
+    from kfp_pytorch.pipelines.local import (gate_advice, pile_note, preflight, refuse_idle_resume, resumed_params,
+                                             run_local, summarize, trained_some)
 
     entry = get_pipeline(pipeline)
     resumed = None
     if resume:  # its name (given as its folder too) and its parameters, under those given here
         resume, resumed = resumed_params(entry, resume)
     values = _resolve_params(entry, params, resumed)
+    if resume:  # before preflight, which may make a bucket
+        refuse_idle_resume(resume, values)
     # kfp.local's steps (python -m kfp.dsl.executor_main) and torchrun's workers (python -m) import
     # from the current folder, as a notebook does; the console script's own sys.path lacks it, so
     # model_arch=mymodels:build beside the user failed the checks made before any step

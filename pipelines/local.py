@@ -341,6 +341,24 @@ def resumed_params(entry: PipelineEntry, name: str, root: Path | None = None) ->
     return name, dict(run.params)
 
 
+def refuse_idle_resume(name: str, params: dict, root: Path | None = None) -> None:
+    """A ConfigError where resuming the local run ``name`` with ``params`` would do nothing new:
+    it succeeded with these very parameters, so its checkpoint holds every epoch asked for, and the
+    rest would only register the same model again. One that failed or was stopped is resumed as it
+    is (its later steps run again); with a parameter changed (more epochs) too."""
+    found = local_runs(Path(root or home() / "local_outputs"), only=name)
+    if not found or found[0].status != "SUCCEEDED" or not found[0].params:
+        return
+    if json.loads(json.dumps(params, default=str)) != found[0].params:  # as the record keeps them
+        return
+    epochs = found[0].params.get("epochs")
+    raise ConfigError([f"--resume: {name} succeeded with these parameters: resumed unchanged, it would train no "
+                       "epoch more and register the same model again"],
+                      (f"-p epochs=N, more than its {epochs}, trains on from its last checkpoint; "
+                       if isinstance(epochs, int) else "")
+                      + "leave out --resume to train anew", title="nothing to resume")
+
+
 def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = None,
               verbose: bool = False, out=None, resume: str | None = None) -> LocalRun:
     """Run ``entry`` with validated ``params`` through kfp.local's SubprocessRunner. Its whole log is
@@ -357,6 +375,8 @@ def run_local(entry: PipelineEntry, params: dict, pipeline_root: Path | None = N
     if resume and (Path(resume).name != resume or not (root / resume).is_dir()):
         raise ConfigError([f"resume: no local run {resume!r} under {root}"],
                           "give a run's name, as resumed_params returns it", title="cannot resume")
+    if resume:
+        refuse_idle_resume(resume, params, root)
     root.mkdir(parents=True, exist_ok=True)
     before = set(root.iterdir())
     # use_venv=False: steps run in this environment, where kfp_pytorch is installed (as in the image).

@@ -675,6 +675,39 @@ def test_pruning_a_run_that_wrote_to_s3_removes_its_artifacts_there_unless_a_ser
         stop_server(served.name)
 
 
+def test_resuming_a_run_that_succeeded_with_nothing_changed_is_refused_before_any_step(tmp_path):
+    # `run --resume` of a run that succeeded, with no parameter changed, trained no epoch and
+    # registered the same model again as a new version (and served nothing new): a slip, said
+    from kfp_pytorch.components.errors import ConfigError
+    from kfp_pytorch.pipelines import get_pipeline
+    from kfp_pytorch.pipelines.local import refuse_idle_resume, run_local
+
+    entry = get_pipeline("train_and_serve")
+    params = entry.resolve({"epochs": 3})
+    root = Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs"
+
+    def make(name, status):
+        (root / name / "train-op").mkdir(parents=True)
+        (root / name / "train-op" / "executor_output.json").write_text("{}")
+        (root / name / "run.json").write_text(json.dumps({"pipeline": "train_and_serve", "status": status,
+                                                          "params": params, "elapsed_s": 30.0}, default=str))
+
+    make("train-and-serve-done", "SUCCEEDED")
+    make("train-and-serve-failed", "FAILED")
+    r = run_cli("run", "train_and_serve", "--local", "--resume", "train-and-serve-done")
+    assert r.returncode == 2 and "Error: nothing to resume:" in r.stderr, r.stderr
+    assert ("--resume: train-and-serve-done succeeded with these parameters: resumed unchanged, it would train no "
+            "epoch more and register the same model again") in r.stderr
+    assert "hint: -p epochs=N, more than its 3, trains on from its last checkpoint; leave out --resume" in r.stderr
+    assert sorted(p.name for p in root.iterdir()) == ["train-and-serve-done", "train-and-serve-failed"]  # no run began
+    with pytest.raises(ConfigError, match="nothing to resume"):  # the Python API too
+        run_local(entry, params, root, resume="train-and-serve-done")
+    # what does something is resumed: more epochs, another gate, a run that failed (its later steps again)
+    refuse_idle_resume("train-and-serve-done", {**params, "epochs": 5}, root)
+    refuse_idle_resume("train-and-serve-done", {**params, "threshold": 0.5}, root)
+    refuse_idle_resume("train-and-serve-failed", params, root)
+
+
 def test_a_run_whose_process_is_gone_is_listed_as_killed_and_pruned_and_one_whose_process_lives_is_kept():
     # a run killed outright leaves no record: listed as RUNNING? for an hour, then UNKNOWN, and a
     # run still going that wrote nothing for an hour (a long epoch) could be pruned under it
