@@ -1492,6 +1492,17 @@ def test_unreachable_s3_and_wrong_credentials(s3_server, bucket):
     assert "not-the-secret" not in wrong.stderr and "Traceback" not in wrong.stderr
 
 
+def test_more_local_workers_than_memory_holds_are_refused_before_any_step():
+    # the train step refused them, after the data was prepared; the run failed in train-op
+    from kfp_pytorch.components.train import WORKER_MEMORY
+
+    many = int(psutil.virtual_memory().total // WORKER_MEMORY) + 1
+    r = run_cli("run", "train_and_serve", "--local", "--param", f"workers={many}")
+    assert r.returncode == 1 and f"Error: workers={many}: {many} local worker processes need about" in r.stderr, r.stderr
+    assert "train on the cluster (train_backend=cluster)" in r.stderr and "Traceback" not in r.stderr
+    assert not (Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").exists()  # nothing ran
+
+
 def test_port_in_use_is_rejected_before_any_step():
     import socket
 
