@@ -39,6 +39,16 @@ def preflight(params: dict, storage: Storage | None = None) -> list[str]:
     from kfp_pytorch.components.prepare_data import (SAMPLE_SCHEME, check_table, encode_labels, feature_names,
                                                      image_shape, load_table, parse_columns)
 
+    if params.get("train_backend", "local") == "local" and isinstance(params.get("workers"), int):
+        # the train step's own check, made first (before a table is read, and data prepared) for
+        # workers that cannot all start
+        import psutil
+
+        from kfp_pytorch.components.errors import TrainingError
+        from kfp_pytorch.components.train import local_memory_problem
+
+        if problem := local_memory_problem(params["workers"], psutil.virtual_memory().available):
+            raise TrainingError(*problem)
     if "model_arch" in params:
         resolve_factory(params["model_arch"])
     uri = params.get("dataset_uri", "")
@@ -61,15 +71,6 @@ def preflight(params: dict, storage: Storage | None = None) -> list[str]:
         ids, _ = encode_labels(table[label])  # as prepare_data numbers the classes
         build_model(params["model_arch"], len(feature_names(table, label, chosen)), int(ids.max()) + 1,
                     image_shape(table, label, chosen))
-    if params.get("train_backend", "local") == "local" and isinstance(params.get("workers"), int):
-        # the train step's own check, made before data is prepared for workers that cannot all start
-        import psutil
-
-        from kfp_pytorch.components.errors import TrainingError
-        from kfp_pytorch.components.train import local_memory_problem
-
-        if problem := local_memory_problem(params["workers"], psutil.virtual_memory().available):
-            raise TrainingError(*problem)
     if "tracking_uri" in params:
         env_uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not params["tracking_uri"] and env_uri and (problem := tracking_uri_problem(env_uri, "MLFLOW_TRACKING_URI")):

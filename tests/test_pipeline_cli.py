@@ -1497,8 +1497,11 @@ def test_more_local_workers_than_memory_holds_are_refused_before_any_step():
     from kfp_pytorch.components.train import WORKER_MEMORY
 
     many = int(psutil.virtual_memory().total // WORKER_MEMORY) + 1
-    r = run_cli("run", "train_and_serve", "--local", "--param", f"workers={many}")
+    # first of the checks: a table (here one not there) is not read for workers that cannot start
+    r = run_cli("run", "train_and_serve", "--local", "--param", f"workers={many}", "--param",
+                f"dataset_uri={Path(os.environ['KFP_PYTORCH_HOME']) / 'no-table.csv'}")
     assert r.returncode == 1 and f"Error: workers={many}: {many} local worker processes need about" in r.stderr, r.stderr
+    assert "dataset not found" not in r.stderr
     assert "train on the cluster (train_backend=cluster)" in r.stderr and "Traceback" not in r.stderr
     assert not (Path(os.environ["KFP_PYTORCH_HOME"]) / "local_outputs").exists()  # nothing ran
 
